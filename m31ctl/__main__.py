@@ -1,0 +1,3 @@
+from m31ctl._cli import main
+
+main()

@@ -1,0 +1,195 @@
+"""The command line: each command parses, calls the core once, and prints.
+
+Errors from every command map to exit codes in one place: `main()`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from m31ctl.errors import ExitCode, M31Error
+
+if TYPE_CHECKING:
+    from m31ctl.plan import Plan, PlanRequest
+
+app = typer.Typer(
+    name="m31ctl",
+    help="Serve MiniMax-M3.1-Flash with vLLM: probe, plan, render, launch, doctor.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+HardwareOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--hardware",
+        help="Plan for PRODUCTxCOUNT (e.g. b300x4, h200x8, mi355xx8) instead of probing this host.",
+    ),
+]
+RecipeOpt = Annotated[str | None, typer.Option("--recipe", help="Use this recipe instead of the probed one.")]
+VariantOpt = Annotated[str | None, typer.Option("--variant", help="Recipe variant (e.g. aiter on MI355X).")]
+ProfileOpt = Annotated[str, typer.Option("--profile", help="latency | throughput | long-context.")]
+FileOpt = Annotated[list[Path] | None, typer.Option("-f", "--file", help="Override file (YAML); repeatable.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="key.path=value (JSON allowed); repeatable.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
+
+
+def _request(
+    hardware: str | None,
+    recipe: str | None,
+    variant: str | None,
+    profile: str,
+    files: list[Path] | None,
+    sets: list[str] | None,
+) -> PlanRequest:
+    """The plan options every plan-consuming command shares; probes unless --hardware."""
+    from m31ctl.hardware import simulated
+    from m31ctl.plan import PlanRequest
+
+    if hardware:
+        hw = simulated(hardware)
+    else:
+        from m31ctl.probe import detect
+
+        hw = detect().hardware
+    return PlanRequest(
+        hardware=hw,
+        recipe=recipe,
+        variant=variant,
+        profile=profile,
+        files=tuple(files or ()),
+        sets=tuple(sets or ()),
+    )
+
+
+def _resolve(
+    hardware: str | None,
+    recipe: str | None,
+    variant: str | None,
+    profile: str,
+    files: list[Path] | None,
+    sets: list[str] | None,
+) -> Plan:
+    from m31ctl.plan import resolve
+
+    return resolve(_request(hardware, recipe, variant, profile, files, sets))
+
+
+@app.command()
+def plan(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    json: JsonOpt = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Show where every value comes from.")] = False,
+) -> None:
+    """Resolve the recipe for this host (or --hardware) and print the plan."""
+    from m31ctl.planning import plan_fit
+
+    p = _resolve(hardware, recipe, variant, profile, file, set_)
+    fit = plan_fit(p)
+    if json:
+        from m31ctl.output import emit_json
+        from m31ctl.views import plan_json
+
+        emit_json(plan_json(p, fit))
+    else:
+        from m31ctl.views import print_plan
+
+        print_plan(p, fit, explain)
+
+
+@app.command()
+def probe(json: JsonOpt = False) -> None:
+    """Detect this host's GPUs and tell which recipe fits."""
+    from m31ctl.probe import detect
+    from m31ctl.recipes import select_recipe
+
+    report = detect()
+    try:
+        recipe = select_recipe(report.hardware)
+        needed = recipe.match.min_gpus
+        fits = report.hardware.count >= needed
+        recipe_line = f"{recipe.recipe} ({recipe.description})" + (
+            "" if fits else f"; needs {needed} GPUs, this host has {report.hardware.count}"
+        )
+        recipe_json: dict[str, object] = {"name": recipe.recipe, "min_gpus": needed, "enough_gpus": fits}
+    except M31Error as exc:
+        recipe_line = exc.one_line()
+        recipe_json = {"name": None, "reason": exc.message}
+    if json:
+        from m31ctl.output import emit_json
+        from m31ctl.views import hardware_json
+
+        emit_json(
+            {
+                "hardware": hardware_json(report.hardware),
+                "recipe": recipe_json,
+                "visible_devices_from": report.visibility,
+                "attempts": [{"method": a.method, "ok": a.ok, "detail": a.detail} for a in report.attempts],
+            }
+        )
+    else:
+        from m31ctl.views import print_probe
+
+        print_probe(report, recipe_line)
+
+
+@app.command()
+def capacity(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    json: JsonOpt = False,
+    context: Annotated[str, typer.Option("--context", help="Context length: 262144, 256k, 1m.")] = "256k",
+    sequences: Annotated[
+        int | None, typer.Option("--sequences", help="Also report the longest context for N sequences.")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Draw sequences against context to this PNG.")
+    ] = None,
+) -> None:
+    """How many sequences stay resident, and how the recipes and cache dtypes compare."""
+    from m31ctl import capacity_cmd
+
+    p = _resolve(hardware, recipe, variant, profile, file, set_)
+    capacity_cmd.run(p, context, sequences, plot, json)
+
+
+def main() -> None:
+    """Entry point: run the app and map every error to one line and an exit code."""
+    import click
+
+    as_json = "--json" in sys.argv[1:]
+    try:
+        result = app(standalone_mode=False)
+    except M31Error as exc:
+        _fail(exc.one_line(), int(exc.exit_code), exc.to_json() if as_json else None)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        _fail("interrupted", int(ExitCode.INTERRUPTED), None)
+    except click.exceptions.ClickException as exc:
+        _fail(f"{exc.format_message()} (see m31ctl --help)", int(ExitCode.BAD_INPUT), None)
+    except BrokenPipeError:
+        sys.exit(0)
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+def _fail(message: str, code: int, payload: dict[str, object] | None) -> None:
+    if payload is not None:
+        from m31ctl.output import emit_json
+
+        emit_json(payload)
+    sys.stderr.write(f"m31ctl: error: {message}\n")
+    sys.exit(code)

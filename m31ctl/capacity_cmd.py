@@ -1,0 +1,81 @@
+"""`m31ctl capacity`: the plan's fit, the longest context, and a comparison table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from m31ctl.capacity import Layout, parse_context
+from m31ctl.output import console, emit_json, table
+from m31ctl.plan import Plan
+from m31ctl.planning import comparison, plan_fit, plan_layout, plan_longest_context
+from m31ctl.views import fit_json
+
+
+def _layouts(plan: Plan) -> dict[str, Layout]:
+    """The recipe's profiles that change the layout, as capacity layouts."""
+    layouts: dict[str, Layout] = {}
+    for name, option in plan.recipe.profiles.items():
+        if option.unsupported:
+            continue
+        values = {key: s.value for key, s in option.layer.items()}
+        base = plan.recipe.layer
+        tensor = values.get("parallelism.tensor", base["parallelism.tensor"].value)
+        layout = Layout(
+            tensor=tensor,
+            data=values.get("parallelism.data", 1),
+            expert=values.get("parallelism.expert", False),
+        )
+        # Profiles that share a memory layout (long-context is TP4 too) would repeat a row.
+        if layout not in layouts.values():
+            layouts[name] = layout
+    return layouts
+
+
+def run(plan: Plan, context_text: str, sequences: int | None, plot: Path | None, as_json: bool) -> None:
+    context = parse_context(context_text)
+    fit = plan_fit(plan, context)
+    longest = plan_longest_context(plan, sequences) if sequences else None
+    rows = comparison(plan, context, _layouts(plan))
+    if plot is not None:
+        from m31ctl.plot import draw
+
+        draw(plan, _layouts(plan), plot)
+    if as_json:
+        emit_json(
+            {
+                "hardware": f"{plan.hardware.count}x {plan.hardware.product}",
+                "recipe": plan.recipe.recipe,
+                "profile": plan.profile,
+                "layout": plan_layout(plan).label(),
+                "fit": fit_json(fit),
+                "longest_context": {"sequences": sequences, "tokens": longest} if sequences else None,
+                "comparison": [
+                    {"model": r.model, "kv_dtype": r.kv_dtype, "layout": r.layout, **fit_json(r.fit)}
+                    for r in rows
+                ],
+                "plot": str(plot) if plot else None,
+            }
+        )
+        return
+    out = console()
+    hw = plan.hardware
+    out.print(
+        f"{hw.count}x {hw.product}, recipe {plan.recipe.recipe}, profile {plan.profile} ({fit.layout}), "
+        f"{plan.model.display_name}, {plan.settings.cache.kv_dtype} KV cache"
+    )
+    if fit.fits:
+        out.print(
+            f"[bold]{fit.sequences}[/bold] sequences of {context} tokens stay resident "
+            f"(weights {fit.weights_per_gpu_bytes / 1e9:.1f} GB/GPU, KV budget "
+            f"{fit.kv_budget_per_gpu_bytes / 1e9:.1f} GB/GPU, {fit.kv_bytes_per_sequence / 1e9:.2f} GB/sequence)"
+        )
+    else:
+        out.print(f"[red]does not fit[/red]: not one {context}-token sequence fits ({fit.layout})")
+    if longest is not None:
+        out.print(f"longest context for {sequences} sequences: {longest} tokens")
+    t = table(f"Resident sequences at {context} tokens", ["model", "KV cache", "layout", "sequences"])
+    for r in rows:
+        t.add_row(r.model, r.kv_dtype, r.layout, str(r.fit.sequences))
+    out.print(t)
+    if plot:
+        out.print(f"plot written to {plot}")

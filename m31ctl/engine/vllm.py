@@ -1,0 +1,100 @@
+"""The vLLM engine adapter: the only code that knows vLLM's flag spellings.
+
+It turns a plan into the argv that follows `vllm serve` (the image's entrypoint) and the
+environment the engine needs. Secrets are never part of it: they travel by reference.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from m31ctl.plan import Plan
+
+# Domain cache dtype -> vLLM's spelling, per flag (--kv-cache-dtype says bfloat16, the
+# indexer config says bf16).
+_KV_CACHE_DTYPE = {"nvfp4": "nvfp4", "fp8": "fp8", "bf16": "bfloat16"}
+_INDEXER_DTYPE = {"nvfp4": "nvfp4", "fp8": "fp8", "bf16": "bf16"}
+
+# AITER is off unless its master switch is on; the MoE sub-switch only acts under it.
+_AITER_MOE_ENV = {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1"}
+
+
+@dataclass(frozen=True)
+class EngineInvocation:
+    image: str
+    args: tuple[str, ...]  # after `vllm serve`; the model comes first
+    env: tuple[tuple[str, str], ...]  # sorted, no secrets
+
+    @property
+    def env_dict(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+def _json(value: Any) -> str:
+    # Canonical JSON so renders are byte-identical.
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def build_invocation(plan: Plan) -> EngineInvocation:
+    s = plan.settings
+    args: list[str] = [s.model.path, "--served-model-name", s.model.served_name]
+
+    par = s.parallelism
+    args += ["--tensor-parallel-size", str(par.tensor)]
+    if par.data > 1:
+        args += ["--data-parallel-size", str(par.data)]
+    if par.expert:
+        args.append("--enable-expert-parallel")
+    if par.decode_context > 1:
+        args += ["--decode-context-parallel-size", str(par.decode_context)]
+
+    if s.cache.kv_dtype != "auto":
+        args += ["--kv-cache-dtype", _KV_CACHE_DTYPE[s.cache.kv_dtype]]
+    if s.cache.indexer_dtype != "auto":
+        args += ["--attention-config", _json({"indexer_kv_dtype": _INDEXER_DTYPE[s.cache.indexer_dtype]})]
+    if s.cache.block_size is not None:
+        args += ["--block-size", str(s.cache.block_size)]
+    if s.attention_backend:
+        args += ["--attention-backend", s.attention_backend]
+
+    spec = s.speculative
+    if spec.method != "none":
+        # The DSpark draft ships inside the checkpoint's dspark/ folder: no draft model path.
+        config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.tokens}
+        if spec.draft_attention_backend:
+            config["attention_backend"] = spec.draft_attention_backend
+        if spec.draft_sampling:
+            config["draft_sample_method"] = spec.draft_sampling
+        args += ["--speculative-config", _json(config)]
+
+    if s.moe.backend != "auto":
+        args += ["--moe-backend", s.moe.backend]
+
+    limits = {
+        name: 0 for name, on in (("image", s.multimodal.image), ("video", s.multimodal.video)) if not on
+    }
+    if limits:
+        args += ["--limit-mm-per-prompt", _json(limits)]
+
+    serving = s.serving
+    args += ["--max-model-len", str(serving.max_model_len)]
+    if serving.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(serving.max_num_seqs)]
+    args += ["--gpu-memory-utilization", f"{serving.gpu_memory_utilization:g}"]
+    if serving.tool_call_parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", serving.tool_call_parser]
+    if serving.reasoning_parser:
+        args += ["--reasoning-parser", serving.reasoning_parser]
+    if serving.trust_remote_code:
+        args.append("--trust-remote-code")
+    if serving.shutdown_timeout:
+        args += ["--shutdown-timeout", str(serving.shutdown_timeout)]
+    args += list(serving.extra_args)
+
+    env: dict[str, str] = {}
+    if s.moe.backend == "aiter":
+        env.update(_AITER_MOE_ENV)
+    env.update(s.runtime.env)
+    return EngineInvocation(image=s.engine.image, args=tuple(args), env=tuple(sorted(env.items())))

@@ -1,0 +1,202 @@
+"""The hardware description every later stage reads, and the GPU catalogue.
+
+Families are classified on (major, minor) compute capability or the gfx target, never on
+the major alone: 10.7 (Rubin) would otherwise be taken for Blackwell.
+Sources: ../shared/fixtures/gpu/public-samples.md (identifier facts) and the real 2xH200 capture.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict
+
+from m31ctl.errors import InputError
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Family:
+    id: str
+    vendor: str
+    description: str
+
+
+# Families a recipe serves, keyed by architecture.
+SERVED_ARCHS: dict[str, Family] = {
+    "9.0": Family("hopper", "nvidia", "NVIDIA Hopper (H100, H200, GH200)"),
+    "10.0": Family("blackwell", "nvidia", "NVIDIA Blackwell (B200, GB200)"),
+    "10.3": Family("blackwell", "nvidia", "NVIDIA Blackwell Ultra (B300, GB300)"),
+    "10.7": Family("rubin", "nvidia", "NVIDIA Rubin"),
+    "gfx950": Family("mi350", "amd", "AMD Instinct MI350 series (MI350X, MI355X)"),
+}
+
+# Real hardware that no recipe serves: named so the refusal says what was found.
+KNOWN_UNSERVED: dict[str, str] = {
+    "12.0": "NVIDIA RTX Blackwell (RTX PRO 6000, RTX 50 series)",
+    "12.1": "NVIDIA GB10 (DGX Spark)",
+    "11.0": "NVIDIA Jetson Thor",
+    "8.9": "NVIDIA Ada Lovelace",
+    "8.6": "NVIDIA Ampere (GA10x)",
+    "8.0": "NVIDIA Ampere (A100)",
+    "7.0": "NVIDIA Volta",
+    "gfx942": "AMD Instinct MI300 series (MI300X, MI300A, MI325X)",
+    "gfx90a": "AMD Instinct MI200 series",
+}
+
+
+@dataclass(frozen=True)
+class Product:
+    """A GPU product, for `--hardware NAMExCOUNT` simulation and name matching."""
+
+    id: str
+    name: str  # as nvidia-smi / amd-smi print it
+    arch: str
+    memory_mib: int  # as nvidia-smi reports memory.total; vendor figure where no capture exists
+    pci_device_id: str | None = None
+    memory_source: str = "nvidia-smi (public-samples.md)"
+
+
+PRODUCTS: dict[str, Product] = {
+    p.id: p
+    for p in (
+        Product("h100", "NVIDIA H100 80GB HBM3", "9.0", 81559),
+        Product("h200", "NVIDIA H200", "9.0", 143771, "0x2335", "nvidia-smi (nvidia-h200x2 capture)"),
+        Product("b200", "NVIDIA B200", "10.0", 183359, "0x2901"),
+        Product("gb200", "NVIDIA GB200", "10.0", 189471),
+        Product("b300", "NVIDIA B300 SXM6 AC", "10.3", 275040),
+        Product("gb300", "NVIDIA GB300", "10.3", 284208),
+        # No capture yet: vendor figure, 288 GB HBM4.
+        Product("rubin", "NVIDIA Rubin", "10.7", 274658, memory_source="vendor figure, 288 GB"),
+        # amd-smi reports VRAM in MB; 288 GB HBM3E on both MI350X and MI355X.
+        Product("mi350x", "AMD Instinct MI350X", "gfx950", 294912, "0x75a0", "vendor figure, 288 GB"),
+        Product("mi355x", "AMD Instinct MI355X", "gfx950", 294912, "0x75a3", "vendor figure, 288 GB"),
+        Product("mi300x", "AMD Instinct MI300X", "gfx942", 196608, "0x74a1", "vendor figure, 192 GB"),
+        Product(
+            "rtxpro6000", "NVIDIA RTX PRO 6000 Blackwell", "12.0", 97887, memory_source="vendor figure, 96 GB"
+        ),
+    )
+}
+
+
+class Fabric(BaseModel):
+    """NVL72-style fabric membership; present only when the fabric is healthy."""
+
+    model_config = ConfigDict(frozen=True)
+    clique_id: int
+    cluster_uuid: str
+
+
+class GPU(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    index: int
+    name: str
+    arch: str | None  # "9.0" or "gfx950"; None when the driver cannot tell (old nvidia-smi)
+    memory_total_bytes: int
+    memory_free_bytes: int | None = None
+    uuid: str | None = None
+    pci_device_id: str | None = None
+    bus_id: str | None = None
+    mig_enabled: bool | None = None
+
+
+class Hardware(BaseModel):
+    """What the accelerators of a host are: the probe's answer, or a simulated host."""
+
+    model_config = ConfigDict(frozen=True)
+    vendor: str  # nvidia | amd | none
+    family: str | None  # hopper | blackwell | rubin | mi350, None when no recipe serves it
+    arch: str | None
+    product: str | None
+    count: int
+    memory_per_gpu_bytes: int
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    rocm_version: str | None = None
+    mig_enabled: bool | None = None
+    nvlink: bool | None = None
+    xgmi: bool | None = None
+    fabric: Fabric | None = None
+    gpus: tuple[GPU, ...] = ()
+    source: str  # "nvml", "nvidia-smi", "amdsmi", "kfd-sysfs", "simulated"
+    notes: tuple[str, ...] = ()
+
+    @property
+    def memory_per_gpu_gib(self) -> float:
+        return self.memory_per_gpu_bytes / (1024**3)
+
+
+def normalize_arch(arch: str) -> str:
+    """'gfx950:sramecc+:xnack-' -> 'gfx950'; '9.0' stays."""
+    arch = arch.strip().lower()
+    if arch.startswith("gfx"):
+        return arch.split(":", 1)[0]
+    return arch
+
+
+def family_for(arch: str | None) -> Family | None:
+    if arch is None:
+        return None
+    return SERVED_ARCHS.get(normalize_arch(arch))
+
+
+def describe_arch(arch: str | None) -> str:
+    if arch is None:
+        return "unknown architecture"
+    arch = normalize_arch(arch)
+    fam = SERVED_ARCHS.get(arch)
+    if fam:
+        return fam.description
+    if arch in KNOWN_UNSERVED:
+        return KNOWN_UNSERVED[arch]
+    return f"architecture {arch}"
+
+
+_HW_SPEC = re.compile(r"^(?P<product>[a-z0-9]+?)x(?P<count>[0-9]+)$")
+
+
+def simulated(spec: str) -> Hardware:
+    """`--hardware b300x4`: a host of COUNT identical PRODUCT GPUs, no probing."""
+    match = _HW_SPEC.match(spec.strip().lower())
+    product = PRODUCTS.get(match.group("product")) if match else None
+    if match is None or product is None:
+        import difflib
+
+        names = [f"{p}x4" for p in PRODUCTS]
+        close = difflib.get_close_matches(spec.lower(), names, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise InputError(
+            f"unknown --hardware {spec!r}",
+            hint=f"{hint}use PRODUCTxCOUNT with PRODUCT one of {', '.join(PRODUCTS)}",
+        )
+    count = int(match.group("count"))
+    if count < 1:
+        raise InputError(f"--hardware {spec!r}: the GPU count must be at least 1")
+    fam = family_for(product.arch)
+    vendor = "amd" if product.arch.startswith("gfx") else "nvidia"
+    memory = product.memory_mib * MIB
+    gpus = tuple(
+        GPU(
+            index=i,
+            name=product.name,
+            arch=product.arch,
+            memory_total_bytes=memory,
+            pci_device_id=product.pci_device_id,
+            mig_enabled=False,
+        )
+        for i in range(count)
+    )
+    return Hardware(
+        vendor=vendor,
+        family=fam.id if fam else None,
+        arch=product.arch,
+        product=product.name,
+        count=count,
+        memory_per_gpu_bytes=memory,
+        mig_enabled=False,
+        gpus=gpus,
+        source=f"simulated ({spec.lower()})",
+        notes=(f"memory per GPU: {product.memory_source}",),
+    )

@@ -1,0 +1,161 @@
+"""Layers of settings and where each value came from.
+
+A layer is a flat mapping from a dotted key (``cache.kv_dtype``) to a value and its
+source. Merging layers is a dict update, so precedence is simply the order of the
+layers; the merged result keeps, for each key, the source of the layer that won.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from m31ctl.errors import InputError
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a value came from: a layer name and, for files, the file and line."""
+
+    layer: str  # "defaults", "recipe", "variant", "profile", "file", "--set", "hardware"
+    file: str | None = None
+    line: int | None = None
+    detail: str | None = None  # e.g. "--set #2" or "variant aiter"
+
+    def __str__(self) -> str:
+        where = ""
+        if self.file is not None:
+            where = f"{self.file}:{self.line}" if self.line is not None else self.file
+        label = self.detail or self.layer
+        return f"{label} ({where})" if where else label
+
+
+@dataclass(frozen=True)
+class Setting:
+    value: Any
+    source: Source
+
+
+Layer = dict[str, Setting]
+
+
+def _yaml_loader() -> yaml.SafeLoader:
+    return yaml.SafeLoader("")
+
+
+def compose_yaml(text: str, file: str) -> yaml.Node | None:
+    try:
+        return yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        line = mark.line + 1 if mark is not None else None
+        raise InputError(
+            f"invalid YAML: {exc.problem}",
+            where=f"{file}:{line}" if line else file,
+            hint="fix the syntax; `python -c 'import yaml,sys; yaml.safe_load(open(sys.argv[1]))' FILE` shows it",
+        ) from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"invalid YAML: {exc}", where=file) from None
+
+
+def construct(node: yaml.Node) -> Any:
+    """Build the plain Python value of a YAML node (safe types only)."""
+    return _yaml_loader().construct_object(node, deep=True)
+
+
+def mapping_items(node: yaml.Node, file: str) -> Iterator[tuple[str, yaml.Node, int]]:
+    if not isinstance(node, yaml.MappingNode):
+        raise InputError(
+            "expected a mapping of keys to values",
+            where=f"{file}:{node.start_mark.line + 1}",
+        )
+    for key_node, value_node in node.value:
+        key = construct(key_node)
+        if not isinstance(key, str):
+            raise InputError(
+                f"keys must be strings, got {key!r}", where=f"{file}:{key_node.start_mark.line + 1}"
+            )
+        yield key, value_node, key_node.start_mark.line + 1
+
+
+def flatten_node(node: yaml.Node, file: str, make_source: Any, prefix: str = "") -> Layer:
+    """Flatten a YAML mapping node into dotted keys, recording each leaf's line."""
+    out: Layer = {}
+    for key, value_node, line in mapping_items(node, file):
+        dotted = f"{prefix}{key}"
+        if isinstance(value_node, yaml.MappingNode) and value_node.value:
+            out.update(flatten_node(value_node, file, make_source, prefix=f"{dotted}."))
+        else:
+            out[dotted] = Setting(construct(value_node), make_source(file, line))
+    return out
+
+
+def flatten_value(value: Any, source: Source, prefix: str) -> Layer:
+    if isinstance(value, Mapping) and value:
+        out: Layer = {}
+        for key, sub in value.items():
+            out.update(flatten_value(sub, source, f"{prefix}.{key}"))
+        return out
+    return {prefix: Setting(value, source)}
+
+
+def load_layer_file(path: Path, layer: str = "file") -> Layer:
+    """A user override file: YAML whose keys are plan settings."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"override file not found: {path}", hint="check the path given to -f") from None
+    except OSError as exc:
+        raise InputError(f"cannot read override file {path}: {exc.strerror}") from None
+    node = compose_yaml(text, str(path))
+    if node is None:
+        return {}
+    return flatten_node(node, str(path), lambda f, line: Source(layer, f, line, detail=layer))
+
+
+def parse_set(expr: str, index: int) -> Layer:
+    """`--set key.path=value`; the value is JSON when it parses as JSON, else a string."""
+    key, sep, raw = expr.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise InputError(
+            f"--set expects key.path=value, got {expr!r}",
+            hint="for example --set serving.max_model_len=131072",
+        )
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        value = raw
+    source = Source("--set", detail=f"--set #{index}")
+    return flatten_value(value, source, key)
+
+
+def merge(layers: Iterable[Layer]) -> Layer:
+    """Later layers win. Setting a key replaces everything below it, and vice versa."""
+    merged: Layer = {}
+    for layer in layers:
+        for key, setting in layer.items():
+            prefix = key + "."
+            for existing in [k for k in merged if k.startswith(prefix)]:
+                del merged[existing]
+            parts = key.split(".")
+            for i in range(1, len(parts)):
+                merged.pop(".".join(parts[:i]), None)
+            merged[key] = setting
+    return merged
+
+
+def unflatten(layer: Layer) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for key in sorted(layer):
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = layer[key].value
+    return tree

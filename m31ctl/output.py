@@ -1,0 +1,26 @@
+"""Printing: canonical JSON for machines, rich for people (imported only when used)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def emit_json(payload: Any) -> None:
+    sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def console(stderr: bool = False) -> Any:
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def table(title: str | None, columns: list[str]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=title, show_header=True, header_style="bold", title_justify="left")
+    for name in columns:
+        t.add_column(name)
+    return t

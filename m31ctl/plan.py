@@ -1,0 +1,198 @@
+"""Layered resolution into one typed, immutable plan whose every value knows its source."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from m31ctl.errors import HostPreconditionError, InputError, RuleViolation
+from m31ctl.hardware import Hardware
+from m31ctl.layers import Layer, Setting, Source, load_layer_file, merge, parse_set, unflatten
+from m31ctl.recipes import ModelFacts, Recipe, defaults_layer, get_model, get_recipe, select_recipe
+from m31ctl.settings import PlanSettings
+
+DEFAULT_PROFILE = "latency"
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for: everything `plan`, `render`, `launch` and `doctor` share."""
+
+    hardware: Hardware
+    recipe: str | None = None
+    variant: str | None = None
+    profile: str = DEFAULT_PROFILE
+    files: tuple[Path, ...] = ()
+    sets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: Recipe
+    variant: str
+    profile: str
+    hardware: Hardware
+    model: ModelFacts
+    settings: PlanSettings
+    provenance: Mapping[str, Source]
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def gpus_needed(self) -> int:
+        return self.settings.parallelism.gpus
+
+    def settings_dict(self) -> dict[str, Any]:
+        return self.settings.model_dump(mode="json")
+
+    @property
+    def hash(self) -> str:
+        """Identifies what would run: recipe, variant, profile and every setting."""
+        payload = {
+            "recipe": self.recipe.recipe,
+            "variant": self.variant,
+            "profile": self.profile,
+            "settings": self.settings_dict(),
+        }
+        digest = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode())
+        return digest.hexdigest()[:12]
+
+    def explain(self) -> list[tuple[str, Any, str]]:
+        """Every leaf setting with its value and source, in key order."""
+        rows = []
+        for key, value in sorted(_flatten_settings(self.settings_dict()).items()):
+            source = self.provenance.get(key)
+            rows.append((key, value, str(source) if source else "schema default"))
+        return rows
+
+
+def _flatten_settings(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten_settings(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out
+
+
+def _lookup(tree: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _model_fields_at(loc: tuple[str, ...]) -> list[str]:
+    model: type[BaseModel] = PlanSettings
+    for part in loc:
+        info = model.model_fields.get(part)
+        annotation = info.annotation if info else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def _validation_error(exc: ValidationError, merged: Layer) -> InputError:
+    err = exc.errors()[0]
+    loc = tuple(str(p) for p in err["loc"])
+    dotted = ".".join(loc)
+    setting = merged.get(dotted)
+    if setting is None:  # an error on a whole section: blame the last layer that touched it
+        touching = [s for k, s in merged.items() if k.startswith(dotted + ".") or not dotted]
+        setting = touching[-1] if touching else None
+    where = str(setting.source) if setting else None
+    if err["type"] == "extra_forbidden":
+        parent, leaf = loc[:-1], loc[-1]
+        close = difflib.get_close_matches(leaf, _model_fields_at(parent), n=1)
+        hint = (
+            f"did you mean {'.'.join((*parent, close[0]))!r}?"
+            if close
+            else "see `m31ctl plan --explain` for valid keys"
+        )
+        return InputError(f"unknown setting {dotted!r}", where=where, hint=hint)
+    message = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return InputError(f"setting {dotted!r} is required", hint="set it in a -f file or with --set")
+    shown = f"{dotted}={setting.value!r}: " if setting is not None and dotted in merged else ""
+    return InputError(f"{shown}{message}", where=where)
+
+
+def _check_rules(recipe: Recipe, settings: PlanSettings, merged: Layer) -> None:
+    tree = settings.model_dump(mode="json")
+    for rule in recipe.rules:
+        value = _lookup(tree, rule.key)
+        if rule.allows(value):
+            continue
+        setting = merged.get(rule.key)
+        culprit = str(setting.source) if setting else "schema default"
+        raise RuleViolation(
+            f"{rule.key}={value!r} breaks rule {rule.id!r} of the {recipe.recipe} recipe "
+            f"({rule.expectation()}: {rule.reason})",
+            where=culprit,
+            hint=f"remove that override of {rule.key}",
+        )
+
+
+def resolve(request: PlanRequest) -> Plan:
+    recipe = get_recipe(request.recipe) if request.recipe else select_recipe(request.hardware)
+    variant = recipe.variant(request.variant)
+    profile = recipe.profile(request.profile)
+    layers: list[Layer] = [defaults_layer(), recipe.layer, variant.layer, profile.layer]
+    layers += [load_layer_file(path) for path in request.files]
+    layers += [parse_set(expr, i) for i, expr in enumerate(request.sets, start=1)]
+    merged = merge(layers)
+    try:
+        settings = PlanSettings.model_validate(unflatten(merged))
+    except ValidationError as exc:
+        raise _validation_error(exc, merged) from None
+    _check_rules(recipe, settings, merged)
+    model = get_model(settings.model.id)
+    return Plan(
+        recipe=recipe,
+        variant=variant.name,
+        profile=profile.name,
+        hardware=request.hardware,
+        model=model,
+        settings=settings,
+        provenance=MappingProxyType({k: s.source for k, s in merged.items()}),
+        warnings=_warnings(recipe, settings, request.hardware),
+    )
+
+
+def _warnings(recipe: Recipe, settings: PlanSettings, hw: Hardware) -> tuple[str, ...]:
+    notes = []
+    if recipe.status == "preview":
+        notes.append(f"the {recipe.recipe} recipe is a preview: {recipe.description}")
+    if recipe.status == "rehearsal":
+        notes.append("rehearsal recipe: for CI and dry runs only, it does not serve MiniMax-M3.1-Flash")
+    needed = settings.parallelism.gpus
+    if hw.count > needed:
+        notes.append(f"the plan uses {needed} of the {hw.count} GPUs")
+    return tuple(notes)
+
+
+def require_fit(plan: Plan) -> None:
+    """The host must have the GPUs the plan's layout needs (launch and doctor enforce this)."""
+    needed, have = plan.gpus_needed, plan.hardware.count
+    if have < needed:
+        raise HostPreconditionError(
+            f"the plan needs {needed} GPUs ({plan.recipe.recipe}, profile {plan.profile}) "
+            f"but the hardware has {have}",
+            hint="use a host with more GPUs, or pass --hardware to plan for one",
+        )
+
+
+def setting_layer(key: str, value: Any, source: Source) -> Layer:
+    return {key: Setting(value, source)}

@@ -1,0 +1,109 @@
+"""Detect the host's accelerators and describe them; the only place NVML/amdsmi are touched."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from m31ctl.errors import ProbeError, UnsupportedHardware
+from m31ctl.hardware import Hardware, describe_arch, family_for
+from m31ctl.probe.base import ProbeUnavailable, Snapshot, environ
+from m31ctl.probe.visibility import apply_visibility
+
+
+class ProbeMethod(Protocol):
+    name: str
+
+    def probe(self) -> Snapshot: ...
+
+
+@dataclass(frozen=True)
+class Attempt:
+    method: str
+    ok: bool
+    detail: str
+
+
+@dataclass(frozen=True)
+class ProbeReport:
+    hardware: Hardware
+    attempts: tuple[Attempt, ...]
+    visibility: str | None = None
+
+
+def default_methods() -> list[ProbeMethod]:
+    from m31ctl.probe.amd import AmdSmiProbe, KfdSysfsProbe
+    from m31ctl.probe.nvidia import NvidiaSmiProbe, NvmlProbe
+
+    return [NvmlProbe(), NvidiaSmiProbe(), AmdSmiProbe(), KfdSysfsProbe()]
+
+
+NO_GPU = Hardware(
+    vendor="none", family=None, arch=None, product=None, count=0, memory_per_gpu_bytes=0, source="probe"
+)
+
+
+def describe(snapshot: Snapshot, env: Mapping[str, str]) -> tuple[Hardware, str | None]:
+    gpus, applied = apply_visibility(snapshot.gpus, snapshot.vendor, env)
+    if not gpus:
+        return NO_GPU.model_copy(update={"source": snapshot.method}), applied
+    models = sorted({(g.name, g.arch) for g in gpus})
+    if len(models) > 1:
+        found = ", ".join(f"{name} ({describe_arch(arch)})" for name, arch in models)
+        var = "CUDA_VISIBLE_DEVICES" if snapshot.vendor == "nvidia" else "ROCR_VISIBLE_DEVICES"
+        raise UnsupportedHardware(
+            f"this host mixes GPU models: {found}",
+            hint=f"pick identical devices with {var}=0,1,... or pass --hardware",
+        )
+    first = gpus[0]
+    family = family_for(first.arch)
+    visible = {g.index for g in gpus}
+    linked = {pair for pair in snapshot.links if set(pair) <= visible}
+    all_pairs = len(gpus) * (len(gpus) - 1) // 2
+    interconnect = (len(linked) == all_pairs) if len(gpus) > 1 else None
+    fabrics = {snapshot.fabric[g.index] for g in gpus if g.index in snapshot.fabric}
+    migs = {g.mig_enabled for g in gpus}
+    return Hardware(
+        vendor=snapshot.vendor,
+        family=family.id if family else None,
+        arch=first.arch,
+        product=first.name,
+        count=len(gpus),
+        memory_per_gpu_bytes=min(g.memory_total_bytes for g in gpus),
+        driver_version=snapshot.driver_version,
+        cuda_driver_version=snapshot.cuda_driver_version,
+        rocm_version=snapshot.rocm_version,
+        mig_enabled=True if True in migs else (False if migs == {False} else None),
+        nvlink=interconnect if snapshot.link_kind == "nvlink" else None,
+        xgmi=interconnect if snapshot.link_kind == "xgmi" else None,
+        fabric=next(iter(fabrics)) if len(fabrics) == 1 else None,
+        gpus=gpus,
+        source=snapshot.method,
+        notes=snapshot.notes,
+    ), applied
+
+
+def detect(methods: Sequence[ProbeMethod] | None = None, env: Mapping[str, str] | None = None) -> ProbeReport:
+    """Try each method in order; the first that answers wins. No GPU at all is a normal answer."""
+    env = environ() if env is None else env
+    attempts: list[Attempt] = []
+    # A vendor's fallback runs only when its primary failed; the first vendor that sees GPUs wins.
+    for method in methods if methods is not None else default_methods():
+        try:
+            snapshot = method.probe()
+        except ProbeUnavailable as exc:
+            attempts.append(Attempt(method.name, False, str(exc)))
+            continue
+        attempts.append(Attempt(method.name, True, f"{len(snapshot.gpus)} GPU(s)"))
+        if snapshot.gpus:
+            hardware, applied = describe(snapshot, env)
+            return ProbeReport(hardware, tuple(attempts), applied)
+    return ProbeReport(NO_GPU, tuple(attempts))
+
+
+def probe_failure_hint(report: ProbeReport) -> ProbeError:
+    reasons = "; ".join(f"{a.method}: {a.detail}" for a in report.attempts if not a.ok)
+    return ProbeError(
+        f"no GPU found ({reasons})", hint="pass --hardware (e.g. --hardware b300x4) to plan without probing"
+    )

@@ -1,0 +1,139 @@
+"""AMD probes: the amdsmi library first, the KFD sysfs topology as the fallback."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from m31ctl.hardware import GPU, PRODUCTS, normalize_arch
+from m31ctl.probe.base import ProbeUnavailable, Snapshot
+
+AMDSMI_LINK_XGMI = 2
+KFD_TOPOLOGY = Path("/sys/class/kfd/kfd/topology/nodes")
+
+
+def gfx_from_target_version(version: int) -> str:
+    """KFD encodes gfx targets as major*10000 + minor*100 + step: 90500 -> gfx950, 90010 -> gfx90a."""
+    major, minor, step = version // 10000, (version // 100) % 100, version % 100
+    return f"gfx{major}{minor:x}{step:x}"
+
+
+def _name_for(arch: str, device_id: str | None) -> str:
+    for product in PRODUCTS.values():
+        if product.pci_device_id and device_id and product.pci_device_id.lower() == device_id.lower():
+            return product.name
+    return f"AMD GPU ({arch})"
+
+
+class AmdSmiProbe:
+    name = "amdsmi"
+
+    def __init__(self, amdsmi: Any | None = None) -> None:
+        self._lib = amdsmi
+
+    def _module(self) -> Any:
+        if self._lib is not None:
+            return self._lib
+        try:
+            import amdsmi
+        except ImportError:
+            raise ProbeUnavailable(
+                "amdsmi is not installed (it ships with ROCm; pip install 'm31ctl[amd]')"
+            ) from None
+        except OSError as exc:  # the Python package is there but libamd_smi.so is not
+            raise ProbeUnavailable(f"amdsmi cannot load its library: {exc}") from None
+        return amdsmi
+
+    def probe(self) -> Snapshot:
+        lib = self._module()
+        try:
+            lib.amdsmi_init()
+        except Exception as exc:  # AmdSmiLibraryException and friends
+            raise ProbeUnavailable(f"amdsmi: {exc}") from None
+        try:
+            handles = lib.amdsmi_get_processor_handles()
+            gpus = []
+            driver = None
+            for index, h in enumerate(handles):
+                asic = lib.amdsmi_get_gpu_asic_info(h)
+                vram = lib.amdsmi_get_gpu_vram_info(h)
+                driver = lib.amdsmi_get_gpu_driver_info(h).get("driver_version", driver)
+                arch = normalize_arch(str(asic.get("target_graphics_version", "")))
+                device_id = str(asic.get("device_id", "")).lower() or None
+                gpus.append(
+                    GPU(
+                        index=index,
+                        name=str(asic.get("market_name") or _name_for(arch, device_id)),
+                        arch=arch,
+                        memory_total_bytes=int(vram["vram_size"]) * 1024 * 1024,
+                        pci_device_id=device_id,
+                    )
+                )
+            links = set()
+            for a in range(len(handles)):
+                for b in range(a + 1, len(handles)):
+                    try:
+                        link = lib.amdsmi_topo_get_link_type(handles[a], handles[b])
+                    except Exception:
+                        continue
+                    kind = link.get("type") if isinstance(link, dict) else link
+                    if kind == AMDSMI_LINK_XGMI:
+                        links.add((a, b))
+        finally:
+            with contextlib.suppress(Exception):
+                lib.amdsmi_shut_down()
+        return Snapshot(
+            "amd", self.name, tuple(gpus), driver_version=driver, links=frozenset(links), link_kind="xgmi"
+        )
+
+
+def _properties(path: Path) -> dict[str, str]:
+    props = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        props[key] = value.strip()
+    return props
+
+
+class KfdSysfsProbe:
+    """Reads /sys/class/kfd: works without ROCm user space, as long as amdgpu is loaded."""
+
+    name = "kfd-sysfs"
+
+    def __init__(self, root: Path = KFD_TOPOLOGY) -> None:
+        self._root = root
+
+    def probe(self) -> Snapshot:
+        if not self._root.is_dir():
+            raise ProbeUnavailable("no KFD topology in sysfs (amdgpu driver not loaded)")
+        gpus: list[GPU] = []
+        try:
+            nodes = sorted(self._root.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else 1 << 30)
+            for node in nodes:
+                props = _properties(node / "properties")
+                target = int(props.get("gfx_target_version", "0"))
+                if target == 0:
+                    continue  # CPU node
+                arch = gfx_from_target_version(target)
+                device_id = f"0x{int(props.get('device_id', '0')):04x}"
+                size = 0
+                for bank in sorted((node / "mem_banks").glob("*/properties")):
+                    size += int(_properties(bank).get("size_in_bytes", "0"))
+                gpus.append(
+                    GPU(
+                        index=len(gpus),
+                        name=_name_for(arch, device_id),
+                        arch=arch,
+                        memory_total_bytes=size,
+                        pci_device_id=device_id,
+                    )
+                )
+        except PermissionError as exc:
+            raise ProbeUnavailable(f"permission denied reading {exc.filename}") from None
+        return Snapshot(
+            "amd",
+            self.name,
+            tuple(gpus),
+            notes=("read from the KFD sysfs topology; driver version and xGMI links unknown",),
+        )

@@ -1,0 +1,267 @@
+"""Hardware recipes and model facts: loading, validation and selection."""
+
+from __future__ import annotations
+
+import difflib
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from m31ctl.errors import InputError, UnsupportedHardware
+from m31ctl.hardware import Hardware, describe_arch
+from m31ctl.layers import Layer, Source, compose_yaml, construct, flatten_node, mapping_items
+from m31ctl.resources import recipes_dir
+
+_NOT_SET = object()
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Match(_Frozen):
+    vendor: Literal["nvidia", "amd", "cpu"]
+    families: tuple[str, ...]
+    products: tuple[str, ...] = ()
+    min_gpus: int = Field(ge=0)
+
+
+class Rule(_Frozen):
+    """A hard rule: checked after every layer is merged, whoever set the value."""
+
+    id: str
+    key: str
+    reason: str
+    equals: Any = None
+    one_of: tuple[Any, ...] | None = None
+    not_in: tuple[Any, ...] | None = None
+
+    @model_validator(mode="after")
+    def _one_condition(self) -> Rule:
+        given = [self.equals is not None, self.one_of is not None, self.not_in is not None]
+        if sum(given) != 1:
+            raise ValueError(f"rule {self.id}: give exactly one of equals, one_of, not_in")
+        return self
+
+    def allows(self, value: Any) -> bool:
+        if self.equals is not None:
+            return bool(value == self.equals)
+        if self.one_of is not None:
+            return value in self.one_of
+        assert self.not_in is not None
+        return value not in self.not_in
+
+    def expectation(self) -> str:
+        if self.equals is not None:
+            return f"must be {self.equals!r}"
+        if self.one_of is not None:
+            return f"must be one of {list(self.one_of)!r}"
+        return f"must not be one of {list(self.not_in or ())!r}"
+
+
+class Recommended(_Frozen):
+    cuda_driver: str | None = None
+    rocm: str | None = None
+
+
+class Option(_Frozen):
+    """A variant or a profile: a named layer of settings, or a documented refusal."""
+
+    name: str
+    description: str = ""
+    unsupported: str | None = None
+    layer: dict[str, Any] = Field(default_factory=dict, exclude=True)  # dotted key -> Setting
+
+
+class Recipe(_Frozen):
+    recipe: str
+    description: str
+    status: Literal["stable", "preview", "rehearsal"]
+    match: Match
+    recommended: Recommended = Recommended()
+    rules: tuple[Rule, ...] = ()
+    default_variant: str
+    path: str
+    layer: dict[str, Any] = Field(default_factory=dict, exclude=True)
+    variants: dict[str, Option]
+    profiles: dict[str, Option]
+
+    def variant(self, name: str | None) -> Option:
+        return self._pick(self.variants, name or self.default_variant, "variant")
+
+    def profile(self, name: str) -> Option:
+        option = self._pick(self.profiles, name, "profile")
+        if option.unsupported:
+            raise InputError(
+                f"profile {name!r} is not supported by the {self.recipe} recipe: {option.unsupported}",
+                where=self.path,
+            )
+        return option
+
+    def _pick(self, options: dict[str, Option], name: str, kind: str) -> Option:
+        if name in options:
+            return options[name]
+        close = difflib.get_close_matches(name, list(options), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise InputError(
+            f"the {self.recipe} recipe has no {kind} {name!r}",
+            hint=f"{hint}choose one of: {', '.join(options)}",
+        )
+
+
+_TOP_KEYS = {
+    "recipe",
+    "description",
+    "status",
+    "match",
+    "recommended",
+    "rules",
+    "default_variant",
+    "settings",
+    "variants",
+    "profiles",
+}
+_OPTION_KEYS = {"description", "settings", "unsupported"}
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.relative_to(recipes_dir().parent))
+    except ValueError:
+        return str(path)
+
+
+def _options(node: yaml.Node, file: str, kind: str, recipe: str) -> dict[str, Option]:
+    options: dict[str, Option] = {}
+    for name, option_node, line in mapping_items(node, file):
+        fields: dict[str, Any] = {"name": name}
+        layer: Layer = {}
+        if option_node.value:  # an empty option is allowed: it changes nothing
+            for key, value_node, key_line in mapping_items(option_node, file):
+                if key not in _OPTION_KEYS:
+                    raise InputError(
+                        f"unknown key {key!r} in {kind} {name!r}",
+                        where=f"{file}:{key_line}",
+                        hint=f"allowed: {', '.join(sorted(_OPTION_KEYS))}",
+                    )
+                if key == "settings":
+                    detail = f"{kind} {name}"
+                    layer = flatten_node(value_node, file, lambda f, ln, d=detail: Source(kind, f, ln, d))
+                else:
+                    fields[key] = construct(value_node)
+        options[name] = Option(**fields, layer=layer)
+        del line
+    return options
+
+
+def load_recipe(path: Path) -> Recipe:
+    file = _display(path)
+    node = compose_yaml(path.read_text(encoding="utf-8"), file)
+    if node is None:
+        raise InputError("empty recipe file", where=file)
+    fields: dict[str, Any] = {"path": file}
+    for key, value_node, line in mapping_items(node, file):
+        if key not in _TOP_KEYS:
+            close = difflib.get_close_matches(key, sorted(_TOP_KEYS), n=1)
+            raise InputError(
+                f"unknown recipe key {key!r}",
+                where=f"{file}:{line}",
+                hint=f"did you mean {close[0]!r}?" if close else None,
+            )
+        if key == "settings":
+            fields["layer"] = flatten_node(value_node, file, lambda f, ln: Source("recipe", f, ln, "recipe"))
+        elif key in ("variants", "profiles"):
+            fields[key] = _options(value_node, file, key[:-1], fields.get("recipe", "?"))
+        else:
+            fields[key] = construct(value_node)
+    try:
+        recipe = Recipe(**fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise InputError(f"invalid recipe: {loc}: {err['msg']}", where=file) from None
+    if recipe.default_variant not in recipe.variants:
+        raise InputError(f"default_variant {recipe.default_variant!r} is not among the variants", where=file)
+    return recipe
+
+
+@cache
+def builtin_recipes() -> dict[str, Recipe]:
+    recipes: dict[str, Recipe] = {}
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        if path.stem in ("models", "defaults"):
+            continue
+        recipe = load_recipe(path)
+        recipes[recipe.recipe] = recipe
+    return recipes
+
+
+def get_recipe(name: str) -> Recipe:
+    recipes = builtin_recipes()
+    if name in recipes:
+        return recipes[name]
+    close = difflib.get_close_matches(name, list(recipes), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise InputError(f"unknown recipe {name!r}", hint=f"{hint}choose one of: {', '.join(recipes)}")
+
+
+@cache
+def defaults_layer() -> Layer:
+    path = recipes_dir() / "defaults.yaml"
+    file = _display(path)
+    node = compose_yaml(path.read_text(encoding="utf-8"), file)
+    assert node is not None
+    for key, value_node, _line in mapping_items(node, file):
+        if key == "settings":
+            return flatten_node(value_node, file, lambda f, ln: Source("defaults", f, ln, "defaults"))
+    return {}
+
+
+class ModelFacts(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    id: str
+    display_name: str
+    hf_repo: str
+    params_total_b: float
+    params_active_b: float
+    checkpoint_gb: float
+    expert_weights: str
+    dense_weights: str
+    kv_bytes_per_token: dict[str, int]
+    max_context: int
+    modalities: tuple[str, ...]
+    draft: dict[str, str] | None = None
+
+
+@cache
+def model_facts() -> dict[str, ModelFacts]:
+    data = yaml.safe_load((recipes_dir() / "models.yaml").read_text(encoding="utf-8"))
+    return {key: ModelFacts(id=key, **value) for key, value in data["models"].items()}
+
+
+def get_model(model_id: str) -> ModelFacts:
+    models = model_facts()
+    if model_id not in models:
+        raise InputError(f"unknown model {model_id!r}", hint=f"known models: {', '.join(models)}")
+    return models[model_id]
+
+
+def select_recipe(hw: Hardware) -> Recipe:
+    """The recipe that serves this hardware's family; a clear refusal when none does."""
+    if hw.count == 0:
+        raise UnsupportedHardware(
+            "no GPU found on this host",
+            hint="pass --hardware (e.g. --hardware b300x4) to plan for another host",
+        )
+    for recipe in builtin_recipes().values():
+        if recipe.match.vendor == hw.vendor and hw.family in recipe.match.families:
+            return recipe
+    found = f"{hw.count}x {hw.product or 'GPU'} ({describe_arch(hw.arch)})"
+    raise UnsupportedHardware(
+        f"{found} is not supported by any recipe",
+        hint="recipes exist for Hopper (9.0), Blackwell (10.0, 10.3), Rubin (10.7) and MI350 (gfx950); "
+        "pass --hardware or --recipe to plan for other hardware",
+    )

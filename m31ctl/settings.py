@@ -1,0 +1,138 @@
+"""The typed schema of plan settings: what recipes, profiles, override files and
+`--set` may say. It speaks the domain (cache dtypes, speculative method), never
+vLLM flag spellings: those live in the engine adapter alone."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+CacheDtype = Literal["auto", "nvfp4", "fp8", "bf16"]
+
+
+class ModelSettings(_Frozen):
+    id: str = Field(description="model entry in recipes/models.yaml")
+    path: str = Field(description="Hugging Face repo id or a local checkpoint directory")
+    served_name: str
+
+
+class EngineSettings(_Frozen):
+    name: Literal["vllm"] = "vllm"
+    image: str
+    # Which engine schema the adapter's argv is checked against (see m31ctl/engine/schemas).
+    schema_version: str = "0.32.0"
+    image_features: tuple[str, ...] = ()  # day-zero image extensions beyond the public vLLM release
+
+
+class Parallelism(_Frozen):
+    tensor: int = Field(1, ge=1)
+    data: int = Field(1, ge=1)
+    expert: bool = False
+    decode_context: int = Field(1, ge=1)
+
+    @property
+    def gpus(self) -> int:
+        return self.tensor * self.data
+
+    @model_validator(mode="after")
+    def _dcp_divides_tp(self) -> Parallelism:
+        if self.decode_context > 1 and self.tensor % self.decode_context:
+            raise ValueError(
+                f"parallelism.decode_context ({self.decode_context}) must divide parallelism.tensor ({self.tensor})"
+            )
+        return self
+
+
+class CacheSettings(_Frozen):
+    kv_dtype: CacheDtype = "auto"
+    indexer_dtype: CacheDtype = "auto"
+    block_size: int | None = Field(None, ge=1)
+
+
+class SpeculativeSettings(_Frozen):
+    method: Literal["none", "dspark"] = "none"
+    tokens: int | None = Field(None, ge=1, le=16)
+    draft_attention_backend: str | None = None
+    draft_sampling: Literal["greedy", "probabilistic"] | None = None
+
+    @model_validator(mode="after")
+    def _tokens_follow_method(self) -> SpeculativeSettings:
+        if self.method != "none" and self.tokens is None:
+            raise ValueError(f"speculative.tokens is required when speculative.method is {self.method}")
+        if self.method == "none" and (self.tokens or self.draft_attention_backend or self.draft_sampling):
+            raise ValueError(
+                "speculative.method is none, so tokens, draft_attention_backend and draft_sampling must be null"
+            )
+        return self
+
+
+class MoESettings(_Frozen):
+    backend: str = "auto"
+    # What the chosen MoE path does to the NVFP4 experts at load (informational, shown in the plan).
+    expert_requantization: Literal["none", "mxfp8"] = "none"
+
+    @model_validator(mode="after")
+    def _requantization_needs_aiter(self) -> MoESettings:
+        # Only AITER's MoE path re-quantizes NVFP4 experts (CDNA4 lacks NVFP4 dequantization).
+        if self.expert_requantization == "mxfp8" and self.backend != "aiter":
+            raise ValueError(
+                "moe.expert_requantization=mxfp8 happens only in the AITER MoE path (moe.backend=aiter)"
+            )
+        return self
+
+
+class Multimodal(_Frozen):
+    image: bool = True
+    video: bool = True
+
+
+class Serving(_Frozen):
+    max_model_len: int = Field(262144, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    trust_remote_code: bool = False
+    shutdown_timeout: int = Field(30, ge=0, description="seconds vLLM drains in-flight requests on SIGTERM")
+    extra_args: tuple[str, ...] = ()
+
+
+class Runtime(_Frozen):
+    port: int = Field(8000, ge=1, le=65535)
+    bind: str = "127.0.0.1"
+    container_name: str = "m31ctl-minimax-m31-flash"
+    hf_cache: str = "~/.cache/huggingface"
+    ipc_host: bool = False
+    shm_size: str = "64g"
+    seccomp_unconfined: bool = False
+    startup_timeout: int = Field(3600, ge=1, description="seconds allowed for download, load and compile")
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class CapacityAssumptions(_Frozen):
+    """Inputs of the memory model beyond hardware and model facts (docs/capacity.md)."""
+
+    # Per-GPU memory vLLM's budget cannot give to weights or KV: activations, CUDA graphs,
+    # NCCL buffers, the draft model, non-torch allocations. The published 28/76 figures hold
+    # for any value from 7.7 to 14.1 GiB; 10 GiB is a round figure inside that band.
+    runtime_reserve_gib: float = Field(10.0, ge=0)
+
+
+class PlanSettings(_Frozen):
+    model: ModelSettings
+    engine: EngineSettings
+    parallelism: Parallelism = Parallelism()
+    attention_backend: str | None = None
+    cache: CacheSettings = CacheSettings()
+    speculative: SpeculativeSettings = SpeculativeSettings()
+    moe: MoESettings = MoESettings()
+    multimodal: Multimodal = Multimodal()
+    serving: Serving = Serving()
+    runtime: Runtime = Runtime()
+    capacity: CapacityAssumptions = CapacityAssumptions()

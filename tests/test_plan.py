@@ -1,0 +1,202 @@
+"""Resolution: layers, provenance, rules, profiles, variants, and the engine adapter's argv."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from m31ctl.engine.vllm import build_invocation
+from m31ctl.errors import HostPreconditionError, InputError, RuleViolation, UnsupportedHardware
+from m31ctl.hardware import simulated
+from m31ctl.plan import PlanRequest, require_fit, resolve
+
+
+def plan_for(hw: str, **kw):  # type: ignore[no-untyped-def]
+    return resolve(PlanRequest(hardware=simulated(hw), **kw))
+
+
+def flag(args: tuple[str, ...], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_blackwell_quickstart_values():
+    plan = plan_for("b300x4")
+    assert plan.recipe.recipe == "blackwell" and plan.variant == "quickstart" and plan.profile == "latency"
+    args = build_invocation(plan).args
+    assert args[0] == "MiniMaxAI/MiniMax-M3.1-Flash"
+    assert flag(args, "--tensor-parallel-size") == "4"
+    assert flag(args, "--block-size") == "128"
+    assert flag(args, "--kv-cache-dtype") == "nvfp4"
+    assert json.loads(flag(args, "--attention-config")) == {"indexer_kv_dtype": "nvfp4"}
+    assert json.loads(flag(args, "--speculative-config")) == {
+        "method": "dspark",
+        "num_speculative_tokens": 7,
+        "attention_backend": "FLASHINFER_TS",
+        "draft_sample_method": "probabilistic",
+    }
+    assert "model" not in json.loads(flag(args, "--speculative-config"))  # draft ships in dspark/
+    assert build_invocation(plan).image == "vllm/vllm-openai:minimax-m31-flash"
+
+
+@pytest.mark.parametrize("hw", ["b200x4", "gb200x4", "b300x8", "gb300x4"])
+def test_all_blackwell_products_use_blackwell(hw):
+    assert plan_for(hw).recipe.recipe == "blackwell"
+
+
+def test_rubin_is_its_own_preview_recipe():
+    plan = plan_for("rubinx4")
+    assert plan.recipe.recipe == "rubin"
+    assert any("preview" in w for w in plan.warnings)
+
+
+def test_hopper_recipe():
+    plan = plan_for("h200x8")
+    inv = build_invocation(plan)
+    assert plan.recipe.recipe == "hopper"
+    assert flag(inv.args, "--tensor-parallel-size") == "8"
+    assert flag(inv.args, "--kv-cache-dtype") == "fp8"
+    assert json.loads(flag(inv.args, "--attention-config")) == {"indexer_kv_dtype": "fp8"}
+    assert flag(inv.args, "--moe-backend") == "marlin"
+    assert "--speculative-config" not in inv.args
+    assert json.loads(flag(inv.args, "--limit-mm-per-prompt")) == {"video": 0}  # images stay on
+
+
+def test_mi355x_quickstart_and_aiter():
+    quick = build_invocation(plan_for("mi355xx8"))
+    assert quick.image == "vllm/vllm-openai-rocm:minimax-m31-flash"
+    assert json.loads(flag(quick.args, "--speculative-config")) == {
+        "method": "dspark",
+        "num_speculative_tokens": 3,
+        "attention_backend": "TRITON_ATTN",
+    }
+    assert flag(quick.args, "--kv-cache-dtype") == "nvfp4"
+    assert quick.env == ()
+    aiter_plan = plan_for("mi355xx8", variant="aiter")
+    aiter = build_invocation(aiter_plan)
+    assert flag(aiter.args, "--moe-backend") == "aiter"
+    assert aiter.env_dict == {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1"}
+    assert aiter_plan.settings.moe.expert_requantization == "mxfp8"
+    assert flag(aiter.args, "--kv-cache-dtype") == "nvfp4"  # caches stay NVFP4
+    assert "VLLM_ATTENTION_BACKEND" not in aiter.env_dict  # removed from vLLM
+
+
+def test_profiles():
+    dep = build_invocation(plan_for("b300x4", profile="throughput")).args
+    assert flag(dep, "--tensor-parallel-size") == "1"
+    assert flag(dep, "--data-parallel-size") == "4"
+    assert "--enable-expert-parallel" in dep
+    long = build_invocation(plan_for("mi355xx4", profile="long-context")).args
+    assert flag(long, "--decode-context-parallel-size") == "4"
+    assert flag(long, "--max-model-len") == "1048576"
+
+
+def test_unsupported_profile_names_reason():
+    with pytest.raises(InputError, match="decode context parallelism"):
+        plan_for("h200x8", profile="long-context")
+
+
+def test_unknown_profile_suggests():
+    with pytest.raises(InputError, match="did you mean 'throughput'"):
+        plan_for("b300x4", profile="throughput2")
+
+
+def test_provenance_points_at_file_lines():
+    plan = plan_for("b300x4")
+    source = plan.provenance["cache.block_size"]
+    assert source.file == "recipes/blackwell.yaml"
+    line = (
+        Path(__file__).resolve().parent.parent.joinpath(source.file).read_text().splitlines()[source.line - 1]
+    )
+    assert "block_size: 128" in line
+    assert plan.provenance["serving.max_model_len"].layer == "defaults"
+
+
+def test_layers_in_order(tmp_path):
+    override = tmp_path / "site.yaml"
+    override.write_text("serving:\n  max_model_len: 131072\n  max_num_seqs: 32\n")
+    plan = plan_for("b300x4", profile="long-context", files=(override,), sets=("serving.max_num_seqs=16",))
+    # profile set 1M, the file lowered it, --set won over the file
+    assert plan.settings.serving.max_model_len == 131072
+    assert plan.provenance["serving.max_model_len"].file == str(override)
+    assert plan.provenance["serving.max_model_len"].line == 2
+    assert plan.settings.serving.max_num_seqs == 16
+    assert str(plan.provenance["serving.max_num_seqs"]) == "--set #1"
+
+
+def test_rule_violation_names_rule_reason_and_layer(tmp_path):
+    with pytest.raises(RuleViolation) as info:
+        plan_for("b300x4", sets=("cache.block_size=64",))
+    text = info.value.one_line()
+    assert "blackwell-block-size" in text and "128-token blocks" in text and "--set #1" in text
+    override = tmp_path / "o.yaml"
+    override.write_text("speculative:\n  method: dspark\n  tokens: 3\n")
+    with pytest.raises(RuleViolation) as info:
+        plan_for("h200x8", files=(override,))
+    assert "hopper-no-dspark" in info.value.one_line() and f"{override}:2" in info.value.one_line()
+
+
+def test_unknown_key_did_you_mean(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cache:\n  kv_dtype: fp8\n  blok_size: 64\n")
+    with pytest.raises(InputError) as info:
+        plan_for("b300x4", files=(bad,))
+    assert "cache.block_size" in info.value.one_line() and f"{bad}:3" in info.value.one_line()
+
+
+def test_bad_value_reports_source():
+    with pytest.raises(InputError) as info:
+        plan_for("b300x4", sets=("cache.kv_dtype=int3",))
+    assert "cache.kv_dtype" in info.value.one_line() and "--set #1" in info.value.one_line()
+
+
+def test_set_json_values_and_hostile_strings():
+    plan = plan_for(
+        "b300x4",
+        sets=('serving.extra_args=["--foo", "a b; $(rm -rf /)"]', "model.served_name=x'; echo pwned"),
+    )
+    inv = build_invocation(plan)
+    assert inv.args[-2:] == ("--foo", "a b; $(rm -rf /)")
+    assert flag(inv.args, "--served-model-name") == "x'; echo pwned"
+
+
+def test_bad_set_syntax():
+    with pytest.raises(InputError, match=r"key\.path=value"):
+        plan_for("b300x4", sets=("nokey",))
+
+
+def test_invalid_yaml_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("serving:\n  max_model_len: [1,\n")
+    with pytest.raises(InputError) as info:
+        plan_for("b300x4", files=(bad,))
+    assert str(bad) in info.value.one_line()
+
+
+def test_missing_file():
+    with pytest.raises(InputError, match="not found"):
+        plan_for("b300x4", files=(Path("/nonexistent.yaml"),))
+
+
+def test_unsupported_hardware_is_refused_with_what_was_found():
+    with pytest.raises(UnsupportedHardware, match="RTX"):
+        plan_for("rtxpro6000x4")
+    with pytest.raises(UnsupportedHardware, match="MI300"):
+        plan_for("mi300xx8")
+
+
+def test_fit_requires_enough_gpus():
+    plan = plan_for("h200x2")  # the selected recipe needs 8
+    with pytest.raises(HostPreconditionError, match="needs 8 GPUs"):
+        require_fit(plan)
+
+
+def test_hash_is_stable_and_changes_with_settings():
+    assert plan_for("b300x4").hash == plan_for("b300x4").hash
+    assert plan_for("b300x4").hash != plan_for("b300x4", sets=("serving.max_num_seqs=8",)).hash
+
+
+def test_speculative_consistency():
+    with pytest.raises(InputError, match="speculative"):
+        plan_for("b300x4", sets=("speculative.method=none",))
