@@ -6,6 +6,7 @@ Errors from every command map to exit codes in one place: `main()`.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -166,6 +167,75 @@ def capacity(
 
     p = _resolve(hardware, recipe, variant, profile, file, set_)
     capacity_cmd.run(p, context, sequences, plot, json)
+
+
+@app.command()
+def render(
+    target: Annotated[str, typer.Option("--target", help="script | compose | k8s | systemd.")],
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write into DIR (else print).")
+    ] = None,
+    check: Annotated[
+        Path | None, typer.Option("--check", help="Exit 1 with a diff when DIR is out of date.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite files that differ.")] = False,
+) -> int:
+    """Render deployment artifacts (bash script, Compose, Kubernetes, systemd) from the plan."""
+    from m31ctl.errors import InputError
+    from m31ctl.render import files
+    from m31ctl.render.targets import TARGETS
+    from m31ctl.render.targets import render as render_target
+
+    if target not in TARGETS:
+        raise InputError(f"unknown --target {target!r}", hint=f"choose one of: {', '.join(TARGETS)}")
+    artifacts = render_target(_resolve(hardware, recipe, variant, profile, file, set_), target)
+    if check is not None:
+        drift = files.diff(check, artifacts)
+        sys.stdout.write(drift)
+        return int(ExitCode.CHECK_FAILED if drift else ExitCode.OK)
+    if output is None:
+        for artifact in artifacts:
+            sys.stdout.write(artifact.content)
+        return 0
+    for path, state in files.write(output, artifacts, force):
+        sys.stderr.write(f"{state}: {path}\n")
+    return 0
+
+
+@app.command()
+def doctor(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    json: JsonOpt = False,
+) -> int:
+    """Check that this host can run the plan: Docker, GPUs, drivers, disk, port, image."""
+    from m31ctl.doctor import diagnose, print_report, report_json
+    from m31ctl.probe import detect
+
+    probe = detect()
+    request = None
+    if hardware or recipe or variant or file or set_ or profile != "latency":
+        request = _request(hardware, recipe, variant, profile, file, set_)
+        if not hardware:
+            request = replace(request, hardware=probe.hardware)
+    report = diagnose(request, probe)
+    if json:
+        from m31ctl.output import emit_json
+
+        emit_json(report_json(report))
+    else:
+        print_report(report)
+    return int(ExitCode.CHECK_FAILED if report.failed else ExitCode.OK)
 
 
 def main() -> None:

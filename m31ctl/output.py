@@ -12,9 +12,13 @@ def emit_json(payload: Any) -> None:
 
 
 def console(stderr: bool = False) -> Any:
+    import shutil
+
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+    # Pipes and CI logs get a wide page rather than rich's 80-column guess.
+    width = shutil.get_terminal_size((140, 24)).columns
+    return Console(stderr=stderr, highlight=False, width=max(width, 100))
 
 
 def table(title: str | None, columns: list[str]) -> Any:

@@ -105,7 +105,10 @@ class Serving(_Frozen):
 
 class Runtime(_Frozen):
     port: int = Field(8000, ge=1, le=65535)
+    # Loopback by default: an open port on all interfaces is a deliberate choice with a key.
     bind: str = "127.0.0.1"
+    # Serve with an API key read from VLLM_API_KEY at start (by reference; never in argv).
+    api_key: bool = False
     container_name: str = "m31ctl-minimax-m31-flash"
     hf_cache: str = "~/.cache/huggingface"
     ipc_host: bool = False
@@ -113,6 +116,15 @@ class Runtime(_Frozen):
     seccomp_unconfined: bool = False
     startup_timeout: int = Field(3600, ge=1, description="seconds allowed for download, load and compile")
     env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _exposed_needs_key(self) -> Runtime:
+        if not self.bind.startswith("127.") and self.bind not in ("::1", "localhost") and not self.api_key:
+            raise ValueError(
+                f"runtime.bind={self.bind} exposes the server beyond this host, which requires an API key: "
+                "also set runtime.api_key=true and provide VLLM_API_KEY"
+            )
+        return self
 
 
 class CapacityAssumptions(_Frozen):

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from m31ctl.errors import InputError
 from m31ctl.hardware import GPU
 
-NVIDIA_VARS = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+# Outermost first: the container runtime picks devices, then CUDA numbers what it was given.
+NVIDIA_VARS = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 AMD_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
 

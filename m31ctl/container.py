@@ -1,0 +1,114 @@
+"""The container to run, derived from the plan once and shared by every renderer and launcher."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from m31ctl import __version__
+from m31ctl.dockerapi import OWNER, OWNER_LABEL
+from m31ctl.engine.vllm import build_invocation
+from m31ctl.plan import Plan
+
+CONTAINER_PORT = 8000
+HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface"
+# Secrets the container may read from its environment. Values never pass through m31ctl's
+# argv, logs or rendered files: only these names do.
+HF_TOKEN = "HF_TOKEN"
+API_KEY = "VLLM_API_KEY"
+LOG_MAX_SIZE = "100m"
+LOG_MAX_FILES = 5
+# docker stop waits this much beyond vLLM's own drain window before it kills.
+STOP_MARGIN_S = 30
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str
+    target: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    name: str
+    image: str
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    secret_env: tuple[str, ...]  # names passed through by reference
+    labels: tuple[tuple[str, str], ...]
+    vendor: str
+    gpu_count: int
+    devices: tuple[str, ...]  # AMD device nodes
+    group_add: tuple[str, ...]
+    security_opt: tuple[str, ...]
+    cap_add: tuple[str, ...]
+    ipc_host: bool
+    shm_size: str | None
+    ulimits: tuple[tuple[str, int, int], ...]
+    mounts: tuple[Mount, ...]
+    bind: str
+    host_port: int
+    container_port: int
+    restart: str
+    stop_timeout: int
+    startup_timeout: int
+    log_max_size: str = LOG_MAX_SIZE
+    log_max_files: int = LOG_MAX_FILES
+
+    @property
+    def label_dict(self) -> dict[str, str]:
+        return dict(self.labels)
+
+
+def labels_for(plan: Plan) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        sorted(
+            {
+                OWNER_LABEL: OWNER,
+                "io.m31ctl.plan-hash": plan.hash,
+                "io.m31ctl.recipe": plan.recipe.recipe,
+                "io.m31ctl.variant": plan.variant,
+                "io.m31ctl.profile": plan.profile,
+                "io.m31ctl.served-model": plan.settings.model.served_name,
+                "io.m31ctl.version": __version__,
+            }.items()
+        )
+    )
+
+
+def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
+    s = plan.settings
+    runtime = s.runtime
+    inv = build_invocation(plan)
+    amd = plan.hardware.vendor == "amd"
+    hf_cache = os.path.expanduser(runtime.hf_cache) if expand_home else runtime.hf_cache
+    mounts = [Mount(hf_cache, HF_CACHE_IN_CONTAINER)]
+    if os.path.isabs(s.model.path) and expand_home:
+        mounts.append(Mount(s.model.path, s.model.path, read_only=True))  # a local checkpoint
+    secrets = [HF_TOKEN] + ([API_KEY] if runtime.api_key else [])
+    return ContainerSpec(
+        name=runtime.container_name,
+        image=inv.image,
+        args=inv.args,
+        env=inv.env,
+        secret_env=tuple(secrets),
+        labels=labels_for(plan),
+        vendor=plan.hardware.vendor,
+        gpu_count=plan.gpus_needed,
+        devices=("/dev/kfd", "/dev/dri") if amd else (),
+        group_add=("video", "render") if amd else (),
+        security_opt=("seccomp=unconfined",) if runtime.seccomp_unconfined else (),
+        cap_add=("SYS_PTRACE",) if amd else (),
+        ipc_host=runtime.ipc_host,
+        shm_size=None if runtime.ipc_host else runtime.shm_size,
+        # Unlimited locked memory for pinned host buffers and RDMA; a 64 MB stack as NVIDIA advises.
+        ulimits=(("memlock", -1, -1), ("stack", 67108864, 67108864)),
+        mounts=tuple(mounts),
+        bind=runtime.bind,
+        host_port=runtime.port,
+        container_port=CONTAINER_PORT,
+        restart="unless-stopped",
+        stop_timeout=s.serving.shutdown_timeout + STOP_MARGIN_S,
+        startup_timeout=runtime.startup_timeout,
+    )

@@ -1,0 +1,121 @@
+"""Doctor checks: independent, time-limited, run concurrently; each says ok/warn/fail/skip."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from m31ctl.plan import Plan
+from m31ctl.probe import ProbeReport
+from m31ctl.probe.base import Runner, run_command
+
+Status = Literal["ok", "warn", "fail", "skip"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: Status
+    message: str
+    remedy: str = ""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    id: str
+    title: str
+    status: Status
+    message: str
+    remedy: str
+    duration_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "status": self.status,
+            "message": self.message,
+            "remedy": self.remedy,
+            "duration_s": round(self.duration_s, 3),
+        }
+
+
+@dataclass
+class Context:
+    """What checks may read. Side effects go through these callables, so tests can pass fakes."""
+
+    plan: Plan | None
+    plan_error: str | None
+    probe: ProbeReport
+    env: Mapping[str, str]
+    run: Runner = run_command
+    docker: Callable[[], Any] | None = None  # returns a connected client or raises DockerUnreachable
+    _docker_client: Any = field(default=None, init=False)
+    _docker_error: Exception | None = field(default=None, init=False)
+
+    def docker_client(self) -> Any:
+        """Connect once; every Docker check shares the client (or the error)."""
+        if self._docker_client is None and self._docker_error is None:
+            try:
+                if self.docker is None:
+                    from m31ctl.dockerapi import connect
+
+                    self._docker_client = connect(timeout=5)
+                else:
+                    self._docker_client = self.docker()
+            except Exception as exc:
+                self._docker_error = exc
+        if self._docker_error is not None:
+            raise self._docker_error
+        return self._docker_client
+
+
+@dataclass(frozen=True)
+class Check:
+    id: str
+    title: str
+    fn: Callable[[Context], Outcome]
+    timeout_s: float = 5.0
+
+
+def run_checks(checks: Sequence[Check], ctx: Context, workers: int = 8) -> list[CheckResult]:
+    """Run all checks concurrently; a check that raises or overruns fails alone."""
+    results: dict[str, CheckResult] = {}
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="doctor")
+    started = {c.id: time.monotonic() for c in checks}
+    futures = {c.id: pool.submit(_timed, c, ctx) for c in checks}
+    for check in checks:
+        deadline = started[check.id] + check.timeout_s
+        try:
+            results[check.id] = futures[check.id].result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            results[check.id] = CheckResult(
+                check.id,
+                check.title,
+                "fail",
+                f"no answer within {check.timeout_s:g} s",
+                "see what hangs; rerun",
+                check.timeout_s,
+            )
+    pool.shutdown(wait=False, cancel_futures=True)
+    return [results[c.id] for c in checks]
+
+
+def _timed(check: Check, ctx: Context) -> CheckResult:
+    start = time.monotonic()
+    try:
+        outcome = check.fn(ctx)
+    except Exception as exc:
+        from m31ctl.errors import M31Error
+
+        message = exc.message if isinstance(exc, M31Error) else f"{type(exc).__name__}: {exc}"
+        remedy = (
+            (exc.hint or "") if isinstance(exc, M31Error) else "this is a bug in the check; please report it"
+        )
+        outcome = Outcome("fail", message, remedy)
+    return CheckResult(
+        check.id, check.title, outcome.status, outcome.message, outcome.remedy, time.monotonic() - start
+    )

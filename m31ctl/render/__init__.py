@@ -1,0 +1,1 @@
+"""Rendering deployment artifacts from a plan: script, compose, k8s, systemd."""

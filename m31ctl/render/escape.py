@@ -1,0 +1,68 @@
+"""Escaping for where each value lands: shell words, systemd command lines, YAML documents."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any
+
+import yaml
+
+HOME_PREFIX = "~/"
+
+
+def shell_word(value: object) -> str:
+    """One shell word. A leading ~/ becomes "$HOME"/ so the path resolves on the target host."""
+    text = str(value)
+    if text.startswith(HOME_PREFIX):
+        return '"$HOME"/' + shlex.quote(text[len(HOME_PREFIX) :])
+    return shlex.quote(text)
+
+
+_SYSTEMD_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+
+
+def systemd_word(value: object) -> str:
+    """One word of a systemd Exec line: %-specifiers, $-expansion and quotes are escaped."""
+    text = str(value)
+    home = text.startswith(HOME_PREFIX)
+    if home:
+        text = text[len(HOME_PREFIX) :]
+    text = text.replace("%", "%%").replace("$", "$$")
+    if _SYSTEMD_SAFE.match(text) and "%%" not in text:
+        word = text
+    else:
+        escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+        word = f'"{escaped}"'
+    return f"%h/{word}" if home else word
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, no aliases, stable order: diffs stay readable and renders byte-identical."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _str_representer(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _str_representer)
+
+
+def to_yaml(document: Any) -> str:
+    return yaml.dump(
+        document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=4096
+    ).rstrip("\n")
+
+
+def compose_literal(value: str) -> str:
+    """Compose interpolates $VAR and ${VAR} in every string; $$ is a literal $."""
+    return value.replace("$", "$$")
+
+
+def k8s_literal(value: str) -> str:
+    """Kubernetes expands $(VAR) in command and args; $$( keeps it literal."""
+    return value.replace("$(", "$$(")
