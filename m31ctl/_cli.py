@@ -5,6 +5,7 @@ Errors from every command map to exit codes in one place: `main()`.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -253,6 +254,14 @@ def main() -> None:
         _fail(f"{exc.format_message()} (see m31ctl --help)", int(ExitCode.BAD_INPUT), None)
     except BrokenPipeError:
         sys.exit(0)
+    except Exception as exc:  # a bug: one line for the user, the traceback on request
+        if os.environ.get("M31CTL_DEBUG"):
+            raise
+        _fail(
+            f"internal error: {type(exc).__name__}: {exc} (rerun with M31CTL_DEBUG=1 and report it)",
+            int(ExitCode.INTERNAL),
+            None,
+        )
     sys.exit(result if isinstance(result, int) else 0)
 
 

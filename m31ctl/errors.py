@@ -16,6 +16,7 @@ class ExitCode(IntEnum):
     CONFLICT = 4  # a container or port we do not own is in the way
     NOT_READY = 5  # the server died or did not become ready in time
     HOST_PRECONDITION = 6  # this host cannot run the plan (GPUs, drivers, disk)
+    INTERNAL = 70  # a bug in m31ctl (EX_SOFTWARE)
     INTERRUPTED = 130
 
 

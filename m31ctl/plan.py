@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from m31ctl.errors import HostPreconditionError, InputError, RuleViolation
 from m31ctl.hardware import Hardware
-from m31ctl.layers import Layer, Setting, Source, load_layer_file, merge, parse_set, unflatten
+from m31ctl.layers import Layer, Source, load_layer_file, merge, parse_set, unflatten
 from m31ctl.recipes import ModelFacts, Recipe, defaults_layer, get_model, get_recipe, select_recipe
 from m31ctl.settings import PlanSettings
 
@@ -178,7 +178,12 @@ def _warnings(recipe: Recipe, settings: PlanSettings, hw: Hardware) -> tuple[str
     if recipe.status == "rehearsal":
         notes.append("rehearsal recipe: for CI and dry runs only, it does not serve MiniMax-M3.1-Flash")
     needed = settings.parallelism.gpus
-    if hw.count > needed:
+    if hw.count < needed:
+        notes.append(
+            f"this {'simulated ' if hw.source.startswith('simulated') else ''}host has {hw.count} GPUs "
+            f"and the plan needs {needed}: launch will refuse it"
+        )
+    elif hw.count > needed:
         notes.append(f"the plan uses {needed} of the {hw.count} GPUs")
     return tuple(notes)
 
@@ -192,7 +197,3 @@ def require_fit(plan: Plan) -> None:
             f"but the hardware has {have}",
             hint="use a host with more GPUs, or pass --hardware to plan for one",
         )
-
-
-def setting_layer(key: str, value: Any, source: Source) -> Layer:
-    return {key: Setting(value, source)}

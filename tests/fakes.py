@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,19 @@ GPU_FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 
 class FakeNVMLError(Exception):
     pass
+
+
+class FabricInfo(ctypes.Structure):
+    """Same fields as pynvml's c_nvmlGpuFabricInfo_v2_t."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("clusterUuid", ctypes.c_uint8 * 16),
+        ("status", ctypes.c_uint),
+        ("cliqueId", ctypes.c_uint32),
+        ("state", ctypes.c_uint8),
+        ("healthMask", ctypes.c_uint32),
+    ]
 
 
 class FakeNvml:
@@ -77,16 +91,16 @@ class FakeNvml:
             raise FakeNVMLError("Not Supported")
         return int(mig[0]), int(mig[1])
 
-    def nvmlDeviceGetGpuFabricInfoV(self, h: int) -> SimpleNamespace:
+    c_nvmlGpuFabricInfo_v2_t = FabricInfo
+
+    def nvmlDeviceGetGpuFabricInfoV(self, h: int, ref: Any) -> int:
         fabric = self.gpus[h].get("fabric")
         if not isinstance(fabric, dict):
             raise FakeNVMLError("Not Supported")
-        return SimpleNamespace(
-            state=fabric["state"],
-            status=fabric["status"],
-            cliqueId=fabric["clique_id"],
-            clusterUuid=bytes.fromhex(fabric["cluster_uuid"].replace("-", "")),
-        )
+        info = ref._obj
+        info.state, info.status, info.cliqueId = fabric["state"], fabric["status"], fabric["clique_id"]
+        info.clusterUuid[:] = list(bytes.fromhex(fabric["cluster_uuid"].replace("-", "")))
+        return 0
 
     def nvmlDeviceGetP2PStatus(self, a: int, b: int, cap: int) -> int:
         assert cap == self.NVML_P2P_CAPS_INDEX_NVLINK

@@ -247,3 +247,43 @@ def test_cli_probe_without_gpu_exits_zero(cli):
     data = json.loads(result.stdout)
     assert data["hardware"]["count"] == 0 and data["recipe"]["name"] is None
     assert {a["method"] for a in data["attempts"]} >= {"nvml", "nvidia-smi"}
+
+
+DEVICE = GPU_FIXTURES / "device-h200x2"
+
+
+def test_replay_of_device_capture_matches_what_the_real_probe_printed():
+    """The fake replays the NVML capture; its answer must equal the real probe's on that host."""
+    capture = json.loads((DEVICE / "nvml-capture.json").read_text())
+    recorded = json.loads((DEVICE / "probe-2gpu.json").read_text())["hardware"]
+    hw = detect([NvmlProbe(FakeNvml(capture))], env={"NVIDIA_VISIBLE_DEVICES": "all"}).hardware
+    from m31ctl.views import hardware_json
+
+    assert hardware_json(hw) == recorded
+    one = json.loads((DEVICE / "probe-1gpu.json").read_text())["hardware"]
+    hw1 = detect([NvmlProbe(FakeNvml(capture))], env={"CUDA_VISIBLE_DEVICES": "0"}).hardware
+    assert hardware_json(hw1) == one
+
+
+def test_device_smi_capture_agrees_with_nvml_capture():
+    smi = detect(
+        [
+            NvidiaSmiProbe(
+                smi_runner(
+                    (DEVICE / "nvidia-smi-query.csv").read_text(),
+                    (DEVICE / "nvidia-smi-topo.txt").read_text(),
+                )
+            )
+        ],
+        env={},
+    ).hardware
+    nvml = detect([NvmlProbe(FakeNvml.from_file(DEVICE / "nvml-capture.json"))], env={}).hardware
+    assert (smi.count, smi.arch, smi.product, smi.memory_per_gpu_bytes, smi.nvlink, smi.driver_version) == (
+        nvml.count,
+        nvml.arch,
+        nvml.product,
+        nvml.memory_per_gpu_bytes,
+        nvml.nvlink,
+        nvml.driver_version,
+    )
+    assert [g.uuid for g in smi.gpus] == [g.uuid for g in nvml.gpus]

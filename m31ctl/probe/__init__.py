@@ -32,11 +32,27 @@ class ProbeReport:
     visibility: str | None = None
 
 
-def default_methods() -> list[ProbeMethod]:
+METHODS_ENV = "M31CTL_PROBE_METHODS"
+
+
+def default_methods(env: Mapping[str, str]) -> list[ProbeMethod]:
+    """All methods in order, or the comma-separated subset named by M31CTL_PROBE_METHODS."""
     from m31ctl.probe.amd import AmdSmiProbe, KfdSysfsProbe
     from m31ctl.probe.nvidia import NvidiaSmiProbe, NvmlProbe
 
-    return [NvmlProbe(), NvidiaSmiProbe(), AmdSmiProbe(), KfdSysfsProbe()]
+    methods: list[ProbeMethod] = [NvmlProbe(), NvidiaSmiProbe(), AmdSmiProbe(), KfdSysfsProbe()]
+    wanted = [m.strip() for m in env.get(METHODS_ENV, "").split(",") if m.strip()]
+    if wanted:
+        from m31ctl.errors import InputError
+
+        unknown = set(wanted) - {m.name for m in methods}
+        if unknown:
+            raise InputError(
+                f"{METHODS_ENV} names unknown probe methods: {', '.join(sorted(unknown))}",
+                hint=f"known: {', '.join(m.name for m in methods)}",
+            )
+        methods = [m for m in methods if m.name in wanted]
+    return methods
 
 
 NO_GPU = Hardware(
@@ -89,11 +105,14 @@ def detect(methods: Sequence[ProbeMethod] | None = None, env: Mapping[str, str] 
     env = environ() if env is None else env
     attempts: list[Attempt] = []
     # A vendor's fallback runs only when its primary failed; the first vendor that sees GPUs wins.
-    for method in methods if methods is not None else default_methods():
+    for method in methods if methods is not None else default_methods(env):
         try:
             snapshot = method.probe()
         except ProbeUnavailable as exc:
             attempts.append(Attempt(method.name, False, str(exc)))
+            continue
+        except Exception as exc:  # a broken method must not hide the fallbacks behind it
+            attempts.append(Attempt(method.name, False, f"unexpected {type(exc).__name__}: {exc}"))
             continue
         attempts.append(Attempt(method.name, True, f"{len(snapshot.gpus)} GPU(s)"))
         if snapshot.gpus:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import ctypes
 import io
 from typing import Any
 
@@ -48,6 +49,18 @@ def healthy_fabric(state: int, status: int, clique_id: int, cluster_uuid: str) -
     if state != NVML_FABRIC_STATE_COMPLETED or status != 0 or cluster_uuid.strip("-0") == "":
         return None
     return Fabric(clique_id=clique_id, cluster_uuid=cluster_uuid)
+
+
+def _fabric_member(nvml: Any, handle: Any) -> Fabric | None:
+    """NVL72-style fabric registration; None where the GPU or the binding has no fabric."""
+    try:
+        info = nvml.c_nvmlGpuFabricInfo_v2_t()  # the binding fills a versioned struct in place
+        nvml.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
+    except (nvml.NVMLError, AttributeError, TypeError):
+        return None  # Hopper PCIe/HGX boards answer NOT_SUPPORTED; old bindings lack the call
+    return healthy_fabric(
+        int(info.state), int(info.status), int(info.cliqueId), _fabric_uuid(bytes(info.clusterUuid))
+    )
 
 
 class NvmlProbe:
@@ -105,16 +118,9 @@ class NvmlProbe:
                     mig_enabled=mig,
                 )
             )
-            try:
-                info = nvml.nvmlDeviceGetGpuFabricInfoV(h)
-            except (nvml.NVMLError, AttributeError):
-                info = None  # no fabric on this GPU, or an older binding
-            if info is not None:
-                member = healthy_fabric(
-                    int(info.state), int(info.status), int(info.cliqueId), _fabric_uuid(info.clusterUuid)
-                )
-                if member:
-                    fabric[index] = member
+            member = _fabric_member(nvml, h)
+            if member:
+                fabric[index] = member
         links = set()
         for a in range(len(handles)):
             for b in range(a + 1, len(handles)):
