@@ -239,29 +239,147 @@ def doctor(
     return int(ExitCode.CHECK_FAILED if report.failed else ExitCode.OK)
 
 
+@app.command()
+def launch(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    json: JsonOpt = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan and container spec; start nothing.")
+    ] = False,
+    detach: Annotated[
+        bool, typer.Option("--detach", help="Return once started; do not wait for readiness.")
+    ] = False,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds to wait for readiness.")] = None,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="Replace a container running another plan.")
+    ] = False,
+    name: Annotated[str | None, typer.Option("--name", help="Container name.")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Host port.")] = None,
+) -> int:
+    """Resolve, check, pull, start the serving container and wait until the model answers."""
+    sets = list(set_ or [])
+    if name:
+        sets.append(f"runtime.container_name={name}")
+    if port:
+        sets.append(f"runtime.port={port}")
+    p = _resolve(hardware, recipe, variant, profile, file, sets)
+    if dry_run:
+        from m31ctl import launch_views
+
+        launch_views.print_dry_run(p, json)
+        return 0
+    from m31ctl import launch_views, launcher
+
+    result = launcher.launch(
+        p,
+        timeout=timeout,
+        detach=detach,
+        yes=yes,
+        confirm=launch_views.confirm,
+        report=launch_views.reporter(json),
+    )
+    launch_views.print_result(p, result, json)
+    return 0
+
+
+@app.command()
+def status(json: JsonOpt = False) -> None:
+    """The containers m31ctl runs: state, plan, endpoint, health."""
+    from m31ctl import launch_views, launcher
+    from m31ctl.dockerapi import connect
+
+    launch_views.print_status(launcher.status(connect()), json)
+
+
+@app.command()
+def logs(
+    name: Annotated[str | None, typer.Option("--name", help="Container (default: all of ours).")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+    tail: Annotated[int, typer.Option("--tail", help="Lines from the end.")] = 100,
+) -> None:
+    """Print the serving container's log."""
+    from m31ctl import launcher
+    from m31ctl.dockerapi import connect
+
+    for container in launcher.select(connect(), name):
+        stream = container.logs(stream=follow, follow=follow, tail=tail)
+        chunks = stream if follow else [stream]
+        for chunk in chunks:
+            sys.stdout.write(chunk.decode("utf-8", "replace"))
+            sys.stdout.flush()
+
+
+@app.command()
+def stop(
+    name: Annotated[str | None, typer.Option("--name", help="Container (default: all of ours).")] = None,
+    timeout: Annotated[int | None, typer.Option("--timeout", help="Seconds of drain before SIGKILL.")] = None,
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the stopped container (and its log).")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Stop our serving containers: SIGTERM and a drain, then SIGKILL."""
+    from m31ctl import launch_views, launcher
+    from m31ctl.dockerapi import connect
+
+    stopped = launcher.stop(connect(), name, timeout, keep, launch_views.reporter(json))
+    if json:
+        from m31ctl.output import emit_json
+
+        emit_json({"stopped": stopped})
+    elif not stopped:
+        sys.stderr.write("nothing to stop\n")
+
+
+INTERRUPTED = "interrupted; a container being started keeps its labels, and the next launch converges"
+
+
+def _cli_exception_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(abort, exit) classes: typer >= 0.20 vendors click, older typer uses click itself."""
+    aborts: list[type[BaseException]] = [KeyboardInterrupt, typer.Abort]
+    exits: list[type[BaseException]] = [typer.Exit]
+    try:
+        import click
+
+        aborts.append(click.exceptions.Abort)
+        exits.append(click.exceptions.Exit)
+    except ImportError:
+        pass
+    return tuple(aborts), tuple(exits)
+
+
 def main() -> None:
     """Entry point: run the app and map every error to one line and an exit code."""
-    import click
-
+    if len(sys.argv) == 1:
+        sys.argv.append("--help")  # bare `m31ctl`: help, exit 0
     as_json = "--json" in sys.argv[1:]
+    aborts, exits = _cli_exception_types()
     try:
         result = app(standalone_mode=False)
     except M31Error as exc:
         _fail(exc.one_line(), int(exc.exit_code), exc.to_json() if as_json else None)
-    except (KeyboardInterrupt, click.exceptions.Abort):
-        _fail("interrupted", int(ExitCode.INTERRUPTED), None)
-    except click.exceptions.ClickException as exc:
-        _fail(f"{exc.format_message()} (see m31ctl --help)", int(ExitCode.BAD_INPUT), None)
+    except aborts:
+        _fail(INTERRUPTED, int(ExitCode.INTERRUPTED), None)
+    except exits as exc:
+        sys.exit(int(getattr(exc, "exit_code", 0) or 0))
     except BrokenPipeError:
         sys.exit(0)
-    except Exception as exc:  # a bug: one line for the user, the traceback on request
+    except Exception as exc:
+        if hasattr(exc, "format_message"):  # click's usage errors: unknown option, missing value
+            _fail(f"{exc.format_message()} (see m31ctl --help)", int(ExitCode.BAD_INPUT), None)
         if os.environ.get("M31CTL_DEBUG"):
             raise
+        # A bug: one line for the user, the traceback on request.
         _fail(
             f"internal error: {type(exc).__name__}: {exc} (rerun with M31CTL_DEBUG=1 and report it)",
             int(ExitCode.INTERNAL),
             None,
         )
+    if result == ExitCode.INTERRUPTED:  # typer turns Ctrl-C into a plain exit code 130
+        _fail(INTERRUPTED, int(ExitCode.INTERRUPTED), None)
     sys.exit(result if isinstance(result, int) else 0)
 
 

@@ -32,6 +32,8 @@ def dense_weight_bytes(model: ModelFacts, reference: ModelFacts | None = None) -
     (M3-MXFP8) cannot be split that way; its dense part is the reference model's, since the
     architecture is the same and both keep dense weights in MXFP8.
     """
+    if model.expert_weights == "none":  # a dense model
+        return model.checkpoint_gb * 1e9
     be = BITS_PER_WEIGHT[model.expert_weights] / 8
     bd = BITS_PER_WEIGHT[model.dense_weights] / 8
     if be != bd:

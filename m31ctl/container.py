@@ -102,8 +102,7 @@ def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
         cap_add=("SYS_PTRACE",) if amd else (),
         ipc_host=runtime.ipc_host,
         shm_size=None if runtime.ipc_host else runtime.shm_size,
-        # Unlimited locked memory for pinned host buffers and RDMA; a 64 MB stack as NVIDIA advises.
-        ulimits=(("memlock", -1, -1), ("stack", 67108864, 67108864)),
+        ulimits=tuple((name, value, value) for name, value in sorted(runtime.ulimits.items())),
         mounts=tuple(mounts),
         bind=runtime.bind,
         host_port=runtime.port,

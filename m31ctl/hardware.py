@@ -32,6 +32,8 @@ SERVED_ARCHS: dict[str, Family] = {
     "10.7": Family("rubin", "nvidia", "NVIDIA Rubin"),
     "gfx950": Family("mi350", "amd", "AMD Instinct MI350 series (MI350X, MI355X)"),
 }
+# The CPU rehearsal's "family" (never probed: chosen with --hardware cpu).
+CPU_FAMILY = Family("cpu", "cpu", "CPU rehearsal")
 
 # Real hardware that no recipe serves: named so the refusal says what was found.
 KNOWN_UNSERVED: dict[str, str] = {
@@ -154,11 +156,31 @@ def describe_arch(arch: str | None) -> str:
     return f"architecture {arch}"
 
 
+def cpu_host() -> Hardware:
+    """`--hardware cpu`: this machine's CPU as the one device of the CPU rehearsal recipe."""
+    import os
+    import platform
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Hardware(
+        vendor="cpu",
+        family="cpu",
+        arch=platform.machine(),
+        product=f"CPU ({os.cpu_count()} cores)",
+        count=1,
+        memory_per_gpu_bytes=memory,
+        source="simulated (cpu)",
+        notes=("CPU rehearsal: vLLM's CPU backend, not MiniMax-M3.1-Flash",),
+    )
+
+
 _HW_SPEC = re.compile(r"^(?P<product>[a-z0-9]+?)x(?P<count>[0-9]+)$")
 
 
 def simulated(spec: str) -> Hardware:
     """`--hardware b300x4`: a host of COUNT identical PRODUCT GPUs, no probing."""
+    if spec.strip().lower() in ("cpu", "cpux1"):
+        return cpu_host()
     match = _HW_SPEC.match(spec.strip().lower())
     product = PRODUCTS.get(match.group("product")) if match else None
     if match is None or product is None:

@@ -20,8 +20,8 @@ def plan_layout(plan: Plan) -> Layout:
 def memory_inputs(plan: Plan, model: ModelFacts | None = None, kv_dtype: str | None = None) -> MemoryInputs:
     model = model or plan.model
     dtype = kv_dtype or plan.settings.cache.kv_dtype
-    if dtype == "auto":
-        dtype = "fp8" if "fp8" in model.kv_bytes_per_token else next(iter(model.kv_bytes_per_token))
+    if dtype == "auto":  # vLLM's auto stores the KV cache in the model's dtype
+        dtype = "bf16" if "bf16" in model.kv_bytes_per_token else next(iter(model.kv_bytes_per_token))
     if dtype not in model.kv_bytes_per_token:
         raise InputError(
             f"no KV size is known for {model.display_name} with a {dtype} cache",

@@ -104,6 +104,9 @@ class Serving(_Frozen):
 
 
 class Runtime(_Frozen):
+    # --set runtime.env.X=1 parses 1 as JSON; environment values are strings all the same.
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
+
     port: int = Field(8000, ge=1, le=65535)
     # Loopback by default: an open port on all interfaces is a deliberate choice with a key.
     bind: str = "127.0.0.1"
@@ -114,6 +117,9 @@ class Runtime(_Frozen):
     ipc_host: bool = False
     shm_size: str = "64g"
     seccomp_unconfined: bool = False
+    # Container ulimits (soft = hard; -1 = unlimited). Unlimited locked memory serves pinned host
+    # buffers and RDMA; NVIDIA's container guide asks for a 64 MB stack.
+    ulimits: dict[str, int] = Field(default_factory=lambda: {"memlock": -1, "stack": 67108864})
     startup_timeout: int = Field(3600, ge=1, description="seconds allowed for download, load and compile")
     env: dict[str, str] = Field(default_factory=dict)
 

@@ -1,0 +1,449 @@
+"""`m31ctl launch`, `status`, `logs`, `stop`: the serving container's lifecycle on the Docker Engine.
+
+Only containers labelled as ours are ever changed. Launch is convergent: the same plan on a
+healthy container changes nothing; a changed plan recreates it (after confirmation); an
+interrupted launch leaves a labelled container that the next launch adopts or replaces.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from m31ctl.container import ContainerSpec, container_spec
+from m31ctl.diagnosis import diagnose, phase
+from m31ctl.dockerapi import OWNER, OWNER_LABEL, connect
+from m31ctl.errors import ConflictError, HostPreconditionError, M31Error, NotReadyError
+from m31ctl.plan import Plan, require_fit
+
+HASH_LABEL = "io.m31ctl.plan-hash"
+POLL_S = 0.25
+LOG_TAIL_ON_FAILURE = 20
+
+
+@dataclass
+class LaunchResult:
+    action: str  # created | recreated | unchanged | adopted | dry-run | started
+    container: str
+    endpoint: str
+    plan_hash: str
+    ready: bool
+    timings: dict[str, float] = field(default_factory=dict)
+    phases: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "container": self.container,
+            "endpoint": self.endpoint,
+            "plan_hash": self.plan_hash,
+            "ready": self.ready,
+            "phases": self.phases,
+            "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
+        }
+
+
+def endpoint(spec: ContainerSpec) -> str:
+    host = "127.0.0.1" if spec.bind in ("0.0.0.0", "::") else spec.bind
+    return f"http://{host}:{spec.host_port}"
+
+
+def create_container(client: Any, spec: ContainerSpec, environ: dict[str, str]) -> Any:
+    """Create (not start) the container through the Engine API. Secret values come from our
+    environment into the API request, never into any process's argv."""
+    from docker.types import DeviceRequest, LogConfig, Ulimit
+
+    env = dict(spec.env)
+    env.update({name: environ[name] for name in spec.secret_env if environ.get(name)})
+    host: dict[str, Any] = {
+        "port_bindings": {spec.container_port: (spec.bind, spec.host_port)},
+        "binds": {m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
+        "ulimits": [Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits],
+        "log_config": LogConfig(
+            type="json-file", config={"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)}
+        ),
+        "restart_policy": {"Name": spec.restart},
+    }
+    if spec.ipc_host:
+        host["ipc_mode"] = "host"
+    elif spec.shm_size:
+        host["shm_size"] = spec.shm_size
+    if spec.vendor == "nvidia":
+        host["device_requests"] = [DeviceRequest(count=spec.gpu_count, capabilities=[["gpu"]])]
+    if spec.devices:
+        host["devices"] = [f"{d}:{d}:rwm" for d in spec.devices]
+        host["group_add"] = list(spec.group_add)
+        host["cap_add"] = list(spec.cap_add)
+    if spec.security_opt:
+        host["security_opt"] = list(spec.security_opt)
+    created = client.api.create_container(
+        image=spec.image,
+        command=list(spec.args),
+        name=spec.name,
+        labels=spec.label_dict,
+        environment=env,
+        ports=[spec.container_port],
+        host_config=client.api.create_host_config(**host),
+        stop_signal="SIGTERM",
+        stop_timeout=spec.stop_timeout,
+    )
+    return client.containers.get(created["Id"])
+
+
+def _find(client: Any, name: str) -> Any | None:
+    from docker.errors import NotFound
+
+    try:
+        return client.containers.get(name)
+    except NotFound:
+        return None
+
+
+def _ours(container: Any) -> bool:
+    return bool(container.labels.get(OWNER_LABEL) == OWNER)
+
+
+def _port_free(bind: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((bind, port))
+        except OSError:
+            return False
+    return True
+
+
+def _models(base: str, api_key: str | None, timeout: float = 2.0) -> list[str] | None:
+    """Served model ids from /v1/models, or None while the server does not answer."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(f"{base}/v1/models", headers=headers, timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        return [str(m.get("id")) for m in response.json().get("data", [])]
+    except ValueError:
+        return None
+
+
+def _health(base: str, timeout: float = 2.0) -> int | None:
+    import httpx
+
+    try:
+        return httpx.get(f"{base}/health", timeout=timeout).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def _log_tail(container: Any, lines: int) -> str:
+    try:
+        return str(container.logs(tail=lines).decode("utf-8", "replace"))
+    except Exception:
+        return ""
+
+
+Reporter = Callable[[str], None]
+
+
+def wait_ready(
+    container: Any,
+    spec: ContainerSpec,
+    served_name: str,
+    timeout: float,
+    report: Reporter,
+    api_key: str | None,
+) -> tuple[dict[str, float], list[str]]:
+    """Running -> /health 200 -> /v1/models lists the served name; fail fast when it dies."""
+    base = endpoint(spec)
+    start = time.monotonic()
+    timings: dict[str, float] = {}
+    seen: list[str] = []
+    restarts = int(container.attrs.get("RestartCount", 0))
+    health_ok = False
+    while True:
+        container.reload()
+        state = container.attrs["State"]
+        status = state.get("Status")
+        restarted = int(container.attrs.get("RestartCount", 0)) > restarts
+        if status in ("exited", "dead") or state.get("OOMKilled") or restarted or status == "restarting":
+            _died(container, state, restarted)
+        current = phase(_log_tail(container, 200))
+        if current and current not in seen:
+            seen.append(current)
+            report(f"phase: {current} ({time.monotonic() - start:.1f} s)")
+        if status == "running":
+            timings.setdefault("running", time.monotonic() - start)
+            if not health_ok and _health(base) == 200:
+                health_ok = True
+                timings["health"] = time.monotonic() - start
+                report(f"/health answers 200 ({timings['health']:.1f} s)")
+            if health_ok:
+                models = _models(base, api_key)
+                if models is not None:
+                    timings.setdefault("models_first_answer", time.monotonic() - start)
+                    if served_name in models:
+                        timings["ready"] = time.monotonic() - start
+                        return timings, seen
+        elapsed = time.monotonic() - start
+        if elapsed > timeout:
+            case = (
+                "unhealthy: /health answers but /v1/models does not list the model"
+                if health_ok
+                else f"still loading (last phase: {seen[-1] if seen else 'none'})"
+            )
+            raise NotReadyError(
+                f"not ready after {timeout:g} s: {case}", hint="raise --timeout, or look at `m31ctl logs`"
+            )
+        time.sleep(POLL_S)
+
+
+def _died(container: Any, state: dict[str, Any], restarted: bool) -> None:
+    tail = _log_tail(container, LOG_TAIL_ON_FAILURE)
+    d = diagnose(tail, state.get("ExitCode"), bool(state.get("OOMKilled")))
+    shown = "\n".join("    " + line for line in tail.rstrip().splitlines()[-LOG_TAIL_ON_FAILURE:])
+    how = "restarted" if restarted else f"exited (code {state.get('ExitCode')})"
+    sys.stderr.write(f"m31ctl: the container {how} while starting; last log lines:\n{shown}\n")
+    raise NotReadyError(f"{container.name} {how}: {d.cause}", hint=d.remedy)
+
+
+def launch(
+    plan: Plan,
+    *,
+    timeout: float | None,
+    detach: bool,
+    yes: bool,
+    confirm: Callable[[str], bool],
+    report: Reporter,
+    environ: dict[str, str] | None = None,
+) -> LaunchResult:
+    environ = dict(os.environ if environ is None else environ)
+    require_fit(plan)
+    spec = container_spec(plan)
+    api_key = environ.get("VLLM_API_KEY") if plan.settings.runtime.api_key else None
+    if plan.settings.runtime.api_key and not api_key:
+        raise HostPreconditionError(
+            "runtime.api_key is set but VLLM_API_KEY is not in the environment",
+            hint="export VLLM_API_KEY before launching",
+        )
+    for mount in spec.mounts:
+        if mount.read_only and not os.path.exists(mount.source):
+            raise HostPreconditionError(
+                f"the model path {mount.source} does not exist",
+                hint="create it (scripts/make-tiny-model for the CPU rehearsal) or --set model.path",
+            )
+    client = connect()
+    _preflight_gpu_runtime(client, spec)
+    timeout = float(timeout if timeout is not None else spec.startup_timeout)
+    existing = _find(client, spec.name)
+    action = "created"
+    if existing is not None:
+        if not _ours(existing):
+            raise ConflictError(
+                f"a container named {spec.name} exists and was not created by m31ctl",
+                hint="m31ctl never touches it: pass --name to use another name",
+            )
+        same = existing.labels.get(HASH_LABEL) == plan.hash
+        if same and existing.status in ("running", "created", "restarting"):
+            if existing.status == "running" and plan.settings.model.served_name in (
+                _models(endpoint(spec), api_key) or []
+            ):
+                return LaunchResult("unchanged", spec.name, endpoint(spec), plan.hash, True)
+            report(f"{spec.name} runs this plan already; waiting for it")
+            if existing.status == "created":
+                existing.start()
+            timings, phases = (
+                ({}, [])
+                if detach
+                else wait_ready(existing, spec, plan.settings.model.served_name, timeout, report, api_key)
+            )
+            return LaunchResult("adopted", spec.name, endpoint(spec), plan.hash, not detach, timings, phases)
+        if not same:
+            old = existing.labels.get(HASH_LABEL, "?")
+            question = f"{spec.name} runs plan {old}; replace it with plan {plan.hash}?"
+            if not (yes or confirm(question)):
+                raise ConflictError(
+                    f"{spec.name} runs another plan ({old}); not replaced",
+                    hint="pass --yes to recreate it with this plan",
+                )
+        report(f"removing {spec.name} ({existing.status}, plan {existing.labels.get(HASH_LABEL)})")
+        existing.remove(force=True)
+        action = "recreated"
+    if not _port_free(spec.bind, spec.host_port):
+        raise ConflictError(
+            f"port {spec.bind}:{spec.host_port} is in use", hint="pass --port, or stop what listens there"
+        )
+    _ensure_image(client, spec.image, report)
+    started = time.monotonic()
+    container = _create_and_start(client, spec, environ)
+    report(f"started {spec.name} ({container.short_id}) from {spec.image}")
+    if detach:
+        return LaunchResult(action, spec.name, endpoint(spec), plan.hash, False)
+    timings, phases = wait_ready(container, spec, plan.settings.model.served_name, timeout, report, api_key)
+    timings["total_since_create"] = time.monotonic() - started
+    return LaunchResult(action, spec.name, endpoint(spec), plan.hash, True, timings, phases)
+
+
+def _create_and_start(client: Any, spec: ContainerSpec, environ: dict[str, str]) -> Any:
+    from docker.errors import APIError
+
+    try:
+        container = create_container(client, spec, environ)
+        container.start()
+        return container
+    except APIError as exc:
+        text = str(exc.explanation or exc)
+        d = diagnose(text, None, False)
+        leftover = _find(client, spec.name)
+        if leftover is not None and leftover.status == "created":
+            leftover.remove(force=True)  # a container that never started is no state to keep
+        raise HostPreconditionError(
+            f"Docker could not start {spec.name}: {d.cause} ({text[:200]})", hint=d.remedy
+        ) from None
+
+
+def _preflight_gpu_runtime(client: Any, spec: ContainerSpec) -> None:
+    if spec.vendor == "nvidia":
+        info = client.info()
+        if "nvidia" not in (info.get("Runtimes") or {}) and not info.get("CDISpecDirs"):
+            raise HostPreconditionError(
+                "the Docker Engine has no NVIDIA GPU runtime",
+                hint="install nvidia-container-toolkit; `m31ctl doctor` checks the rest",
+            )
+    if spec.vendor == "amd":
+        missing = [d for d in spec.devices if not os.path.exists(d)]
+        if missing:
+            raise HostPreconditionError(f"missing {', '.join(missing)}", hint="load the amdgpu driver")
+
+
+def _ensure_image(client: Any, image: str, report: Reporter) -> None:
+    from docker.errors import APIError, ImageNotFound
+
+    try:
+        client.images.get(image)
+        return
+    except ImageNotFound:
+        pass
+    report(f"pulling {image}")
+    repository, _, tag = image.rpartition(":") if ":" in image.split("/")[-1] else (image, "", "latest")
+    try:
+        _pull_with_progress(client, repository, tag or "latest")
+    except APIError as exc:
+        raise _pull_error(image, str(exc.explanation or exc)) from None
+
+
+def _pull_with_progress(client: Any, repository: str, tag: str) -> None:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    tasks: dict[str, Any] = {}
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        transient=True,
+        console=_stderr_console(),
+    ) as progress:
+        for event in client.api.pull(repository, tag=tag, stream=True, decode=True):
+            if "error" in event:
+                from docker.errors import APIError
+
+                raise APIError(event["error"])
+            layer = event.get("id")
+            detail = event.get("progressDetail") or {}
+            if layer and detail.get("total"):
+                if layer not in tasks:
+                    tasks[layer] = progress.add_task(f"layer {layer}", total=detail["total"])
+                progress.update(tasks[layer], completed=detail.get("current", 0))
+
+
+def _stderr_console() -> Any:
+    from m31ctl.output import console
+
+    return console(stderr=True)
+
+
+def _pull_error(image: str, text: str) -> M31Error:
+    lowered = text.lower()
+    if "not found" in lowered or "manifest unknown" in lowered or "does not exist" in lowered:
+        return HostPreconditionError(
+            f"image {image} not found in its registry",
+            hint="check engine.image; day-zero images are vllm/vllm-openai:minimax-m31-flash "
+            "and vllm/vllm-openai-rocm:minimax-m31-flash",
+        )
+    if "denied" in lowered or "unauthorized" in lowered:
+        return HostPreconditionError(f"pulling {image} was denied", hint="docker login to the registry first")
+    if "toomanyrequests" in lowered or "rate limit" in lowered:
+        return HostPreconditionError(
+            f"the registry rate-limited the pull of {image}", hint="docker login, or wait and retry"
+        )
+    return HostPreconditionError(
+        f"cannot pull {image}: no route to its registry ({text[:160]})",
+        hint="check the network or proxy, or `docker load` the image",
+    )
+
+
+def our_containers(client: Any) -> list[Any]:
+    return list(client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={OWNER}"}))
+
+
+def status(client: Any) -> list[dict[str, Any]]:
+    rows = []
+    for c in our_containers(client):
+        ports = c.attrs.get("HostConfig", {}).get("PortBindings") or {}
+        binding: dict[str, Any] = next(iter(ports.values()), [{}])[0] if ports else {}
+        base = f"http://{binding.get('HostIp') or '127.0.0.1'}:{binding.get('HostPort')}" if binding else None
+        health = (
+            _health(base.replace("0.0.0.0", "127.0.0.1"), timeout=1.0)
+            if base and c.status == "running"
+            else None
+        )
+        rows.append(
+            {
+                "name": c.name,
+                "state": c.status,
+                "plan_hash": c.labels.get(HASH_LABEL),
+                "recipe": c.labels.get("io.m31ctl.recipe"),
+                "variant": c.labels.get("io.m31ctl.variant"),
+                "profile": c.labels.get("io.m31ctl.profile"),
+                "image": c.attrs.get("Config", {}).get("Image"),
+                "endpoint": base,
+                "health": health,
+                "started_at": c.attrs.get("State", {}).get("StartedAt"),
+                "restart_count": c.attrs.get("RestartCount", 0),
+            }
+        )
+    return rows
+
+
+def select(client: Any, name: str | None) -> list[Any]:
+    containers = our_containers(client)
+    if name is None:
+        return containers
+    chosen = [c for c in containers if c.name == name]
+    if not chosen:
+        other = _find(client, name)
+        if other is not None:
+            raise ConflictError(f"{name} was not created by m31ctl; not touching it")
+        raise HostPreconditionError(f"no m31ctl container named {name}", hint="see `m31ctl status`")
+    return chosen
+
+
+def stop(client: Any, name: str | None, timeout: int | None, keep: bool, report: Reporter) -> list[str]:
+    stopped = []
+    for c in select(client, name):
+        grace = timeout if timeout is not None else int(c.attrs.get("Config", {}).get("StopTimeout") or 60)
+        report(f"stopping {c.name} (SIGTERM, then SIGKILL after {grace} s)")
+        c.stop(timeout=grace)
+        if not keep:
+            c.remove()
+        stopped.append(c.name)
+    return stopped

@@ -1,0 +1,212 @@
+"""launch / status / logs / stop against the real Docker Engine, with locally built stand-in engines."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.docker
+
+CANARY = "hf_CANARY_launch_0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def images():
+    from m31ctl.dockerapi import connect
+    from tests.dockerlib import build_engine_images
+
+    return build_engine_images(connect())
+
+
+@pytest.fixture
+def docker_client():
+    from m31ctl.dockerapi import connect
+
+    return connect()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Deployment:
+    """One test's container: unique name and port; removed afterwards whatever happened."""
+
+    def __init__(self, image: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+        self.name = f"m31ctl-test-{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.image = image
+        self.model_dir = tmp_path
+
+    def args(self, *extra: str, image: str | None = None, delay: int = 1) -> list[str]:
+        return [
+            "launch",
+            "--hardware",
+            "cpu",
+            "--name",
+            self.name,
+            "--port",
+            str(self.port),
+            "--set",
+            f"engine.image={image or self.image}",
+            "--set",
+            f"model.path={self.model_dir}",
+            "--set",
+            f"runtime.env.FAKE_ENGINE_DELAY={delay}",
+            *extra,
+        ]
+
+
+@pytest.fixture
+def deployment(images, tmp_path, docker_client):
+    d = Deployment(images["ready"], tmp_path)
+    yield d
+    with contextlib.suppress(Exception):
+        docker_client.containers.get(d.name).remove(force=True)
+
+
+def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client):
+    first = run_cli(*deployment.args("--json"), env={"HF_TOKEN": CANARY})
+    assert first.returncode == 0, first.stderr
+    result = json.loads(first.stdout)
+    assert result["action"] == "created" and result["ready"] is True
+    assert result["endpoint"] == f"http://127.0.0.1:{deployment.port}"
+    assert "serving" in result["phases"]
+    # the launch returned within a second of the server first answering /v1/models
+    assert result["timings_s"]["ready"] - result["timings_s"]["models_first_answer"] < 1.0
+    assert CANARY not in first.stdout + first.stderr
+    container = docker_client.containers.get(deployment.name)
+    assert container.labels["io.m31ctl.owner"] == "m31ctl" and container.labels["io.m31ctl.recipe"] == "cpu"
+    assert container.attrs["HostConfig"]["PortBindings"]["8000/tcp"][0] == {
+        "HostIp": "127.0.0.1",
+        "HostPort": str(deployment.port),
+    }
+    assert container.attrs["Config"]["Cmd"][:3] == [
+        str(deployment.model_dir),
+        "--served-model-name",
+        "m31ctl-rehearsal",
+    ]
+    assert f"HF_TOKEN={CANARY}" in container.attrs["Config"]["Env"]  # by reference: env, never argv
+    assert not any(CANARY in arg for arg in container.attrs["Config"]["Cmd"])
+
+    status = run_cli("status", "--json")
+    row = next(r for r in json.loads(status.stdout)["containers"] if r["name"] == deployment.name)
+    assert row["state"] == "running" and row["health"] == 200 and row["plan_hash"] == result["plan_hash"]
+
+    logs = run_cli("logs", "--name", deployment.name, "--tail", "50")
+    assert "Application startup complete" in logs.stdout
+
+    again = run_cli(*deployment.args("--json"))
+    assert again.returncode == 0 and json.loads(again.stdout)["action"] == "unchanged"
+    assert docker_client.containers.get(deployment.name).id == container.id
+
+    changed = deployment.args("--set", "serving.max_model_len=1024", "--json")
+    refused = run_cli(*changed)  # stdin is no terminal: no confirmation, no change
+    assert refused.returncode == 4 and "--yes" in refused.stderr
+    assert docker_client.containers.get(deployment.name).id == container.id
+    replaced = run_cli(*changed, "--yes")
+    assert replaced.returncode == 0 and json.loads(replaced.stdout)["action"] == "recreated"
+    assert docker_client.containers.get(deployment.name).id != container.id
+
+    stopped = run_cli("stop", "--name", deployment.name, "--json")
+    assert stopped.returncode == 0 and json.loads(stopped.stdout) == {"stopped": [deployment.name]}
+    assert deployment.name not in [c.name for c in docker_client.containers.list(all=True)]
+
+
+def test_foreign_container_with_our_name_is_never_touched(deployment, docker_client):
+    foreign = docker_client.containers.run(
+        deployment.image, name=deployment.name, detach=True, environment={"FAKE_ENGINE_MODE": "hang"}
+    )
+    result = run_cli(*deployment.args())
+    assert result.returncode == 4 and "not created by m31ctl" in result.stderr
+    foreign.reload()
+    assert foreign.status == "running"
+    assert run_cli("stop", "--name", deployment.name).returncode == 4
+    foreign.reload()
+    assert foreign.status == "running"
+
+
+def test_port_in_use(deployment):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", deployment.port))
+        busy.listen()
+        result = run_cli(*deployment.args())
+    assert result.returncode == 4 and f"port 127.0.0.1:{deployment.port} is in use" in result.stderr
+
+
+def test_crash_while_loading_is_diagnosed(deployment, images):
+    result = run_cli(*deployment.args("--timeout", "60", image=images["oom"]))
+    assert result.returncode == 5
+    assert "out of GPU memory" in result.stderr
+    assert "CUDA out of memory" in result.stderr  # the last log lines are shown
+    assert "Traceback" not in result.stderr
+
+
+def test_timeout_says_still_loading(deployment, images):
+    start = time.monotonic()
+    result = run_cli(*deployment.args("--timeout", "3", image=images["hang"]))
+    assert result.returncode == 5
+    assert "not ready after 3 s: still loading (last phase: loading weights)" in result.stderr
+    assert time.monotonic() - start < 20
+
+
+def test_ctrl_c_while_waiting_then_next_launch_converges(deployment, docker_client):
+    args = deployment.args(delay=8)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "m31ctl", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    seen = ""
+    while time.monotonic() < deadline and "started" not in seen:
+        seen += proc.stderr.readline()
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    container = docker_client.containers.get(deployment.name)
+    assert container.labels["io.m31ctl.owner"] == "m31ctl"
+    again = run_cli(*args, "--json")
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["action"] in ("adopted", "unchanged")
+    assert docker_client.containers.get(deployment.name).id == container.id
+
+
+def test_docker_daemon_unreachable(deployment, tmp_path):
+    env = {"DOCKER_HOST": f"unix://{tmp_path}/stopped-docker.sock"}
+    for command in (deployment.args(), ["status"], ["stop"], ["logs"]):
+        result = run_cli(*command, env=env)
+        assert result.returncode == 3, (command, result.stderr)
+        assert "cannot reach the Docker Engine" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_dry_run_starts_nothing(deployment, docker_client):
+    result = run_cli(*deployment.args("--dry-run", "--json"))
+    assert result.returncode == 0
+    data = json.loads(result.stdout)
+    assert data["docker_run"][:2] == ["docker", "run"] and data["container"]["name"] == deployment.name
+    assert deployment.name not in [c.name for c in docker_client.containers.list(all=True)]
+
+
+def test_unknown_image_without_registry(deployment):
+    result = run_cli(*deployment.args(image="m31ctl-test/absent:1"))
+    assert result.returncode == 6 and "m31ctl-test/absent:1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+if os.environ.get("CI") == "true":  # pragma: no cover - CI must exercise the engine, never skip it
+
+    def test_engine_is_reachable_in_ci(docker_client):
+        assert docker_client.ping()
