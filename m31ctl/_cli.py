@@ -27,6 +27,9 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes")
+
 HardwareOpt = Annotated[
     str | None,
     typer.Option(
@@ -81,6 +84,32 @@ def _resolve(
     from m31ctl.plan import resolve
 
     return resolve(_request(hardware, recipe, variant, profile, files, sets))
+
+
+@recipes_app.command("list")
+def recipes_list(json: JsonOpt = False) -> None:
+    """The built-in recipes and what they match."""
+    from m31ctl import recipes_cmd
+
+    recipes_cmd.list_recipes(json)
+
+
+@recipes_app.command("show")
+def recipes_show(name: Annotated[str, typer.Argument(help="Recipe name.")], json: JsonOpt = False) -> None:
+    """One recipe: hardware match, hard rules with reasons, variants, profiles."""
+    from m31ctl import recipes_cmd
+
+    recipes_cmd.show(name, json)
+
+
+@recipes_app.command("validate")
+def recipes_validate(
+    file: Annotated[Path, typer.Argument(help="Recipe YAML file.")], json: JsonOpt = False
+) -> None:
+    """Check a recipe file: schema, rules, and every variant x profile resolving."""
+    from m31ctl import recipes_cmd
+
+    recipes_cmd.validate(file, json)
 
 
 @app.command()

@@ -32,6 +32,8 @@ class Source:
         if self.file is not None:
             where = f"{self.file}:{self.line}" if self.line is not None else self.file
         label = self.detail or self.layer
+        if where and label == "file":
+            return where  # a user file speaks for itself
         return f"{label} ({where})" if where else label
 
 
@@ -49,7 +51,17 @@ def _yaml_loader() -> yaml.SafeLoader:
 
 
 def compose_yaml(text: str, file: str) -> yaml.Node | None:
+    """Parse to a node tree with line numbers. Aliases are refused: an alias bomb expands
+    exponentially, and a settings file has no need for them."""
     try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                line = event.start_mark.line + 1 if event.start_mark else None
+                raise InputError(
+                    "YAML aliases (*name) are not allowed in m31ctl files",
+                    where=f"{file}:{line}",
+                    hint="write the value out in full",
+                )
         return yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
@@ -63,9 +75,20 @@ def compose_yaml(text: str, file: str) -> yaml.Node | None:
         raise InputError(f"invalid YAML: {exc}", where=file) from None
 
 
-def construct(node: yaml.Node) -> Any:
-    """Build the plain Python value of a YAML node (safe types only)."""
-    return _yaml_loader().construct_object(node, deep=True)
+def construct(node: yaml.Node, file: str = "<yaml>") -> Any:
+    """Build the plain Python value of a YAML node: safe types only, no duplicate keys."""
+    if isinstance(node, yaml.MappingNode):
+        for _key, _value, _line in mapping_items(node, file):
+            pass  # raises on duplicate keys
+    try:
+        return _yaml_loader().construct_object(node, deep=True)
+    except yaml.constructor.ConstructorError as exc:
+        mark = exc.problem_mark or node.start_mark
+        raise InputError(
+            f"unsupported YAML: {exc.problem}",
+            where=f"{file}:{mark.line + 1}",
+            hint="plain scalars, lists and mappings only (no !!python or other tags)",
+        ) from None
 
 
 def mapping_items(node: yaml.Node, file: str) -> Iterator[tuple[str, yaml.Node, int]]:
@@ -74,13 +97,20 @@ def mapping_items(node: yaml.Node, file: str) -> Iterator[tuple[str, yaml.Node, 
             "expected a mapping of keys to values",
             where=f"{file}:{node.start_mark.line + 1}",
         )
+    seen: dict[str, int] = {}
     for key_node, value_node in node.value:
-        key = construct(key_node)
+        line = key_node.start_mark.line + 1
+        key = construct(key_node, file)
         if not isinstance(key, str):
+            raise InputError(f"keys must be strings, got {key!r}", where=f"{file}:{line}")
+        if key in seen:
             raise InputError(
-                f"keys must be strings, got {key!r}", where=f"{file}:{key_node.start_mark.line + 1}"
+                f"duplicate key {key!r} (first at line {seen[key]})",
+                where=f"{file}:{line}",
+                hint="keep one of them",
             )
-        yield key, value_node, key_node.start_mark.line + 1
+        seen[key] = line
+        yield key, value_node, line
 
 
 def flatten_node(node: yaml.Node, file: str, make_source: Any, prefix: str = "") -> Layer:
@@ -91,7 +121,7 @@ def flatten_node(node: yaml.Node, file: str, make_source: Any, prefix: str = "")
         if isinstance(value_node, yaml.MappingNode) and value_node.value:
             out.update(flatten_node(value_node, file, make_source, prefix=f"{dotted}."))
         else:
-            out[dotted] = Setting(construct(value_node), make_source(file, line))
+            out[dotted] = Setting(construct(value_node, file), make_source(file, line))
     return out
 
 
@@ -129,7 +159,12 @@ def parse_set(expr: str, index: int) -> Layer:
         )
     try:
         value: Any = json.loads(raw)
-    except ValueError:
+    except json.JSONDecodeError as exc:
+        if raw.strip()[:1] in ("[", "{", '"'):  # meant as JSON, but broken
+            raise InputError(
+                f"--set {key}: broken JSON value ({exc.msg} at column {exc.pos + 1})",
+                hint="quote the whole argument for the shell, e.g. --set 'engine.extra_args=[\"--x\"]'",
+            ) from None
         value = raw
     source = Source("--set", detail=f"--set #{index}")
     return flatten_value(value, source, key)

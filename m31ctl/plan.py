@@ -145,8 +145,10 @@ def _check_rules(recipe: Recipe, settings: PlanSettings, merged: Layer) -> None:
         )
 
 
-def resolve(request: PlanRequest) -> Plan:
-    recipe = get_recipe(request.recipe) if request.recipe else select_recipe(request.hardware)
+def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
+    """Merge the layers and validate. `recipe` overrides request.recipe (used by `recipes validate`)."""
+    if recipe is None:
+        recipe = get_recipe(request.recipe) if request.recipe else select_recipe(request.hardware)
     variant = recipe.variant(request.variant)
     profile = recipe.profile(request.profile)
     layers: list[Layer] = [defaults_layer(), recipe.layer, variant.layer, profile.layer]
@@ -191,6 +193,13 @@ def _warnings(recipe: Recipe, settings: PlanSettings, hw: Hardware) -> tuple[str
 def require_fit(plan: Plan) -> None:
     """The host must have the GPUs the plan's layout needs (launch and doctor enforce this)."""
     needed, have = plan.gpus_needed, plan.hardware.count
+    minimum = plan.recipe.match.min_memory_gib
+    if have and plan.hardware.memory_per_gpu_gib < minimum:
+        raise HostPreconditionError(
+            f"the {plan.recipe.recipe} recipe needs {minimum:g} GiB per GPU; "
+            f"{plan.hardware.product} has {plan.hardware.memory_per_gpu_gib:.1f} GiB",
+            hint="use GPUs with more memory",
+        )
     if have < needed:
         raise HostPreconditionError(
             f"the plan needs {needed} GPUs ({plan.recipe.recipe}, profile {plan.profile}) "

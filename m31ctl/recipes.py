@@ -27,6 +27,8 @@ class Match(_Frozen):
     families: tuple[str, ...]
     products: tuple[str, ...] = ()
     min_gpus: int = Field(ge=0)
+    # Memory per GPU the recipe's layout was written for (GiB, as the driver reports it).
+    min_memory_gib: float = Field(0, ge=0)
 
 
 class Rule(_Frozen):
@@ -151,7 +153,7 @@ def _options(node: yaml.Node, file: str, kind: str, recipe: str) -> dict[str, Op
                     detail = f"{kind} {name}"
                     layer = flatten_node(value_node, file, lambda f, ln, d=detail: Source(kind, f, ln, d))
                 else:
-                    fields[key] = construct(value_node)
+                    fields[key] = construct(value_node, file)
         options[name] = Option(**fields, layer=layer)
         del line
     return options
@@ -176,7 +178,7 @@ def load_recipe(path: Path) -> Recipe:
         elif key in ("variants", "profiles"):
             fields[key] = _options(value_node, file, key[:-1], fields.get("recipe", "?"))
         else:
-            fields[key] = construct(value_node)
+            fields[key] = construct(value_node, file)
     try:
         recipe = Recipe(**fields)
     except ValidationError as exc:

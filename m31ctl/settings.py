@@ -28,6 +28,12 @@ class EngineSettings(_Frozen):
     # Which engine schema the adapter's argv is checked against (see m31ctl/engine/schemas).
     schema_version: str = "0.32.0"
     image_features: tuple[str, ...] = ()  # day-zero image extensions beyond the public vLLM release
+    # Escape hatch for `vllm serve` flags no recipe key covers; appended last, validated like the rest.
+    extra_args: tuple[str, ...] = ()
+
+
+# Attention and KV head counts are powers of two and vLLM needs tensor parallelism to divide them.
+_POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Parallelism(_Frozen):
@@ -42,6 +48,11 @@ class Parallelism(_Frozen):
 
     @model_validator(mode="after")
     def _dcp_divides_tp(self) -> Parallelism:
+        if self.tensor not in _POWERS_OF_TWO:
+            raise ValueError(
+                f"parallelism.tensor={self.tensor} must be a power of two (1, 2, 4, 8, ...): the model's "
+                "attention heads must divide evenly across tensor-parallel ranks"
+            )
         if self.decode_context > 1 and self.tensor % self.decode_context:
             raise ValueError(
                 f"parallelism.decode_context ({self.decode_context}) must divide parallelism.tensor ({self.tensor})"
@@ -100,7 +111,6 @@ class Serving(_Frozen):
     reasoning_parser: str | None = None
     trust_remote_code: bool = False
     shutdown_timeout: int = Field(30, ge=0, description="seconds vLLM drains in-flight requests on SIGTERM")
-    extra_args: tuple[str, ...] = ()
 
 
 class Runtime(_Frozen):

@@ -34,22 +34,22 @@ def fit_json(fit: Fit) -> dict[str, Any]:
 
 
 def plan_json(plan: Plan, fit: Fit | None) -> dict[str, Any]:
+    """The stable `plan --json` object (documented in the README)."""
     inv = build_invocation(plan)
     return {
         "plan_hash": plan.hash,
-        "recipe": {
-            "name": plan.recipe.recipe,
-            "status": plan.recipe.status,
-            "file": plan.recipe.path,
-            "description": plan.recipe.description,
-        },
+        "recipe": plan.recipe.recipe,
+        "recipe_status": plan.recipe.status,
+        "recipe_file": plan.recipe.path,
         "variant": plan.variant,
         "profile": plan.profile,
         "gpus_needed": plan.gpus_needed,
         "hardware": hardware_json(plan.hardware),
+        "image": inv.image,
+        "argv": list(inv.args),
+        "env": inv.env_dict,
         "settings": plan.settings_dict(),
-        "sources": {key: source for key, _value, source in plan.explain()},
-        "engine": {"image": inv.image, "args": list(inv.args), "env": inv.env_dict},
+        "provenance": {key: source for key, _value, source in plan.explain()},
         "capacity": fit_json(fit) if fit else None,
         "warnings": list(plan.warnings),
     }
@@ -61,60 +61,47 @@ def serve_command(plan: Plan) -> str:
 
 
 def print_plan(plan: Plan, fit: Fit | None, explain: bool) -> None:
+    from rich.text import Text
+
+    from m31ctl.output import table
+
     out = console()
     hw = plan.hardware
-    s = plan.settings
     out.print(
-        f"[bold]Plan {plan.hash}[/bold]  recipe [bold]{plan.recipe.recipe}[/bold] ({plan.recipe.status})"
-        f"  variant {plan.variant}  profile {plan.profile}"
-    )
-    out.print(
-        f"Hardware  {hw.count}x {hw.product} ({hw.memory_per_gpu_gib:.0f} GiB each) from {hw.source}; "
-        f"the plan uses {plan.gpus_needed}"
-    )
-    out.print(f"Image     {s.engine.image}")
-    spec = s.speculative
-    spec_text = (
-        "off"
-        if spec.method == "none"
-        else (
-            f"{spec.method} x{spec.tokens}, drafter attention {spec.draft_attention_backend or 'default'}, "
-            f"{spec.draft_sampling or 'default'} draft sampling"
+        Text(
+            f"Plan {plan.hash}: recipe {plan.recipe.recipe} ({plan.recipe.status}), variant {plan.variant}, "
+            f"profile {plan.profile}",
+            style="bold",
         )
     )
     out.print(
-        f"Caches    KV {s.cache.kv_dtype}, indexer {s.cache.indexer_dtype}, block {s.cache.block_size or 'default'}"
+        Text(
+            f"Hardware: {hw.count}x {hw.product}, {hw.memory_per_gpu_gib:.0f} GiB each, from {hw.source}; "
+            f"the plan uses {plan.gpus_needed}"
+        )
     )
-    out.print(f"Spec      {spec_text}")
-    moe = s.moe.backend + (
-        f" (experts re-quantized to {s.moe.expert_requantization} at load)"
-        if s.moe.expert_requantization != "none"
-        else ""
-    )
-    out.print(f"MoE       {moe}")
+    columns = ["setting", "value", "source"] if explain else ["setting", "value"]
+    t = table(None, columns)
+    for key, value, source in plan.explain():
+        if not explain and value in (None, [], {}, ()):
+            continue  # unset values say nothing; --explain shows them all
+        row = [Text(key), Text(json.dumps(value))] + ([Text(source)] if explain else [])
+        t.add_row(*row)
+    out.print(t)
     if fit:
         line = (
-            f"{fit.sequences} sequences of {fit.context} tokens resident ({fit.layout})"
+            f"{fit.sequences} sequences of {fit.context} tokens stay resident ({fit.layout})"
             if fit.fits
             else f"does not fit: not one {fit.context}-token sequence fits ({fit.layout})"
         )
-        out.print(f"Capacity  {line}")
+        out.print(Text(f"Capacity: {line}"))
     for warning in plan.warnings:
-        out.print(f"[yellow]warning[/yellow]: {warning}")
+        out.print(Text(f"warning: {warning}", style="yellow"))
     out.print()
-    out.print(serve_command(plan), markup=False)
     inv = build_invocation(plan)
-    for key, value in inv.env:
-        out.print(f"env {key}={value}", markup=False)
-    if explain:
-        # Plain columns, not a table: sources are long and must stay greppable in CI logs.
-        rows = [(key, json.dumps(value), source) for key, value, source in plan.explain()]
-        key_width = max(len(r[0]) for r in rows)
-        value_width = min(max(len(r[1]) for r in rows), 40)
-        out.print()
-        out.print("Where each value comes from:")
-        for key, value, source in rows:
-            out.print(f"  {key:<{key_width}}  {value:<{value_width}}  {source}", markup=False)
+    command = shlex.join([*(f"{k}={v}" for k, v in inv.env), "vllm", "serve", *inv.args])
+    out.print(Text(f"Command (image {inv.image}):"))
+    out.print(Text(command), soft_wrap=True)
 
 
 def print_probe(report: ProbeReport, recipe_line: str) -> None:

@@ -154,7 +154,7 @@ def test_bad_value_reports_source():
 def test_set_json_values_and_hostile_strings():
     plan = plan_for(
         "b300x4",
-        sets=('serving.extra_args=["--foo", "a b; $(rm -rf /)"]', "model.served_name=x'; echo pwned"),
+        sets=('engine.extra_args=["--foo", "a b; $(rm -rf /)"]', "model.served_name=x'; echo pwned"),
     )
     inv = build_invocation(plan)
     assert inv.args[-2:] == ("--foo", "a b; $(rm -rf /)")

@@ -115,7 +115,7 @@ def test_script_hostile_extra_args_stay_literal(tmp_path):
     hostile_args = ["--served-model-name", HOSTILE, "$(id)", "a;b", "'"]
     import json
 
-    plan = plan_for("b300x4", sets=(f"serving.extra_args={json.dumps(hostile_args)}",))
+    plan = plan_for("b300x4", sets=(f"engine.extra_args={json.dumps(hostile_args)}",))
     (artifact,) = render(plan, "script")
     got = run_with_stub(artifact.content, tmp_path, {"M31CTL_ENV_FILE": str(tmp_path / "absent.env")})
     assert got[-len(hostile_args) :] == hostile_args

@@ -91,7 +91,7 @@ def build_invocation(plan: Plan) -> EngineInvocation:
         args.append("--trust-remote-code")
     if serving.shutdown_timeout:
         args += ["--shutdown-timeout", str(serving.shutdown_timeout)]
-    args += list(serving.extra_args)
+    args += list(s.engine.extra_args)
 
     env: dict[str, str] = {}
     if s.moe.backend == "aiter":

@@ -1,0 +1,118 @@
+"""`m31ctl recipes list | show NAME | validate FILE`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from m31ctl.errors import InputError
+from m31ctl.hardware import MIB, PRODUCTS, SERVED_ARCHS, Hardware, cpu_host
+from m31ctl.output import console, emit_json, table
+from m31ctl.plan import PlanRequest, resolve
+from m31ctl.recipes import Recipe, builtin_recipes, get_recipe, load_recipe
+
+
+def summary(recipe: Recipe) -> dict[str, Any]:
+    return {
+        "name": recipe.recipe,
+        "status": recipe.status,
+        "description": recipe.description,
+        "file": recipe.path,
+        "match": recipe.match.model_dump(mode="json"),
+        "recommended": recipe.recommended.model_dump(mode="json", exclude_none=True),
+        "rules": [r.model_dump(mode="json", exclude_none=True) for r in recipe.rules],
+        "default_variant": recipe.default_variant,
+        "variants": {n: o.description for n, o in recipe.variants.items()},
+        "profiles": {
+            n: (f"unsupported: {o.unsupported}" if o.unsupported else o.description)
+            for n, o in recipe.profiles.items()
+        },
+    }
+
+
+def list_recipes(as_json: bool) -> None:
+    recipes = builtin_recipes()
+    if as_json:
+        emit_json({"recipes": [summary(r) for r in recipes.values()]})
+        return
+    t = table(None, ["recipe", "status", "hardware", "min GPUs", "variants", "profiles"])
+    for r in recipes.values():
+        profiles = [n for n, o in r.profiles.items() if not o.unsupported]
+        t.add_row(
+            r.recipe,
+            r.status,
+            ", ".join(r.match.products) or ", ".join(r.match.families),
+            str(r.match.min_gpus),
+            ", ".join(r.variants),
+            ", ".join(profiles),
+        )
+    console().print(t)
+
+
+def show(name: str, as_json: bool) -> None:
+    data = summary(get_recipe(name))
+    if as_json:
+        emit_json(data)
+        return
+    from rich.text import Text
+
+    out = console()
+    out.print(Text(f"{data['name']} ({data['status']}): {data['description']}", style="bold"))
+    out.print(Text(f"file: {data['file']}"))
+    match = data["match"]
+    out.print(
+        Text(
+            f"matches: {match['vendor']} {', '.join(match['families'])} "
+            f"({', '.join(match['products']) or 'any product'}), at least {match['min_gpus']} GPUs"
+        )
+    )
+    for key, value in data["recommended"].items():
+        out.print(Text(f"recommended {key}: {value}"))
+    for rule in data["rules"]:
+        cond = {k: v for k, v in rule.items() if k in ("equals", "one_of", "not_in")}
+        out.print(Text(f"rule {rule['id']}: {rule['key']} {cond} because {rule['reason']}"))
+    for kind in ("variants", "profiles"):
+        for option, text in data[kind].items():
+            marker = " (default)" if kind == "variants" and option == data["default_variant"] else ""
+            out.print(Text(f"{kind[:-1]} {option}{marker}: {text}"))
+
+
+def _host_for(recipe: Recipe) -> Hardware:
+    """A simulated host the recipe matches, with GPUs to spare, to resolve every combination."""
+    if recipe.match.vendor == "cpu":
+        return cpu_host()
+    archs = [a for a, fam in SERVED_ARCHS.items() if fam.id in recipe.match.families]
+    product = next((p for p in PRODUCTS.values() if p.arch in archs), None)
+    if product is None:
+        raise InputError(
+            f"recipe {recipe.recipe} matches no known hardware (families {list(recipe.match.families)})",
+            where=recipe.path,
+            hint="use families hopper, blackwell, rubin, mi350 or cpu",
+        )
+    from m31ctl.hardware import simulated
+
+    count = max(recipe.match.min_gpus, 8)
+    hw = simulated(f"{product.id}x{count}")
+    return hw.model_copy(update={"memory_per_gpu_bytes": product.memory_mib * MIB})
+
+
+def validate(path: Path, as_json: bool) -> None:
+    """Load a recipe file and resolve every variant x profile; the first error is the answer."""
+    if not path.is_file():
+        raise InputError(f"recipe file not found: {path}")
+    recipe = load_recipe(path)
+    hw = _host_for(recipe)
+    checked = []
+    for variant in recipe.variants:
+        for profile, option in recipe.profiles.items():
+            if option.unsupported:
+                continue
+            plan = resolve(PlanRequest(hardware=hw, variant=variant, profile=profile), recipe=recipe)
+            checked.append({"variant": variant, "profile": profile, "plan_hash": plan.hash})
+    if as_json:
+        emit_json({"file": str(path), "recipe": recipe.recipe, "valid": True, "checked": checked})
+        return
+    console().print(
+        f"{path}: recipe {recipe.recipe} is valid ({len(checked)} variant x profile combinations resolve)",
+        markup=False,
+    )
