@@ -27,6 +27,24 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+
+def _version(value: bool) -> None:
+    if value:
+        from m31ctl import __version__
+
+        sys.stdout.write(f"m31ctl {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Serve MiniMax-M3.1-Flash with vLLM: probe, plan, render, launch, doctor."""
+
+
 recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
 app.add_typer(recipes_app, name="recipes")
 

@@ -240,8 +240,12 @@ def launch(
                 f"the model path {mount.source} does not exist",
                 hint="create it (scripts/make-tiny-model for the CPU rehearsal) or --set model.path",
             )
+    from m31ctl.doctor import preflight
+
+    for result in preflight(plan):
+        if result.status == "warn":
+            report(f"warning: {result.title}: {result.message}")
     client = connect()
-    _preflight_gpu_runtime(client, spec)
     timeout = float(timeout if timeout is not None else spec.startup_timeout)
     existing = _find(client, spec.name)
     action = "created"
@@ -308,20 +312,6 @@ def _create_and_start(client: Any, spec: ContainerSpec, environ: dict[str, str])
         raise HostPreconditionError(
             f"Docker could not start {spec.name}: {d.cause} ({text[:200]})", hint=d.remedy
         ) from None
-
-
-def _preflight_gpu_runtime(client: Any, spec: ContainerSpec) -> None:
-    if spec.vendor == "nvidia":
-        info = client.info()
-        if "nvidia" not in (info.get("Runtimes") or {}) and not info.get("CDISpecDirs"):
-            raise HostPreconditionError(
-                "the Docker Engine has no NVIDIA GPU runtime",
-                hint="install nvidia-container-toolkit; `m31ctl doctor` checks the rest",
-            )
-    if spec.vendor == "amd":
-        missing = [d for d in spec.devices if not os.path.exists(d)]
-        if missing:
-            raise HostPreconditionError(f"missing {', '.join(missing)}", hint="load the amdgpu driver")
 
 
 def _ensure_image(client: Any, image: str, report: Reporter) -> None:

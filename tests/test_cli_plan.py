@@ -107,7 +107,7 @@ def test_later_files_and_sets_win(tmp_path):
 BAD_FILES = {
     "malformed": ("serving:\n  max_model_len: [1,\n", "invalid YAML", ":3"),
     "python-tag": ("serving: !!python/object/apply:os.system [id]\n", "unsupported YAML", ":1"),
-    "alias-bomb": ("a: &a [x, x]\nb: &b [*a, *a]\nc: [*b, *b]\n", "aliases", ":2"),
+    "alias-bomb": ("a: &a [x, x]\nb: &b [*a, *a]\nc: [*b, *b]\n", "aliases", ":1"),
     "duplicate": (
         "serving:\n  max_model_len: 1\n  max_model_len: 2\n",
         "duplicate key 'max_model_len'",

@@ -48,6 +48,30 @@ def diagnose(
     return DoctorReport(plan, error, tuple(run_checks(all_checks(), ctx)))
 
 
+def preflight(plan: Plan, probe: ProbeReport | None = None) -> list[CheckResult]:
+    """The doctor's checks that gate `launch`; raises on the first class of failure."""
+    from m31ctl.doctor.checks import PREFLIGHT
+    from m31ctl.errors import DockerUnreachable
+
+    probe = probe or detect()
+    ctx = Context(plan=plan, plan_error=None, probe=probe, env=os.environ)
+    results = run_checks([c for c in all_checks() if c.id in PREFLIGHT], ctx)
+    failed = [r for r in results if r.status == "fail"]
+    docker = next((r for r in failed if r.id == "docker"), None)
+    if docker is not None:
+        raise DockerUnreachable(docker.message, hint=docker.remedy)
+    if failed:
+        first = failed[0]
+        others = (
+            f" (and {len(failed) - 1} more: {', '.join(r.id for r in failed[1:])})" if len(failed) > 1 else ""
+        )
+        raise HostPreconditionError(
+            f"preflight check {first.id} failed: {first.message}{others}",
+            hint=first.remedy or "run `m31ctl doctor` for the full report",
+        )
+    return results
+
+
 def print_report(report: DoctorReport) -> None:
     from rich.text import Text
 

@@ -33,6 +33,9 @@ def docker_daemon(ctx: Context) -> Outcome:
 
 def gpu_runtime(ctx: Context) -> Outcome:
     vendor = ctx.plan.hardware.vendor if ctx.plan else ctx.probe.hardware.vendor
+    if vendor == "cpu":
+        ctx.docker_client()  # still needs an engine
+        return Outcome("ok", "the CPU rehearsal needs no GPU runtime")
     if vendor == "amd":
         missing = [d for d in ("/dev/kfd", "/dev/dri") if not os.access(d, os.R_OK | os.W_OK)]
         if missing:
@@ -60,6 +63,8 @@ def gpu_runtime(ctx: Context) -> Outcome:
 
 def gpus(ctx: Context) -> Outcome:
     hw = ctx.probe.hardware
+    if ctx.plan is not None and ctx.plan.hardware.vendor == "cpu":
+        return Outcome("ok", "the CPU rehearsal needs no GPU")
     if hw.count == 0:
         reasons = "; ".join(f"{a.method}: {a.detail}" for a in ctx.probe.attempts if not a.ok)
         return Outcome(
@@ -71,10 +76,11 @@ def gpus(ctx: Context) -> Outcome:
     if ctx.plan is None:
         return Outcome("fail", f"{found}: {ctx.plan_error}", "see `m31ctl probe`")
     needed = ctx.plan.gpus_needed
-    if ctx.plan.hardware.source.startswith("simulated"):
+    planned = ctx.plan.hardware
+    if planned.source.startswith("simulated") and (planned.family, planned.arch) != (hw.family, hw.arch):
         return Outcome(
-            "warn",
-            f"{found}; the plan is for {ctx.plan.hardware.source}, not this host",
+            "fail",
+            f"{found}, but the plan is for {planned.count}x {planned.product} ({planned.source})",
             "drop --hardware to check this host's own plan",
         )
     if hw.count < needed:
@@ -319,6 +325,11 @@ def capacity(ctx: Context) -> Outcome:
         return Outcome("warn", warning, "lower serving.max_model_len / max_num_seqs or add GPUs")
     fit = plan_fit(ctx.plan)
     return Outcome("ok", f"{fit.sequences} sequences of {fit.context} tokens fit ({fit.layout})")
+
+
+# What `launch` runs before it touches a container (the port is checked by launch itself,
+# which knows whether the container holding it is ours).
+PREFLIGHT = ("docker", "gpu-runtime", "gpus", "gpu-memory", "mig", "disk", "shm")
 
 
 def all_checks() -> list[Check]:
