@@ -50,7 +50,7 @@ def run(plan: Plan, context_text: str, sequences: int | None, plot: Path | None,
                 "fit": fit_json(fit),
                 "longest_context": {"sequences": sequences, "tokens": longest} if sequences else None,
                 "comparison": [
-                    {"model": r.model, "kv_dtype": r.kv_dtype, "layout": r.layout, **fit_json(r.fit)}
+                    {**fit_json(r.fit), "model": r.model, "kv_dtype": r.kv_dtype, "layout": r.layout}
                     for r in rows
                 ],
                 "plot": str(plot) if plot else None,

@@ -56,18 +56,23 @@ class ComparisonRow:
 
 
 def comparison(plan: Plan, context: int, layouts: dict[str, Layout]) -> list[ComparisonRow]:
-    """Resident sequences for every known model x cache dtype x layout on this hardware."""
-    from m31ctl.recipes import model_facts
-
+    """Resident sequences for the plan's model and its comparison models, for every cache dtype
+    the recipe allows, in every layout, on this hardware."""
     rows = []
-    for model in model_facts().values():
+    for model in [plan.model, *(get_model(m) for m in plan.model.compare_with)]:
         for dtype in model.kv_bytes_per_token:
+            if not _recipe_allows_kv(plan, dtype):
+                continue
             for name, layout in layouts.items():
                 if layout.gpus > plan.hardware.count:
                     continue
                 fit = resident_sequences(memory_inputs(plan, model, dtype), layout, context)
                 rows.append(ComparisonRow(model.display_name, dtype, f"{name} ({layout.label()})", fit))
     return rows
+
+
+def _recipe_allows_kv(plan: Plan, dtype: str) -> bool:
+    return all(rule.allows(dtype) for rule in plan.recipe.rules if rule.key == "cache.kv_dtype")
 
 
 def capacity_warning(plan: Plan) -> str | None:

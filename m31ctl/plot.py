@@ -8,7 +8,7 @@ from m31ctl.capacity import Layout, resident_sequences
 from m31ctl.errors import InputError
 from m31ctl.plan import Plan
 from m31ctl.planning import memory_inputs
-from m31ctl.recipes import model_facts
+from m31ctl.recipes import get_model
 
 CONTEXTS = [2**k for k in range(13, 21)]  # 8K .. 1M
 
@@ -22,7 +22,7 @@ def draw(plan: Plan, layouts: dict[str, Layout], path: Path) -> None:
     except ImportError:
         raise InputError("--plot needs matplotlib", hint="pip install 'm31ctl[plot]'") from None
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    for model in model_facts().values():
+    for model in [plan.model, *(get_model(m) for m in plan.model.compare_with)]:
         for dtype in model.kv_bytes_per_token:
             for name, layout in layouts.items():
                 if layout.gpus > plan.hardware.count:

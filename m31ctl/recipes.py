@@ -236,6 +236,7 @@ class ModelFacts(BaseModel):
     max_context: int
     modalities: tuple[str, ...]
     draft: dict[str, str] | None = None
+    compare_with: tuple[str, ...] = ()
 
 
 @cache

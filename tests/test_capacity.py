@@ -70,3 +70,48 @@ def test_parse_context():
     assert parse_context("8192") == 8192
     with pytest.raises(InputError):
         parse_context("lots")
+
+
+def test_longest_context_inverts_resident_sequences():
+    from m31ctl.planning import plan_longest_context
+
+    plan = plan_for("b300x4", profile="throughput")
+    longest = plan_longest_context(plan, 76)
+    assert longest >= CTX_256K
+    assert plan_fit(plan, longest).sequences >= 76
+    assert plan_fit(plan, longest + 4096).sequences < 76
+
+
+def test_comparison_respects_recipe_rules_and_lists_m3():
+    from m31ctl.capacity_cmd import _layouts
+    from m31ctl.planning import comparison
+
+    hopper = plan_for("h200x8")
+    rows = comparison(hopper, CTX_256K, _layouts(hopper))
+    assert {r.kv_dtype for r in rows} == {"fp8"}  # the Hopper recipe forbids an NVFP4 cache
+    assert {r.model for r in rows} == {"MiniMax-M3.1-Flash", "MiniMax-M3 (MXFP8)"}
+
+
+def test_capacity_cli_and_plot(cli, tmp_path):
+    import json
+
+    result = cli(
+        "capacity",
+        "--hardware",
+        "b300x4",
+        "--profile",
+        "throughput",
+        "--context",
+        "256k",
+        "--sequences",
+        "76",
+        "--json",
+        "--plot",
+        str(tmp_path / "cap.png"),
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["fit"]["sequences"] == 76 and data["layout"] == "DEP4"
+    pairs = {(r["model"], r["layout"]): r["sequences"] for r in data["comparison"]}
+    assert pairs[("MiniMax-M3 (MXFP8)", "throughput (DEP4)")] == 28
+    assert (tmp_path / "cap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -329,7 +329,7 @@ def capacity(ctx: Context) -> Outcome:
 
 # What `launch` runs before it touches a container (the port is checked by launch itself,
 # which knows whether the container holding it is ours).
-PREFLIGHT = ("docker", "gpu-runtime", "gpus", "gpu-memory", "mig", "disk", "shm")
+PREFLIGHT = ("docker", "gpu-runtime", "gpus", "gpu-memory", "mig", "disk", "shm", "capacity")
 
 
 def all_checks() -> list[Check]:
