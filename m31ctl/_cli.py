@@ -61,6 +61,9 @@ ProfileOpt = Annotated[str, typer.Option("--profile", help="latency | throughput
 FileOpt = Annotated[list[Path] | None, typer.Option("-f", "--file", help="Override file (YAML); repeatable.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="key.path=value (JSON allowed); repeatable.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
+NoValidateOpt = Annotated[
+    bool, typer.Option("--no-validate", help="Skip checking the engine argv against vLLM's schema.")
+]
 
 
 def _request(
@@ -98,10 +101,23 @@ def _resolve(
     profile: str,
     files: list[Path] | None,
     sets: list[str] | None,
+    validate: bool = True,
 ) -> Plan:
     from m31ctl.plan import resolve
 
-    return resolve(_request(hardware, recipe, variant, profile, files, sets))
+    plan = resolve(_request(hardware, recipe, variant, profile, files, sets))
+    if validate:
+        from m31ctl.engine.adapter import build_invocation
+        from m31ctl.engine.validate import check_plan_engine
+
+        source = plan.provenance.get("engine.extra_args")
+        check_plan_engine(
+            build_invocation(plan),
+            plan.settings.engine.schema_version,
+            plan.settings.engine.extra_args,
+            str(source) if source else None,
+        )
+    return plan
 
 
 @recipes_app.command("list")
@@ -140,11 +156,12 @@ def plan(
     set_: SetOpt = None,
     json: JsonOpt = False,
     explain: Annotated[bool, typer.Option("--explain", help="Show where every value comes from.")] = False,
+    no_validate: NoValidateOpt = False,
 ) -> None:
     """Resolve the recipe for this host (or --hardware) and print the plan."""
     from m31ctl.planning import plan_fit
 
-    p = _resolve(hardware, recipe, variant, profile, file, set_)
+    p = _resolve(hardware, recipe, variant, profile, file, set_, not no_validate)
     fit = plan_fit(p)
     if json:
         from m31ctl.output import emit_json
@@ -233,6 +250,7 @@ def render(
         Path | None, typer.Option("--check", help="Exit 1 with a diff when DIR is out of date.")
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite files that differ.")] = False,
+    no_validate: NoValidateOpt = False,
 ) -> int:
     """Render deployment artifacts (bash script, Compose, Kubernetes, systemd) from the plan."""
     from m31ctl.errors import InputError
@@ -242,7 +260,9 @@ def render(
 
     if target not in TARGETS:
         raise InputError(f"unknown --target {target!r}", hint=f"choose one of: {', '.join(TARGETS)}")
-    artifacts = render_target(_resolve(hardware, recipe, variant, profile, file, set_), target)
+    artifacts = render_target(
+        _resolve(hardware, recipe, variant, profile, file, set_, not no_validate), target
+    )
     if check is not None:
         drift = files.diff(check, artifacts)
         sys.stdout.write(drift)
@@ -254,6 +274,49 @@ def render(
     for path, state in files.write(output, artifacts, force):
         sys.stderr.write(f"{state}: {path}\n")
     return 0
+
+
+@app.command()
+def validate(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    json: JsonOpt = False,
+) -> int:
+    """Check the plan's vLLM argv and environment against vLLM's own schema (no vLLM import)."""
+    from m31ctl.engine.adapter import build_invocation
+    from m31ctl.engine.validate import schema_for
+    from m31ctl.engine.validate import validate as check
+
+    p = _resolve(hardware, recipe, variant, profile, file, set_, False)
+    inv = build_invocation(p)
+    schema = schema_for(inv.image, p.settings.engine.schema_version)
+    findings = check(inv, schema)
+    if json:
+        from m31ctl.output import emit_json
+
+        emit_json(
+            {
+                "engine": "vllm",
+                "schema_version": schema.version,
+                "image": inv.image,
+                "extension": schema.extension.get("attention_backends", []),
+                "ok": not findings,
+                "findings": [f.__dict__ for f in findings],
+            }
+        )
+    else:
+        for finding in findings:
+            sys.stderr.write(f"m31ctl: {finding.line()}\n")
+        if not findings:
+            sys.stdout.write(
+                f"ok: {len(inv.args)} argv elements and {len(inv.env)} environment variables "
+                f"match vLLM {schema.version} ({inv.image})\n"
+            )
+    return int(ExitCode.BAD_INPUT if findings else ExitCode.OK)
 
 
 @app.command()
@@ -307,6 +370,7 @@ def launch(
     ] = False,
     name: Annotated[str | None, typer.Option("--name", help="Container name.")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Host port.")] = None,
+    no_validate: NoValidateOpt = False,
 ) -> int:
     """Resolve, check, pull, start the serving container and wait until the model answers."""
     sets = list(set_ or [])
@@ -314,7 +378,7 @@ def launch(
         sets.append(f"runtime.container_name={name}")
     if port:
         sets.append(f"runtime.port={port}")
-    p = _resolve(hardware, recipe, variant, profile, file, sets)
+    p = _resolve(hardware, recipe, variant, profile, file, sets, not no_validate)
     if dry_run:
         from m31ctl import launch_views
 

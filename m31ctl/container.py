@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from m31ctl import __version__
 from m31ctl.dockerapi import OWNER, OWNER_LABEL
-from m31ctl.engine.vllm import build_invocation
+from m31ctl.engine.adapter import build_invocation
 from m31ctl.plan import Plan
 
 CONTAINER_PORT = 8000

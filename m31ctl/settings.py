@@ -25,9 +25,9 @@ class ModelSettings(_Frozen):
 class EngineSettings(_Frozen):
     name: Literal["vllm"] = "vllm"
     image: str
-    # Which engine schema the adapter's argv is checked against (see m31ctl/engine/schemas).
+    # The vLLM release whose schema the adapter's argv is checked against (m31ctl/engine/schemas);
+    # what a day-zero image adds beyond it is declared in schemas/image-extensions.json.
     schema_version: str = "0.32.0"
-    image_features: tuple[str, ...] = ()  # day-zero image extensions beyond the public vLLM release
     # Escape hatch for `vllm serve` flags no recipe key covers; appended last, validated like the rest.
     extra_args: tuple[str, ...] = ()
 

@@ -7,7 +7,7 @@ import shlex
 from typing import Any
 
 from m31ctl.capacity import Fit
-from m31ctl.engine.vllm import build_invocation
+from m31ctl.engine.adapter import build_invocation
 from m31ctl.hardware import Hardware
 from m31ctl.output import console
 from m31ctl.plan import Plan

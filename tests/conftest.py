@@ -67,3 +67,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(
                 pytest.mark.skip(reason="no Docker Engine reachable (scripts/start-docker starts one)")
             )
+
+
+def vllm_python() -> str | None:
+    """A Python with real vLLM: $M31CTL_VLLM_PYTHON, or .venv-vllm (scripts/setup-vllm makes it)."""
+    candidate = os.environ.get("M31CTL_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    return candidate if Path(candidate).exists() else None
+
+
+@pytest.fixture(scope="session")
+def vllm_py() -> str:
+    python = vllm_python()
+    if python is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI must run the vLLM tests: scripts/setup-vllm did not leave .venv-vllm")
+        pytest.skip("no Python with vLLM (scripts/setup-vllm makes .venv-vllm)")
+    return python

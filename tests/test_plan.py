@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from m31ctl.engine.vllm import build_invocation
+from m31ctl.engine.adapter import build_invocation
 from m31ctl.errors import HostPreconditionError, InputError, RuleViolation, UnsupportedHardware
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, require_fit, resolve

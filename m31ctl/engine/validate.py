@@ -1,0 +1,273 @@
+"""Check the adapter's argv and environment against the engine's own schema, without vLLM.
+
+The schema is what an installed vLLM accepts (extract_schema.py), plus the day-zero image's
+declared extensions. vLLM itself accepts prefixes and checks backend names, parser names and
+JSON keys only at engine start-up, minutes into a load; this finds those mistakes in
+milliseconds.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass
+from functools import cache, cached_property
+from importlib import resources
+from typing import Any
+
+from m31ctl.engine.adapter import EngineInvocation
+from m31ctl.errors import InputError
+
+# Environment variables vLLM removed, and what replaced them (vllm-engine-facts.md). vLLM only
+# warns "Unknown vLLM environment variable" for them, so the setting silently does nothing.
+REMOVED_ENV = {
+    "VLLM_ATTENTION_BACKEND": "--attention-backend (attention_backend in the plan)",
+    "VLLM_USE_FLASHINFER_MOE_FP4": "--moe-backend (moe.backend in the plan)",
+    "VLLM_USE_FLASHINFER_MOE_FP8": "--moe-backend (moe.backend in the plan)",
+    "VLLM_FLASHINFER_MOE_BACKEND": "--moe-backend (moe.backend in the plan)",
+    "VLLM_NVFP4_GEMM_BACKEND": "--linear-backend",
+}
+_HUMAN_INT = re.compile(r"^(auto|-1|\d+(\.\d+)?[kKmMgG]?)$")
+# Config keys whose values name attention backends (the enum, plus image extensions).
+_BACKEND_KEYS = {("--speculative-config", "attention_backend"), ("--attention-config", "backend")}
+
+
+@dataclass(frozen=True)
+class Finding:
+    token: str
+    message: str
+    hint: str = ""
+
+    def line(self) -> str:
+        return f"{self.token}: {self.message}" + (f" ({self.hint})" if self.hint else "")
+
+
+@dataclass(frozen=True)
+class EngineSchema:
+    version: str
+    data: dict[str, Any]
+    extension: dict[str, Any]
+    image: str
+
+    @cached_property
+    def options(self) -> dict[str, dict[str, Any]]:
+        return {opt: flag for flag in self.data["flags"] for opt in flag["options"]}
+
+    def attention_backends(self) -> set[str]:
+        return set(self.data["attention_backends"]) | set(self.extension.get("attention_backends", ()))
+
+
+@cache
+def _schema_data(version: str) -> dict[str, Any]:
+    try:
+        text = resources.files("m31ctl.engine").joinpath("schemas", f"vllm-{version}.json").read_text()
+    except FileNotFoundError:
+        known = sorted(
+            p.name
+            for p in resources.files("m31ctl.engine").joinpath("schemas").iterdir()
+            if p.name.startswith("vllm-")
+        )
+        raise InputError(
+            f"no engine schema for vLLM {version}",
+            hint=f"engine.schema_version must be one of: {', '.join(known)}",
+        ) from None
+    data: dict[str, Any] = json.loads(text)
+    return data
+
+
+@cache
+def _extensions() -> dict[str, Any]:
+    text = resources.files("m31ctl.engine").joinpath("schemas", "image-extensions.json").read_text()
+    images: dict[str, Any] = json.loads(text)["images"]
+    return images
+
+
+def schema_for(image: str, version: str) -> EngineSchema:
+    return EngineSchema(version, _schema_data(version), _extensions().get(image, {}), image)
+
+
+def schema_from_data(data: dict[str, Any], image: str) -> EngineSchema:
+    """A schema extracted from an image itself (doctor's engine check): no extension needed."""
+    return EngineSchema(f"{data.get('version', '?')} in {image}", data, {}, image)
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f"did you mean {close[0]}?" if close else ""
+
+
+def _check_json_config(flag: str, value: str, schema: EngineSchema) -> list[Finding]:
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError as exc:
+        return [Finding(flag, f"not valid JSON ({exc.msg})")]
+    if not isinstance(config, dict):
+        return [Finding(flag, "must be a JSON object")]
+    fields = schema.data["json_configs"].get(flag)
+    if fields is None:
+        return []
+    findings = []
+    for key, item in config.items():
+        if key not in fields:
+            findings.append(Finding(flag, f"unknown key {key!r}", _closest(key, list(fields))))
+            continue
+        if (flag, key) in _BACKEND_KEYS:
+            allowed = schema.attention_backends()
+        elif flag == "--speculative-config" and key == "method":
+            allowed = set(schema.data["speculative_methods"])
+        else:
+            allowed = set(fields[key]["values"] or ())
+        if allowed and item is not None and item not in allowed:
+            hint = _closest(str(item), sorted(map(str, allowed))) or f"one of {sorted(map(str, allowed))}"
+            findings.append(Finding(flag, f"{key}={item!r} is not accepted by vLLM {schema.version}", hint))
+    return findings
+
+
+_NAMED_VALUES = {
+    "--attention-backend": "attention_backends",
+    "--tool-call-parser": "tool_call_parsers",
+    "--reasoning-parser": "reasoning_parsers",
+    "--quantization": "quantization_methods",
+}
+
+
+def _check_value(flag: dict[str, Any], token: str, value: str, schema: EngineSchema) -> list[Finding]:
+    canonical = max(flag["options"], key=len)
+    if flag["choices"] and value not in flag["choices"]:
+        return [
+            Finding(
+                token,
+                f"{value!r} is not a choice",
+                _closest(value, flag["choices"]) or f"one of {', '.join(flag['choices'][:12])}",
+            )
+        ]
+    if flag["type"] == "int" and not re.fullmatch(r"-?\d+", value):
+        return [Finding(token, f"{value!r} is not an integer")]
+    if flag["type"] == "float":
+        try:
+            float(value)
+        except ValueError:
+            return [Finding(token, f"{value!r} is not a number")]
+    if flag["type"] == "human_int" and not _HUMAN_INT.match(value):
+        return [Finding(token, f"{value!r} is not a token count (e.g. 262144 or 256k)")]
+    if canonical in _NAMED_VALUES:
+        names = (
+            schema.attention_backends()
+            if canonical == "--attention-backend"
+            else set(schema.data[_NAMED_VALUES[canonical]])
+        )
+        if value not in names:
+            return [
+                Finding(
+                    token, f"{value!r} is unknown to vLLM {schema.version}", _closest(value, sorted(names))
+                )
+            ]
+    if flag["type"] == "json" and canonical in schema.data["json_configs"]:
+        return _check_json_config(canonical, value, schema)
+    if flag["type"] == "json" and value.lstrip().startswith(("{", "[")):
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as exc:
+            return [Finding(token, f"not valid JSON ({exc.msg})")]
+    return []
+
+
+def _lookup(name: str, options: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, Finding | None]:
+    if name in options:
+        return options[name], None
+    if name.startswith("--") and name.replace("_", "-") in options:
+        return options[name.replace("_", "-")], None  # vLLM reads _ and - alike
+    prefixed = sorted(o for o in options if o.startswith(name) and o.startswith("--"))
+    if len(prefixed) >= 1 and name.startswith("--"):
+        return None, Finding(
+            name,
+            "abbreviated flag",
+            f"write it in full: {prefixed[0]}"
+            if len(prefixed) == 1
+            else f"ambiguous: {', '.join(prefixed[:4])}",
+        )
+    return None, Finding(name, "unknown flag", _closest(name, [o for o in options if o.startswith("--")]))
+
+
+def validate(inv: EngineInvocation, schema: EngineSchema) -> list[Finding]:
+    options = schema.options
+    findings: list[Finding] = []
+    args = list(inv.args)
+    if not args or args[0].startswith("-"):
+        findings.append(Finding("argv", "the model must come first"))
+    i = 1
+    while i < len(args):
+        token = args[i]
+        i += 1
+        if token.startswith("-O") and token != "-O":  # vLLM turns -O3 into --optimization-level 3
+            token, value = "--optimization-level", token[3:] if token[2:3] == "=" else token[2:]
+            flag = options.get(token)
+            if flag is not None:
+                findings += _check_value(flag, "-O", value, schema)
+            continue
+        if not token.startswith("-"):
+            findings.append(Finding(token, "stray positional argument"))
+            continue
+        name, eq, inline = token.partition("=")
+        flag, problem = _lookup(name, options)
+        if problem is not None:
+            findings.append(problem)
+            if not eq and i < len(args) and not args[i].startswith("-"):
+                i += 1  # its value: one finding per mistake
+            continue
+        assert flag is not None
+        if flag["type"] == "flag":
+            continue
+        if eq:
+            values = [inline]
+        elif flag["nargs"] in ("+", "*"):
+            values = []
+            while i < len(args) and not args[i].startswith("-"):
+                values.append(args[i])
+                i += 1
+        else:
+            if i >= len(args):
+                findings.append(Finding(name, "expects a value"))
+                continue
+            values = [args[i]]
+            i += 1
+        for value in values:
+            findings += _check_value(flag, name, value, schema)
+    known_env = set(schema.data["environment_variables"])
+    for key, _value in inv.env:
+        if key in REMOVED_ENV:
+            findings.append(
+                Finding(
+                    key, "removed from vLLM: it is ignored with only a warning", f"use {REMOVED_ENV[key]}"
+                )
+            )
+        elif key.startswith("VLLM_") and key not in known_env:
+            findings.append(
+                Finding(
+                    key,
+                    f"unknown to vLLM {schema.version}: it would be ignored",
+                    _closest(key, sorted(known_env)),
+                )
+            )
+    return findings
+
+
+def check_plan_engine(
+    inv: EngineInvocation,
+    version: str,
+    extra_args: tuple[str, ...] = (),
+    extra_args_source: str | None = None,
+) -> None:
+    """Raise one InputError naming the first finding (and how many more) when the argv is off.
+    A finding in engine.extra_args points at the layer that set them."""
+    findings = validate(inv, schema_for(inv.image, version))
+    if findings:
+        more = f" (+{len(findings) - 1} more: see `m31ctl validate`)" if len(findings) > 1 else ""
+        first = findings[0]
+        where = extra_args_source if first.token in extra_args else None
+        raise InputError(
+            f"vLLM {version} would reject {first.line()}{more}",
+            where=where,
+            hint="fix the setting, or pass --no-validate to skip this check",
+        )
