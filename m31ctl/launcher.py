@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from m31ctl.container import ContainerSpec, container_spec
-from m31ctl.diagnosis import diagnose, phase
+from m31ctl.diagnosis import diagnose
 from m31ctl.dockerapi import OWNER, OWNER_LABEL, connect
-from m31ctl.errors import ConflictError, HostPreconditionError, M31Error, NotReadyError
+from m31ctl.errors import ConflictError, HostPreconditionError, M31Error
 from m31ctl.plan import Plan, require_fit
+from m31ctl.readiness import ProcessState, Reporter, models, wait_ready
+from m31ctl.readiness import health as readiness_health
 
 HASH_LABEL = "io.m31ctl.plan-hash"
-POLL_S = 0.25
-LOG_TAIL_ON_FAILURE = 20
 
 
 @dataclass
@@ -118,101 +117,37 @@ def _port_free(bind: str, port: int) -> bool:
     return True
 
 
-def _models(base: str, api_key: str | None, timeout: float = 2.0) -> list[str] | None:
-    """Served model ids from /v1/models, or None while the server does not answer."""
-    import httpx
+class ContainerHandle:
+    """A container as readiness sees it."""
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(f"{base}/v1/models", headers=headers, timeout=timeout)
-    except httpx.HTTPError:
-        return None
-    if response.status_code != 200:
-        return None
-    try:
-        return [str(m.get("id")) for m in response.json().get("data", [])]
-    except ValueError:
-        return None
+    kind = "container"
 
+    def __init__(self, container: Any) -> None:
+        self.container = container
+        self.name = str(container.name)
+        self._restarts = int(container.attrs.get("RestartCount", 0))
 
-def _health(base: str, timeout: float = 2.0) -> int | None:
-    import httpx
-
-    try:
-        return httpx.get(f"{base}/health", timeout=timeout).status_code
-    except httpx.HTTPError:
-        return None
-
-
-def _log_tail(container: Any, lines: int) -> str:
-    try:
-        return str(container.logs(tail=lines).decode("utf-8", "replace"))
-    except Exception:
-        return ""
-
-
-Reporter = Callable[[str], None]
-
-
-def wait_ready(
-    container: Any,
-    spec: ContainerSpec,
-    served_name: str,
-    timeout: float,
-    report: Reporter,
-    api_key: str | None,
-) -> tuple[dict[str, float], list[str]]:
-    """Running -> /health 200 -> /v1/models lists the served name; fail fast when it dies."""
-    base = endpoint(spec)
-    start = time.monotonic()
-    timings: dict[str, float] = {}
-    seen: list[str] = []
-    restarts = int(container.attrs.get("RestartCount", 0))
-    health_ok = False
-    while True:
-        container.reload()
-        state = container.attrs["State"]
+    def state(self) -> ProcessState:
+        self.container.reload()
+        state = self.container.attrs["State"]
         status = state.get("Status")
-        restarted = int(container.attrs.get("RestartCount", 0)) > restarts
-        if status in ("exited", "dead") or state.get("OOMKilled") or restarted or status == "restarting":
-            _died(container, state, restarted)
-        current = phase(_log_tail(container, 200))
-        if current and current not in seen:
-            seen.append(current)
-            report(f"phase: {current} ({time.monotonic() - start:.1f} s)")
-        if status == "running":
-            timings.setdefault("running", time.monotonic() - start)
-            if not health_ok and _health(base) == 200:
-                health_ok = True
-                timings["health"] = time.monotonic() - start
-                report(f"/health answers 200 ({timings['health']:.1f} s)")
-            if health_ok:
-                models = _models(base, api_key)
-                if models is not None:
-                    timings.setdefault("models_first_answer", time.monotonic() - start)
-                    if served_name in models:
-                        timings["ready"] = time.monotonic() - start
-                        return timings, seen
-        elapsed = time.monotonic() - start
-        if elapsed > timeout:
-            case = (
-                "unhealthy: /health answers but /v1/models does not list the model"
-                if health_ok
-                else f"still loading (last phase: {seen[-1] if seen else 'none'})"
-            )
-            raise NotReadyError(
-                f"not ready after {timeout:g} s: {case}", hint="raise --timeout, or look at `m31ctl logs`"
-            )
-        time.sleep(POLL_S)
+        restarted = (
+            int(self.container.attrs.get("RestartCount", 0)) > self._restarts or status == "restarting"
+        )
+        dead = status in ("exited", "dead") or bool(state.get("OOMKilled")) or restarted
+        return ProcessState(
+            running=status == "running",
+            dead=dead,
+            exit_code=state.get("ExitCode"),
+            oom_killed=bool(state.get("OOMKilled")),
+            restarted=restarted,
+        )
 
-
-def _died(container: Any, state: dict[str, Any], restarted: bool) -> None:
-    tail = _log_tail(container, LOG_TAIL_ON_FAILURE)
-    d = diagnose(tail, state.get("ExitCode"), bool(state.get("OOMKilled")))
-    shown = "\n".join("    " + line for line in tail.rstrip().splitlines()[-LOG_TAIL_ON_FAILURE:])
-    how = "restarted" if restarted else f"exited (code {state.get('ExitCode')})"
-    sys.stderr.write(f"m31ctl: the container {how} while starting; last log lines:\n{shown}\n")
-    raise NotReadyError(f"{container.name} {how}: {d.cause}", hint=d.remedy)
+    def log_tail(self, lines: int) -> str:
+        try:
+            return str(self.container.logs(tail=lines).decode("utf-8", "replace"))
+        except Exception:
+            return ""
 
 
 def launch(
@@ -258,7 +193,7 @@ def launch(
         same = existing.labels.get(HASH_LABEL) == plan.hash
         if same and existing.status in ("running", "created", "restarting"):
             if existing.status == "running" and plan.settings.model.served_name in (
-                _models(endpoint(spec), api_key) or []
+                models(endpoint(spec), api_key) or []
             ):
                 return LaunchResult("unchanged", spec.name, endpoint(spec), plan.hash, True)
             report(f"{spec.name} runs this plan already; waiting for it")
@@ -267,7 +202,14 @@ def launch(
             timings, phases = (
                 ({}, [])
                 if detach
-                else wait_ready(existing, spec, plan.settings.model.served_name, timeout, report, api_key)
+                else wait_ready(
+                    ContainerHandle(existing),
+                    endpoint(spec),
+                    plan.settings.model.served_name,
+                    timeout,
+                    report,
+                    api_key,
+                )
             )
             return LaunchResult("adopted", spec.name, endpoint(spec), plan.hash, not detach, timings, phases)
         if not same:
@@ -291,7 +233,9 @@ def launch(
     report(f"started {spec.name} ({container.short_id}) from {spec.image}")
     if detach:
         return LaunchResult(action, spec.name, endpoint(spec), plan.hash, False)
-    timings, phases = wait_ready(container, spec, plan.settings.model.served_name, timeout, report, api_key)
+    timings, phases = wait_ready(
+        ContainerHandle(container), endpoint(spec), plan.settings.model.served_name, timeout, report, api_key
+    )
     timings["total_since_create"] = time.monotonic() - started
     return LaunchResult(action, spec.name, endpoint(spec), plan.hash, True, timings, phases)
 
@@ -392,7 +336,7 @@ def status(client: Any) -> list[dict[str, Any]]:
         binding: dict[str, Any] = next(iter(ports.values()), [{}])[0] if ports else {}
         base = f"http://{binding.get('HostIp') or '127.0.0.1'}:{binding.get('HostPort')}" if binding else None
         health = (
-            _health(base.replace("0.0.0.0", "127.0.0.1"), timeout=1.0)
+            readiness_health(base.replace("0.0.0.0", "127.0.0.1"), timeout=1.0)
             if base and c.status == "running"
             else None
         )

@@ -1,0 +1,116 @@
+"""Make the CPU rehearsal's tiny model on the spot: a 2-layer Llama with random bf16 weights
+and a small byte-level BPE tokenizer with a chat template. Nothing is downloaded.
+
+Standalone (torch, transformers and tokenizers, which vLLM brings), so it runs in the vLLM
+environment or inside the rehearsal image:
+
+    python m31ctl/rehearsal/make_tiny_model.py DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# head_dim 64: vLLM's CPU attention kernel rejects 16 (vllm-engine-facts.md).
+CONFIG = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+    "vocab_size": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIAL = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+def corpus() -> list[str]:
+    words = [
+        "the",
+        "model",
+        "serves",
+        "tokens",
+        "on",
+        "four",
+        "GPUs",
+        "with",
+        "sparse",
+        "attention",
+        "and",
+        "a",
+        "speculative",
+        "draft;",
+        "hello",
+        "world,",
+        "how",
+        "are",
+        "you",
+        "today?",
+        "I",
+        "am",
+        "a",
+        "tiny",
+        "rehearsal",
+        "model",
+        "made",
+        "for",
+        "m31ctl",
+        "tests.",
+        "0123456789",
+        "abcdefghijklmnopqrstuvwxyz",
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+        ".,;:!?'\"()[]{}",
+    ]
+    return [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 4
+
+
+def make(directory: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=CONFIG["vocab_size"],
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="<|end|>", pad_token="</s>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        **CONFIG,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
+    (directory / "m31ctl-rehearsal.json").write_text(
+        json.dumps({"made_by": "m31ctl", **CONFIG}, indent=1) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: make_tiny_model.py DIR")
+    make(Path(sys.argv[1]))
+    print(f"tiny model written to {sys.argv[1]}")
