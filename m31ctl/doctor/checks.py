@@ -7,6 +7,7 @@ import resource
 import shutil
 import socket
 from pathlib import Path
+from typing import Any
 
 from m31ctl.doctor.base import Check, Context, Outcome
 from m31ctl.errors import M31Error
@@ -313,6 +314,67 @@ def image(ctx: Context) -> Outcome:
     return Outcome("ok", f"{name} not present locally; the registry has it (launch pulls it)")
 
 
+def _engine_schema_from_image(ctx: Context, image: Any) -> dict[str, Any]:
+    """Run the image's own Python on extract_schema.py; cached per image id (vLLM imports take ~8 s)."""
+    import json
+    from importlib import resources
+
+    cache = (
+        Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "m31ctl" / "engine-schemas"
+    )
+    cached = cache / f"{image.id.replace(':', '_')}.json"
+    if cached.is_file():
+        data: dict[str, Any] = json.loads(cached.read_text())
+        return data
+    script = resources.files("m31ctl.engine").joinpath("extract_schema.py")
+    with resources.as_file(script) as path:
+        output = ctx.docker_client().containers.run(
+            image.id,
+            entrypoint=["python3", "/m31ctl/extract_schema.py"],
+            command=[],
+            remove=True,
+            volumes={str(path.parent): {"bind": "/m31ctl", "mode": "ro"}},
+            network_mode="none",
+            stdout=True,
+            stderr=False,
+        )
+    data = json.loads(output.decode())
+    cache.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(data))
+    return data
+
+
+def engine(ctx: Context) -> Outcome:
+    skip = _skip_without_plan(ctx)
+    if skip:
+        return skip
+    assert ctx.plan is not None
+    from docker.errors import ImageNotFound
+
+    from m31ctl.engine.adapter import build_invocation
+    from m31ctl.engine.validate import schema_from_data, validate
+
+    name = ctx.plan.settings.engine.image
+    try:
+        image = ctx.docker_client().images.get(name)
+    except ImageNotFound:
+        return Outcome(
+            "skip",
+            f"{name} is not present locally, so its own vLLM cannot be asked",
+            "pull it, then run doctor again (plan-time validation used the vLLM 0.32 schema)",
+        )
+    data = _engine_schema_from_image(ctx, image)
+    findings = validate(build_invocation(ctx.plan), schema_from_data(data, name))
+    if findings:
+        return Outcome(
+            "fail",
+            f"the image's vLLM {data.get('version')} would reject {findings[0].line()}"
+            + (f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""),
+            "fix the setting, or use an image whose vLLM supports it",
+        )
+    return Outcome("ok", f"argv and environment match the vLLM {data.get('version')} inside {name}")
+
+
 def capacity(ctx: Context) -> Outcome:
     skip = _skip_without_plan(ctx)
     if skip:
@@ -348,6 +410,7 @@ def all_checks() -> list[Check]:
         Check("hf-token", "Hugging Face token", hf_token, timeout_s=1),
         Check("image", "Engine image", image, timeout_s=8),
         Check("capacity", "KV capacity", capacity, timeout_s=2),
+        Check("engine", "Engine accepts the argv", engine, timeout_s=120),
     ]
 
 

@@ -1,0 +1,167 @@
+"""Real vLLM (the CPU build) end to end: launched natively and in a container, smoke-tested,
+stopped, nothing left running. Needs .venv-vllm (scripts/setup-vllm) and, for the container,
+the image scripts/build-rehearsal-image builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+IMAGE = "m31ctl/vllm-cpu:0.32.0"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(vllm_py, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("rehearsal") / "tiny-model"
+    subprocess.run(
+        [vllm_py, str(ROOT / "m31ctl" / "rehearsal" / "make_tiny_model.py"), str(directory)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)  # mounted read-only into the container
+    return directory
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_native_launch_smoke_stop(vllm_py, tiny_model, tmp_path):
+    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
+    name = f"m31ctl-native-{uuid.uuid4().hex[:6]}"
+    args = [
+        "launch",
+        "--runtime",
+        "native",
+        "--hardware",
+        "cpu",
+        "--name",
+        name,
+        "--port",
+        str(free_port()),
+        "--set",
+        f"model.path={tiny_model}",
+        "--set",
+        f"runtime.native_python={vllm_py}",
+        "--timeout",
+        "400",
+        "--json",
+    ]
+    try:
+        launched = run_cli(*args, env=env)
+        assert launched.returncode == 0, launched.stderr[-3000:]
+        result = json.loads(launched.stdout)
+        assert (
+            result["ready"] and result["timings_s"]["ready"] - result["timings_s"]["models_first_answer"] < 1
+        )
+        print(f"native ready after {result['timings_s']['ready']:.1f} s")
+        again = run_cli(*args, env=env)
+        assert json.loads(again.stdout)["action"] == "unchanged"
+        status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"]
+        assert [r["name"] for r in status] == [name] and status[0]["health"] == 200
+        smoke = run_cli("smoke", "--runtime", "native", "--json", env=env)
+        report = json.loads(smoke.stdout)
+        assert smoke.returncode == 0 and report["ok"], report
+        assert report["completion_tokens"] == 16 and report["ttft_s"] > 0
+        print(f"native smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
+        logs = run_cli("logs", "--runtime", "native", "--tail", "200", env=env)
+        assert "POST /v1/chat/completions" in logs.stdout
+        pid = status[0]["pid"]
+    finally:
+        stopped = run_cli("stop", "--runtime", "native", "--json", env=env)
+    assert stopped.returncode == 0 and json.loads(stopped.stdout)["stopped"] == [name]
+    assert (
+        not os.path.exists(f"/proc/{pid}")
+        or Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    )
+    assert json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"] == []
+
+
+@pytest.mark.docker
+def test_container_launch_smoke_stop(tiny_model):
+    from m31ctl.dockerapi import connect
+
+    client = connect()
+    try:
+        client.images.get(IMAGE)
+    except Exception:
+        pytest.fail(
+            f"{IMAGE} is missing: scripts/build-rehearsal-image builds it (scripts/test runs it as root)"
+        )
+    name = f"m31ctl-rehearsal-{uuid.uuid4().hex[:6]}"
+    try:
+        launched = run_cli(
+            "launch",
+            "--hardware",
+            "cpu",
+            "--name",
+            name,
+            "--port",
+            str(free_port()),
+            "--set",
+            f"model.path={tiny_model}",
+            "--timeout",
+            "400",
+            "--json",
+        )
+        assert launched.returncode == 0, launched.stderr[-3000:]
+        result = json.loads(launched.stdout)
+        print(f"container ready after {result['timings_s']['ready']:.1f} s")
+        smoke = run_cli("smoke", "--name", name, "--json")
+        report = json.loads(smoke.stdout)
+        assert smoke.returncode == 0 and report["ok"], report
+        print(f"container smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
+    finally:
+        stopped = run_cli("stop", "--name", name)
+    assert stopped.returncode == 0
+    assert name not in [c.name for c in client.containers.list(all=True)]
+
+
+def test_smoke_against_nothing_fails_cleanly():
+    result = run_cli("smoke", "--url", f"http://127.0.0.1:{free_port()}")
+    assert result.returncode == 6 and "does not answer" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.docker
+def test_doctor_asks_the_image_own_vllm(tiny_model, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    base = [
+        "doctor",
+        "--hardware",
+        "cpu",
+        "--set",
+        f"model.path={tiny_model}",
+        "--set",
+        f"runtime.port={free_port()}",
+        "--json",
+    ]
+    good = {c["id"]: c for c in json.loads(run_cli(*base, env=env).stdout)["checks"]}
+    assert (
+        good["engine"]["status"] == "ok"
+        and "vLLM 0.32.0 inside m31ctl/vllm-cpu:0.32.0" in good["engine"]["message"]
+    )
+    assert list((tmp_path / "cache" / "m31ctl" / "engine-schemas").glob("*.json"))  # cached per image id
+    bad = run_cli(*base, "--set", 'engine.extra_args=["--max-num-seqs","many"]', env=env)
+    checks = {c["id"]: c for c in json.loads(bad.stdout)["checks"]}
+    assert (
+        bad.returncode == 1
+        and checks["engine"]["status"] == "fail"
+        and "'many'" in checks["engine"]["message"]
+    )
+    absent = run_cli(*base, "--set", "engine.image=m31ctl-test/absent:1", env=env)
+    checks = {c["id"]: c for c in json.loads(absent.stdout)["checks"]}
+    assert checks["engine"]["status"] == "skip" and "not present locally" in checks["engine"]["message"]
