@@ -287,3 +287,14 @@ def test_device_smi_capture_agrees_with_nvml_capture():
         nvml.driver_version,
     )
     assert [g.uuid for g in smi.gpus] == [g.uuid for g in nvml.gpus]
+
+
+def test_replay_of_single_gpu_device_capture():
+    single = GPU_FIXTURES / "device-h200x1"
+    capture = json.loads((single / "nvml-capture.json").read_text())
+    recorded = json.loads((single / "probe-1gpu.json").read_text())["hardware"]
+    hw = detect([NvmlProbe(FakeNvml(capture))], env={"NVIDIA_VISIBLE_DEVICES": "all"}).hardware
+    from m31ctl.views import hardware_json
+
+    assert hardware_json(hw) == recorded
+    assert hw.count == 1 and hw.nvlink is None and hw.family == "hopper"

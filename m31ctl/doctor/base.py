@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,11 @@ from m31ctl.probe import ProbeReport
 from m31ctl.probe.base import Runner, run_command
 
 Status = Literal["ok", "warn", "fail", "skip"]
+_CONNECT_LOCK = threading.Lock()
+
+
+class SkipCheck(Exception):
+    """Raised inside a check that cannot run here; it reports skip with this reason."""
 
 
 @dataclass(frozen=True)
@@ -56,8 +62,25 @@ class Context:
     _docker_client: Any = field(default=None, init=False)
     _docker_error: Exception | None = field(default=None, init=False)
 
+    def engine(self) -> Any:
+        """The client for checks that need Docker only as a means: when the Engine is
+        unreachable they skip, and the docker check alone reports it."""
+        from m31ctl.errors import DockerUnreachable
+
+        try:
+            return self.docker_client()
+        except DockerUnreachable:
+            raise SkipCheck("needs the Docker Engine (see the docker check)") from None
+
     def docker_client(self) -> Any:
         """Connect once; every Docker check shares the client (or the error)."""
+        with _CONNECT_LOCK:
+            self._connect()
+        if self._docker_error is not None:
+            raise self._docker_error
+        return self._docker_client
+
+    def _connect(self) -> None:
         if self._docker_client is None and self._docker_error is None:
             try:
                 if self.docker is None:
@@ -68,9 +91,6 @@ class Context:
                     self._docker_client = self.docker()
             except Exception as exc:
                 self._docker_error = exc
-        if self._docker_error is not None:
-            raise self._docker_error
-        return self._docker_client
 
 
 @dataclass(frozen=True)
@@ -108,6 +128,8 @@ def _timed(check: Check, ctx: Context) -> CheckResult:
     start = time.monotonic()
     try:
         outcome = check.fn(ctx)
+    except SkipCheck as skip:
+        outcome = Outcome("skip", str(skip))
     except Exception as exc:
         from m31ctl.errors import M31Error
 

@@ -35,7 +35,7 @@ def docker_daemon(ctx: Context) -> Outcome:
 def gpu_runtime(ctx: Context) -> Outcome:
     vendor = ctx.plan.hardware.vendor if ctx.plan else ctx.probe.hardware.vendor
     if vendor == "cpu":
-        ctx.docker_client()  # still needs an engine
+        ctx.engine()  # still needs an engine
         return Outcome("ok", "the CPU rehearsal needs no GPU runtime")
     if vendor == "amd":
         missing = [d for d in ("/dev/kfd", "/dev/dri") if not os.access(d, os.R_OK | os.W_OK)]
@@ -48,7 +48,7 @@ def gpu_runtime(ctx: Context) -> Outcome:
         return Outcome("ok", "/dev/kfd and /dev/dri are accessible")
     if vendor == "none":
         return Outcome("skip", "no GPU vendor to check a container runtime for")
-    info = ctx.docker_client().info()
+    info = ctx.engine().info()
     runtimes = sorted((info.get("Runtimes") or {}).keys())
     cdi = [str(p) for p in info.get("CDISpecDirs") or []]
     cdi_nvidia = any(Path(d).is_dir() and any("nvidia" in f.name for f in Path(d).iterdir()) for d in cdi)
@@ -194,6 +194,15 @@ def disk(ctx: Context) -> Outcome:
     if skip:
         return skip
     assert ctx.plan is not None
+    local = ctx.plan.settings.model.path
+    if os.path.isabs(local):  # a local checkpoint directory, mounted as it is
+        if Path(local).is_dir():
+            return Outcome("ok", f"local checkpoint {local}")
+        return Outcome(
+            "fail",
+            f"the model path {local} does not exist",
+            "create it (scripts/rehearse makes the rehearsal model) or --set model.path=...",
+        )
     if _checkpoint_cached(ctx):
         return Outcome("ok", f"checkpoint already in {_hf_cache(ctx)}")
     path = _hf_cache(ctx)
@@ -245,10 +254,14 @@ def shm(ctx: Context) -> Outcome:
 
 def memlock(ctx: Context) -> Outcome:
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft == resource.RLIM_INFINITY:
-        return Outcome("ok", "locked memory unlimited")
+    host = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft // 1024} KiB"
+    wanted = ctx.plan.settings.runtime.ulimits.get("memlock") if ctx.plan else None
+    if wanted is None:
+        return Outcome("ok", f"host locked-memory limit {host}; the plan sets no memlock ulimit")
     return Outcome(
-        "ok", f"host locked-memory limit {soft // 1024} KiB; the container sets --ulimit memlock=-1"
+        "ok",
+        f"host locked-memory limit {host}; the container asks for memlock={wanted} "
+        "(dockerd's own limit must allow it)",
     )
 
 
@@ -295,7 +308,7 @@ def image(ctx: Context) -> Outcome:
         return skip
     assert ctx.plan is not None
     name = ctx.plan.settings.engine.image
-    client = ctx.docker_client()
+    client = ctx.engine()
     from docker.errors import APIError, ImageNotFound
 
     try:
@@ -328,7 +341,7 @@ def _engine_schema_from_image(ctx: Context, image: Any) -> dict[str, Any]:
         return data
     script = resources.files("m31ctl.engine").joinpath("extract_schema.py")
     with resources.as_file(script) as path:
-        output = ctx.docker_client().containers.run(
+        output = ctx.engine().containers.run(
             image.id,
             entrypoint=["python3", "/m31ctl/extract_schema.py"],
             command=[],
@@ -356,7 +369,7 @@ def engine(ctx: Context) -> Outcome:
 
     name = ctx.plan.settings.engine.image
     try:
-        image = ctx.docker_client().images.get(name)
+        image = ctx.engine().images.get(name)
     except ImageNotFound:
         return Outcome(
             "skip",
