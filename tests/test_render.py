@@ -264,3 +264,54 @@ def test_script_is_executable(tmp_path, cli):
 def test_bad_target(cli):
     result = cli("render", "--target", "helm", "--hardware", "b300x4")
     assert result.returncode == 2 and "choose one of" in result.stderr
+
+
+def test_multi_node_layout_renders_a_leader_worker_set(tmp_path):
+    import shlex
+
+    plan = plan_for("h100x4", sets=(f"model.served_name={HOSTILE}",))  # hopper TP8 on 4-GPU nodes
+    (artifact,) = render(plan, "k8s")
+    lws, service = yaml.safe_load_all(artifact.content)
+    assert lws["kind"] == "LeaderWorkerSet" and lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader = template["leaderTemplate"]["spec"]["containers"][0]
+    worker = template["workerTemplate"]["spec"]["containers"][0]
+    assert (
+        leader["resources"]["limits"]["nvidia.com/gpu"]
+        == 4
+        == worker["resources"]["limits"]["nvidia.com/gpu"]
+    )
+    assert "$(LWS_LEADER_ADDRESS):6379" in worker["command"][2]
+    script = leader["command"][2]
+    assert script.startswith("ray start --head --port=6379 && exec vllm serve ")
+    # Kubernetes unescapes $$( to $(; the shell then sees the hostile name as one quoted word
+    words = shlex.split(script.replace("$$(", "$(").split("&& exec ", 1)[1])
+    assert words[words.index("--served-model-name") + 1] == HOSTILE
+    assert words[-2:] == ["--distributed-executor-backend", "ray"]
+    assert service["spec"]["selector"] == {
+        "leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"],
+        "role": "leader",
+    }
+    # The pod templates are plain pods: validate them against the Kubernetes schemas.
+    for role, tpl in (("leader", template["leaderTemplate"]), ("worker", template["workerTemplate"])):
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"x-{role}", **tpl["metadata"]},
+            "spec": tpl["spec"],
+        }
+        path = tmp_path / f"{role}.yaml"
+        path.write_text(yaml.safe_dump(pod))
+        result = subprocess.run(
+            [tool("kubernetes-validate"), "--strict", str(path)], capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("target", ["script", "compose", "systemd"])
+def test_single_host_targets_refuse_a_multi_node_layout(target):
+    from m31ctl.errors import InputError
+
+    with pytest.raises(InputError, match="--target k8s"):
+        render(plan_for("h100x4"), target)

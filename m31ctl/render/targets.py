@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shlex
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
@@ -253,6 +254,9 @@ def k8s_documents(plan: Plan) -> list[dict[str, Any]]:
     }
     if spec.ipc_host:
         pod_spec["hostIPC"] = True
+    per_node = plan.hardware.count
+    if 0 < per_node < spec.gpu_count:
+        return _leader_worker_set(plan, spec, name, labels, annotations, container, pod_spec, gpu_resource)
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -278,6 +282,84 @@ def k8s_documents(plan: Plan) -> list[dict[str, Any]]:
     return [deployment, service]
 
 
+RAY_PORT = 6379
+
+
+def _leader_worker_set(
+    plan: Plan,
+    spec: ContainerSpec,
+    name: str,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+    container: dict[str, Any],
+    pod_spec: dict[str, Any],
+    gpu_resource: str,
+) -> list[dict[str, Any]]:
+    """A layout wider than one node: a LeaderWorkerSet whose leader runs the Ray head and
+    `vllm serve`, and whose workers join its Ray cluster (vLLM's multi-node recipe)."""
+    per_node = plan.hardware.count
+    size = math.ceil(spec.gpu_count / per_node)
+    serve = shlex.join(["vllm", "serve", *spec.args, "--distributed-executor-backend", "ray"])
+    # $(LWS_LEADER_ADDRESS) is for Kubernetes to expand; user values were escaped by k8s_literal.
+    leader_script = f"ray start --head --port={RAY_PORT} && exec {k8s_literal(serve)}"
+    worker_script = f"exec ray start --address=$(LWS_LEADER_ADDRESS):{RAY_PORT} --block"
+    resources = {"limits": {gpu_resource: per_node}, "requests": {gpu_resource: per_node}}
+    leader = {**container, "command": ["/bin/sh", "-c", leader_script], "resources": resources}
+    leader.pop("args", None)
+    worker = {
+        k: v
+        for k, v in container.items()
+        if k not in ("args", "startupProbe", "livenessProbe", "readinessProbe", "ports")
+    }
+    worker.update(name="vllm-worker", command=["/bin/sh", "-c", worker_script], resources=resources)
+    leader_labels = {**labels, "role": "leader"}
+    lws = {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+        "spec": {
+            "replicas": 1,
+            "leaderWorkerTemplate": {
+                "size": size,
+                # A lost pod breaks the Ray cluster: restart the whole group.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": {
+                    "metadata": {"labels": leader_labels, "annotations": annotations},
+                    "spec": {**pod_spec, "containers": [leader]},
+                },
+                "workerTemplate": {
+                    "metadata": {"labels": labels, "annotations": annotations},
+                    "spec": {**pod_spec, "containers": [worker]},
+                },
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {"leaderworkerset.sigs.k8s.io/name": name, "role": "leader"},
+            "ports": [{"name": "http", "port": spec.host_port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+    return [lws, service]
+
+
+def single_host_only(plan: Plan, target: str) -> None:
+    """script, compose and systemd run on one host: refuse a layout wider than it."""
+    have, need = plan.hardware.count, plan.gpus_needed
+    if 0 < have < need:
+        from m31ctl.errors import InputError
+
+        raise InputError(
+            f"the plan needs {need} GPUs and {plan.hardware.product} hosts have {have}: "
+            f"a {target} runs on one host",
+            hint="use --target k8s (a LeaderWorkerSet spans nodes) or a host with enough GPUs",
+        )
+
+
 def _k8s_quantity(size: str | None) -> str:
     text = (size or "64g").strip().lower().removesuffix("b")
     units = {"k": "Ki", "m": "Mi", "g": "Gi", "t": "Ti"}
@@ -298,4 +380,6 @@ RENDERERS = {"script": render_script, "compose": render_compose, "k8s": render_k
 
 
 def render(plan: Plan, target: Target) -> list[Artifact]:
+    if target != "k8s":
+        single_host_only(plan, target)
     return RENDERERS[target](plan)
