@@ -107,6 +107,24 @@ def _ours(container: Any) -> bool:
     return bool(container.labels.get(OWNER_LABEL) == OWNER)
 
 
+def api_key_for(plan: Plan, environ: dict[str, str]) -> str | None:
+    """The key the server will demand (read from the environment, never stored), or None."""
+    if not plan.settings.runtime.api_key:
+        return None
+    key = environ.get("VLLM_API_KEY")
+    if not key:
+        raise HostPreconditionError(
+            "runtime.api_key is set but VLLM_API_KEY is not in the environment",
+            hint="export VLLM_API_KEY before launching",
+        )
+    return key
+
+
+def ensure_port_free(bind: str, port: int) -> None:
+    if not port_free(bind, port):
+        raise ConflictError(f"port {bind}:{port} is in use", hint="pass --port, or stop what listens there")
+
+
 def port_free(bind: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -163,12 +181,7 @@ def launch(
     environ = dict(os.environ if environ is None else environ)
     require_fit(plan)
     spec = container_spec(plan)
-    api_key = environ.get("VLLM_API_KEY") if plan.settings.runtime.api_key else None
-    if plan.settings.runtime.api_key and not api_key:
-        raise HostPreconditionError(
-            "runtime.api_key is set but VLLM_API_KEY is not in the environment",
-            hint="export VLLM_API_KEY before launching",
-        )
+    api_key = api_key_for(plan, environ)
     for mount in spec.mounts:
         if mount.read_only and not os.path.exists(mount.source):
             raise HostPreconditionError(
@@ -223,10 +236,7 @@ def launch(
         report(f"removing {spec.name} ({existing.status}, plan {existing.labels.get(HASH_LABEL)})")
         existing.remove(force=True)
         action = "recreated"
-    if not port_free(spec.bind, spec.host_port):
-        raise ConflictError(
-            f"port {spec.bind}:{spec.host_port} is in use", hint="pass --port, or stop what listens there"
-        )
+    ensure_port_free(spec.bind, spec.host_port)
     _ensure_image(client, spec.image, report)
     started = time.monotonic()
     container = _create_and_start(client, spec, environ)

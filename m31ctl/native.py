@@ -20,7 +20,7 @@ from typing import Any
 
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.errors import ConflictError, HostPreconditionError
-from m31ctl.launcher import LaunchResult, port_free
+from m31ctl.launcher import LaunchResult, api_key_for, ensure_port_free
 from m31ctl.plan import Plan, require_fit
 from m31ctl.readiness import ProcessState, Reporter, health, models, wait_ready
 
@@ -165,12 +165,7 @@ def launch(
     require_fit(plan)
     runtime = plan.settings.runtime
     name = runtime.container_name
-    api_key = environ.get("VLLM_API_KEY") if runtime.api_key else None
-    if runtime.api_key and not api_key:
-        raise HostPreconditionError(
-            "runtime.api_key is set but VLLM_API_KEY is not in the environment",
-            hint="export VLLM_API_KEY before launching",
-        )
+    api_key = api_key_for(plan, environ)
     if plan.hardware.vendor != "cpu" and plan.hardware.source.startswith("simulated"):
         raise HostPreconditionError(
             "the native runtime runs on this host's own hardware",
@@ -199,10 +194,7 @@ def launch(
             )
         stop_server(existing, existing.stop_timeout, report)
         action = "recreated"
-    if not port_free(runtime.bind, runtime.port):
-        raise ConflictError(
-            f"port {runtime.bind}:{runtime.port} is in use", hint="pass --port, or stop what listens there"
-        )
+    ensure_port_free(runtime.bind, runtime.port)
     argv = command(plan)
     log_path = state_dir() / f"{name}.log"
     state_dir().mkdir(parents=True, exist_ok=True)

@@ -269,20 +269,24 @@ def k8s_documents(plan: Plan) -> list[dict[str, Any]]:
             "template": {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec},
         },
     }
-    service = {
+    service = _service(name, labels, {"app.kubernetes.io/name": name}, spec.host_port)
+    return [deployment, service]
+
+
+RAY_PORT = 6379
+
+
+def _service(name: str, labels: dict[str, str], selector: dict[str, str], port: int) -> dict[str, Any]:
+    return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name, "labels": labels},
         "spec": {
             "type": "ClusterIP",
-            "selector": {"app.kubernetes.io/name": name},
-            "ports": [{"name": "http", "port": spec.host_port, "targetPort": "http", "protocol": "TCP"}],
+            "selector": selector,
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
-    return [deployment, service]
-
-
-RAY_PORT = 6379
 
 
 def _leader_worker_set(
@@ -334,16 +338,9 @@ def _leader_worker_set(
             },
         },
     }
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "type": "ClusterIP",
-            "selector": {"leaderworkerset.sigs.k8s.io/name": name, "role": "leader"},
-            "ports": [{"name": "http", "port": spec.host_port, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    service = _service(
+        name, labels, {"leaderworkerset.sigs.k8s.io/name": name, "role": "leader"}, spec.host_port
+    )
     return [lws, service]
 
 
