@@ -25,6 +25,7 @@ class _Frozen(BaseModel):
 class Match(_Frozen):
     vendor: Literal["nvidia", "amd", "cpu"]
     families: tuple[str, ...]
+    archs: tuple[str, ...] = ()  # compute capability or gfx target; the selection key
     products: tuple[str, ...] = ()
     min_gpus: int = Field(ge=0)
     # Memory per GPU the recipe's layout was written for (GiB, as the driver reports it).
@@ -260,7 +261,8 @@ def select_recipe(hw: Hardware) -> Recipe:
             hint="pass --hardware (e.g. --hardware b300x4) to plan for another host",
         )
     for recipe in builtin_recipes().values():
-        if recipe.match.vendor == hw.vendor and hw.family in recipe.match.families:
+        match = recipe.match
+        if match.vendor == hw.vendor and (hw.arch in match.archs if match.archs else hw.family in match.families):
             return recipe
     found = f"{hw.count}x {hw.product or 'GPU'} ({describe_arch(hw.arch)})"
     raise UnsupportedHardware(
