@@ -262,7 +262,9 @@ def select_recipe(hw: Hardware) -> Recipe:
         )
     for recipe in builtin_recipes().values():
         match = recipe.match
-        if match.vendor == hw.vendor and (hw.arch in match.archs if match.archs else hw.family in match.families):
+        if match.vendor == hw.vendor and (
+            hw.arch in match.archs if match.archs else hw.family in match.families
+        ):
             return recipe
     found = f"{hw.count}x {hw.product or 'GPU'} ({describe_arch(hw.arch)})"
     raise UnsupportedHardware(

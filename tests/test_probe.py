@@ -298,3 +298,63 @@ def test_replay_of_single_gpu_device_capture():
 
     assert hardware_json(hw) == recorded
     assert hw.count == 1 and hw.nvlink is None and hw.family == "hopper"
+
+
+# amd-smi 6.1+ wraps its list in gpu_data; the vram block carries a value and a unit. Shapes as in
+# public amd-smi output; values from the MI350X sample (public-samples.md).
+AMD_SMI_STATIC = {
+    "gpu_data": [
+        {
+            "gpu": i,
+            "asic": {
+                "market_name": "AMD Instinct MI350X",
+                "device_id": "0x75a0",
+                "target_graphics_version": "gfx950",
+            },
+            "vram": {"type": "HBM3E", "size": {"value": 294912, "unit": "MB"}},
+            "driver": {"name": "amdgpu", "version": "6.12.12"},
+        }
+        for i in range(8)
+    ]
+}
+
+
+def test_amd_smi_cli_fallback():
+    from m31ctl.probe.amd import AmdSmiCliProbe
+
+    runner = FakeRunner({("amd-smi",): CommandResult(0, json.dumps(AMD_SMI_STATIC), "")})
+    hw = detect(
+        [AmdSmiProbe(FakeAmdSmi([], init_error="amdsmi not found")), AmdSmiCliProbe(runner)], env={}
+    ).hardware
+    assert (hw.source, hw.family, hw.count, hw.driver_version) == ("amd-smi", "mi350", 8, "6.12.12")
+    assert hw.memory_per_gpu_bytes == 294912 * 2**20
+    older = FakeRunner({("amd-smi",): CommandResult(0, json.dumps(AMD_SMI_STATIC["gpu_data"][:4]), "")})
+    assert detect([AmdSmiCliProbe(older)], env={}).hardware.count == 4
+
+
+def test_rocm_smi_fallback_trusts_device_ids_over_gfx_strings():
+    from m31ctl.probe.amd import RocmSmiProbe
+
+    # rocm-smi prints gfx strings badly (gfx90a as gfx9010, public sample); the device id decides.
+    cards = {
+        f"card{i}": {
+            "Card Series": "AMD Instinct MI355X",
+            "Card Model": "0x75a3",
+            "GFX Version": "gfx9500",
+            "VRAM Total Memory (B)": str(288 * 2**30),
+        }
+        for i in range(4)
+    }
+    cards["system"] = {"Driver version": "6.12.12"}
+    runner = FakeRunner({("rocm-smi",): CommandResult(0, json.dumps(cards), "")})
+    hw = detect([RocmSmiProbe(runner)], env={}).hardware
+    assert (hw.arch, hw.family, hw.count, hw.product) == ("gfx950", "mi350", 4, "AMD Instinct MI355X")
+    assert select_recipe(hw).recipe == "mi355x"
+
+
+def test_amd_cli_missing_is_a_reason_not_a_crash():
+    from m31ctl.probe.amd import AmdSmiCliProbe, RocmSmiProbe
+
+    report = detect([AmdSmiCliProbe(FakeRunner({})), RocmSmiProbe(FakeRunner({}))], env={})
+    assert report.hardware.count == 0
+    assert [a.detail for a in report.attempts] == ["amd-smi not found on PATH", "rocm-smi not found on PATH"]

@@ -37,10 +37,17 @@ METHODS_ENV = "M31CTL_PROBE_METHODS"
 
 def default_methods(env: Mapping[str, str]) -> list[ProbeMethod]:
     """All methods in order, or the comma-separated subset named by M31CTL_PROBE_METHODS."""
-    from m31ctl.probe.amd import AmdSmiProbe, KfdSysfsProbe
+    from m31ctl.probe.amd import AmdSmiCliProbe, AmdSmiProbe, KfdSysfsProbe, RocmSmiProbe
     from m31ctl.probe.nvidia import NvidiaSmiProbe, NvmlProbe
 
-    methods: list[ProbeMethod] = [NvmlProbe(), NvidiaSmiProbe(), AmdSmiProbe(), KfdSysfsProbe()]
+    methods: list[ProbeMethod] = [
+        NvmlProbe(),
+        NvidiaSmiProbe(),
+        AmdSmiProbe(),
+        AmdSmiCliProbe(),
+        RocmSmiProbe(),
+        KfdSysfsProbe(),
+    ]
     wanted = [m.strip() for m in env.get(METHODS_ENV, "").split(",") if m.strip()]
     if wanted:
         from m31ctl.errors import InputError

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
 from m31ctl.hardware import GPU, PRODUCTS, normalize_arch
-from m31ctl.probe.base import ProbeUnavailable, Snapshot
+from m31ctl.probe.base import ProbeUnavailable, Runner, Snapshot, run_command
 
 AMDSMI_LINK_XGMI = 2
 KFD_TOPOLOGY = Path("/sys/class/kfd/kfd/topology/nodes")
@@ -136,4 +137,101 @@ class KfdSysfsProbe:
             self.name,
             tuple(gpus),
             notes=("read from the KFD sysfs topology; driver version and xGMI links unknown",),
+        )
+
+
+def _vram_bytes(vram: Any) -> int:
+    """amd-smi's vram block: {"size": {"value": N, "unit": "MB"}} (ROCm 6.1+) or {"vram_size": N} (MB)."""
+    if not isinstance(vram, dict):
+        return 0
+    size = vram.get("size")
+    if isinstance(size, dict):
+        value, unit = size.get("value", 0), str(size.get("unit", "MB")).upper()
+        scale = {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}.get(unit, 1024**2)
+        return int(value) * scale
+    return int(vram.get("vram_size", 0) or 0) * 1024**2
+
+
+class AmdSmiCliProbe:
+    """`amd-smi static --asic --vram --driver --json`, for hosts with the CLI but not the module."""
+
+    name = "amd-smi"
+
+    def __init__(self, runner: Runner = run_command) -> None:
+        self._run = runner
+
+    def probe(self) -> Snapshot:
+        result = self._run(["amd-smi", "static", "--asic", "--vram", "--driver", "--json"])
+        if result.returncode != 0:
+            lines = (result.stdout + result.stderr).strip().splitlines()
+            raise ProbeUnavailable(f"amd-smi failed: {lines[0] if lines else f'exit {result.returncode}'}")
+        try:
+            data = json.loads(result.stdout)
+        except ValueError:
+            raise ProbeUnavailable("amd-smi printed no JSON") from None
+        entries = data.get("gpu_data", []) if isinstance(data, dict) else data  # newer releases wrap the list
+        gpus, driver = [], None
+        for index, entry in enumerate(entries):
+            asic = entry.get("asic") or {}
+            arch = normalize_arch(str(asic.get("target_graphics_version", "")))
+            device_id = str(asic.get("device_id", "")).lower() or None
+            driver = (entry.get("driver") or {}).get("version", driver)
+            gpus.append(
+                GPU(
+                    index=int(entry.get("gpu", index)),
+                    name=str(asic.get("market_name") or _name_for(arch, device_id)),
+                    arch=arch,
+                    memory_total_bytes=_vram_bytes(entry.get("vram")),
+                    pci_device_id=device_id,
+                )
+            )
+        return Snapshot(
+            "amd",
+            self.name,
+            tuple(gpus),
+            driver_version=driver,
+            notes=("read from amd-smi's CLI; xGMI links not checked",),
+        )
+
+
+class RocmSmiProbe:
+    """`rocm-smi --showproductname --showmeminfo vram --json`: older ROCm. Its gfx strings are
+    unreliable (gfx90a printed as gfx9010), so the PCI device id decides where it is known."""
+
+    name = "rocm-smi"
+
+    def __init__(self, runner: Runner = run_command) -> None:
+        self._run = runner
+
+    def probe(self) -> Snapshot:
+        result = self._run(["rocm-smi", "--showproductname", "--showmeminfo", "vram", "--json"])
+        if result.returncode != 0:
+            lines = (result.stdout + result.stderr).strip().splitlines()
+            raise ProbeUnavailable(f"rocm-smi failed: {lines[0] if lines else f'exit {result.returncode}'}")
+        try:
+            data = json.loads(result.stdout)
+        except ValueError:
+            raise ProbeUnavailable("rocm-smi printed no JSON") from None
+        cards = sorted((k, v) for k, v in data.items() if k.startswith("card") and k[4:].isdigit())
+        gpus = []
+        for key, card in cards:
+            device_id = str(card.get("Card Model", "")).lower() or None
+            known = next((p for p in PRODUCTS.values() if p.pci_device_id == device_id), None)
+            arch = known.arch if known else normalize_arch(str(card.get("GFX Version", "")))
+            gpus.append(
+                GPU(
+                    index=int(key[4:]),
+                    name=known.name if known else str(card.get("Card Series", "AMD GPU")),
+                    arch=arch,
+                    memory_total_bytes=int(card.get("VRAM Total Memory (B)", 0) or 0),
+                    pci_device_id=device_id,
+                )
+            )
+        driver = (data.get("system") or {}).get("Driver version")
+        return Snapshot(
+            "amd",
+            self.name,
+            tuple(gpus),
+            driver_version=driver,
+            notes=("read from rocm-smi; xGMI links not checked",),
         )
