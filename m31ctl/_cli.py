@@ -69,13 +69,6 @@ NoValidateOpt = Annotated[
 ]
 
 
-def _check_runtime(runtime: str) -> None:
-    if runtime not in ("docker", "native"):
-        from m31ctl.errors import InputError
-
-        raise InputError(f"unknown --runtime {runtime!r}", hint="choose docker or native")
-
-
 def _request(
     hardware: str | None,
     recipe: str | None,
@@ -297,36 +290,10 @@ def validate(
     json: JsonOpt = False,
 ) -> int:
     """Check the plan's vLLM argv and environment against vLLM's own schema (no vLLM import)."""
-    from m31ctl.engine.adapter import build_invocation
-    from m31ctl.engine.validate import schema_for
-    from m31ctl.engine.validate import validate as check
+    from m31ctl.engine.validate import report_plan
 
-    p = _resolve(hardware, recipe, variant, profile, file, set_, False)
-    inv = build_invocation(p)
-    schema = schema_for(inv.image, p.settings.engine.schema_version)
-    findings = check(inv, schema)
-    if json:
-        from m31ctl.output import emit_json
-
-        emit_json(
-            {
-                "engine": "vllm",
-                "schema_version": schema.version,
-                "image": inv.image,
-                "extension": schema.extension.get("attention_backends", []),
-                "ok": not findings,
-                "findings": [f.__dict__ for f in findings],
-            }
-        )
-    else:
-        for finding in findings:
-            sys.stderr.write(f"m31ctl: {finding.line()}\n")
-        if not findings:
-            sys.stdout.write(
-                f"ok: {len(inv.args)} argv elements and {len(inv.env)} environment variables "
-                f"match vLLM {schema.version} ({inv.image})\n"
-            )
-    return int(ExitCode.BAD_INPUT if findings else ExitCode.OK)
+    plan = _resolve(hardware, recipe, variant, profile, file, set_, False)
+    return int(ExitCode.OK if report_plan(plan, json) else ExitCode.BAD_INPUT)
 
 
 @app.command()
@@ -384,7 +351,9 @@ def launch(
     no_validate: NoValidateOpt = False,
 ) -> int:
     """Resolve, check, pull, start the serving container and wait until the model answers."""
-    _check_runtime(runtime)
+    from m31ctl import runtimes
+
+    runtimes.check(runtime)
     sets = list(set_ or [])
     if name:
         sets.append(f"runtime.container_name={name}")
@@ -398,11 +367,8 @@ def launch(
         return 0
     from m31ctl import launch_views
 
-    if runtime == "native":
-        from m31ctl import native as launcher
-    else:
-        from m31ctl import launcher  # type: ignore[no-redef]
-    result = launcher.launch(
+    result = runtimes.launch(
+        runtime,
         p,
         timeout=timeout,
         detach=detach,
@@ -417,19 +383,10 @@ def launch(
 @app.command()
 def status(json: JsonOpt = False, runtime: RuntimeOpt = "docker") -> None:
     """The servers m31ctl runs: state, plan, endpoint, health."""
-    from m31ctl import launch_views
+    from m31ctl import launch_views, runtimes
 
-    _check_runtime(runtime)
-    if runtime == "native":
-        from m31ctl import native
-
-        rows = native.status()
-    else:
-        from m31ctl import launcher
-        from m31ctl.dockerapi import connect
-
-        rows = launcher.status(connect())
-    launch_views.print_status(rows, json)
+    runtimes.check(runtime)
+    launch_views.print_status(runtimes.servers(runtime), json)
 
 
 @app.command()
@@ -440,21 +397,10 @@ def logs(
     runtime: RuntimeOpt = "docker",
 ) -> None:
     """Print the server's log."""
-    _check_runtime(runtime)
-    if runtime == "native":
-        from m31ctl import native
+    from m31ctl import runtimes
 
-        native.logs(name, follow, tail)
-        return
-    from m31ctl import launcher
-    from m31ctl.dockerapi import connect
-
-    for container in launcher.select(connect(), name):
-        stream = container.logs(stream=follow, follow=follow, tail=tail)
-        chunks = stream if follow else [stream]
-        for chunk in chunks:
-            sys.stdout.write(chunk.decode("utf-8", "replace"))
-            sys.stdout.flush()
+    runtimes.check(runtime)
+    runtimes.logs(runtime, name, follow, tail)
 
 
 @app.command()
@@ -466,18 +412,10 @@ def stop(
     runtime: RuntimeOpt = "docker",
 ) -> None:
     """Stop our servers: SIGTERM and a drain, then SIGKILL."""
-    from m31ctl import launch_views
+    from m31ctl import launch_views, runtimes
 
-    _check_runtime(runtime)
-    if runtime == "native":
-        from m31ctl import native
-
-        stopped = native.stop(name, timeout, launch_views.reporter(json))
-    else:
-        from m31ctl import launcher
-        from m31ctl.dockerapi import connect
-
-        stopped = launcher.stop(connect(), name, timeout, keep, launch_views.reporter(json))
+    runtimes.check(runtime)
+    stopped = runtimes.stop(runtime, name, timeout, keep, launch_views.reporter(json))
     if json:
         from m31ctl.output import emit_json
 
@@ -517,48 +455,14 @@ def smoke(
     json: JsonOpt = False,
 ) -> int:
     """Send a chat completion and a streamed one; check their shape; measure TTFT and tokens/s."""
+    from m31ctl import runtimes
     from m31ctl import smoke as smoke_test
 
-    _check_runtime(runtime)
-    base = url or _server_endpoint(runtime, name)
+    runtimes.check(runtime)
+    base = url or runtimes.running_endpoint(runtime, name)
     report = smoke_test.run(base.rstrip("/"), model, max_tokens)
-    if json:
-        from m31ctl.output import emit_json
-
-        emit_json(report.to_json())
-    else:
-        for check in report.checks:
-            sys.stdout.write(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}\n")
-        if report.ttft_s is not None:
-            rate = f"{report.tokens_per_s:.1f} tokens/s" if report.tokens_per_s else "rate n/a"
-            sys.stdout.write(
-                f"time to first token {report.ttft_s * 1000:.0f} ms, {rate}, "
-                f"chat latency {report.latency_s or 0:.2f} s ({report.model} at {base})\n"
-            )
+    smoke_test.print_report(report, json)
     return int(ExitCode.OK if report.ok else ExitCode.CHECK_FAILED)
-
-
-def _server_endpoint(runtime: str, name: str | None) -> str:
-    from m31ctl.errors import HostPreconditionError
-
-    if runtime == "native":
-        from m31ctl import native
-
-        rows = native.status()
-    else:
-        from m31ctl import launcher
-        from m31ctl.dockerapi import connect
-
-        rows = launcher.status(connect())
-    running = [
-        r for r in rows if r["state"] == "running" and r["endpoint"] and (name is None or r["name"] == name)
-    ]
-    if len(running) != 1:
-        found = ", ".join(r["name"] for r in running) or "none"
-        raise HostPreconditionError(
-            f"need exactly one running m31ctl server, found {found}", hint="pass --name or --url"
-        )
-    return str(running[0]["endpoint"])
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -379,6 +380,14 @@ def select(client: Any, name: str | None) -> list[Any]:
             raise ConflictError(f"{name} was not created by m31ctl; not touching it")
         raise HostPreconditionError(f"no m31ctl container named {name}", hint="see `m31ctl status`")
     return chosen
+
+
+def logs(client: Any, name: str | None, follow: bool, tail: int) -> None:
+    for container in select(client, name):
+        stream = container.logs(stream=follow, follow=follow, tail=tail)
+        for chunk in stream if follow else [stream]:
+            sys.stdout.write(chunk.decode("utf-8", "replace"))
+            sys.stdout.flush()
 
 
 def stop(client: Any, name: str | None, timeout: int | None, keep: bool, report: Reporter) -> list[str]:

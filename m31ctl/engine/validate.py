@@ -271,3 +271,36 @@ def check_plan_engine(
             where=where,
             hint="fix the setting, or pass --no-validate to skip this check",
         )
+
+
+def report_plan(plan: Any, as_json: bool) -> bool:
+    """`m31ctl validate`: print every finding (stderr) or the JSON report; True when clean."""
+    import sys
+
+    from m31ctl.engine.adapter import build_invocation
+
+    inv = build_invocation(plan)
+    schema = schema_for(inv.image, plan.settings.engine.schema_version)
+    findings = validate(inv, schema)
+    if as_json:
+        from m31ctl.output import emit_json
+
+        emit_json(
+            {
+                "engine": "vllm",
+                "schema_version": schema.version,
+                "image": inv.image,
+                "extension": schema.extension.get("attention_backends", []),
+                "ok": not findings,
+                "findings": [f.__dict__ for f in findings],
+            }
+        )
+    else:
+        for finding in findings:
+            sys.stderr.write(f"m31ctl: {finding.line()}\n")
+        if not findings:
+            sys.stdout.write(
+                f"ok: {len(inv.args)} argv elements and {len(inv.env)} environment variables "
+                f"match vLLM {schema.version} ({inv.image})\n"
+            )
+    return not findings
