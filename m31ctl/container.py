@@ -39,6 +39,9 @@ class ContainerSpec:
     labels: tuple[tuple[str, str], ...]
     vendor: str
     gpu_count: int
+    # UUIDs of the GPUs to hand over when the plan was made from this host's probe (which honours
+    # *_VISIBLE_DEVICES); empty for a simulated host, where Docker picks by count.
+    gpu_device_ids: tuple[str, ...]
     devices: tuple[str, ...]  # AMD device nodes
     group_add: tuple[str, ...]
     security_opt: tuple[str, ...]
@@ -77,6 +80,15 @@ def labels_for(plan: Plan) -> tuple[tuple[str, str], ...]:
     )
 
 
+def _probed_gpu_ids(plan: Plan) -> tuple[str, ...]:
+    hw = plan.hardware
+    if hw.vendor != "nvidia" or hw.source.startswith("simulated"):
+        return ()
+    chosen = hw.gpus[: plan.gpus_needed]
+    ids = tuple(g.uuid for g in chosen if g.uuid)
+    return ids if len(ids) == plan.gpus_needed else ()
+
+
 def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
     s = plan.settings
     runtime = s.runtime
@@ -96,6 +108,7 @@ def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
         labels=labels_for(plan),
         vendor=plan.hardware.vendor,
         gpu_count=plan.gpus_needed,
+        gpu_device_ids=_probed_gpu_ids(plan),
         devices=("/dev/kfd", "/dev/dri") if amd else (),
         group_add=("video", "render") if amd else (),
         security_opt=("seccomp=unconfined",) if runtime.seccomp_unconfined else (),

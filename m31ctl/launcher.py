@@ -74,7 +74,12 @@ def create_container(client: Any, spec: ContainerSpec, environ: dict[str, str]) 
     elif spec.shm_size:
         host["shm_size"] = spec.shm_size
     if spec.vendor == "nvidia":
-        host["device_requests"] = [DeviceRequest(count=spec.gpu_count, capabilities=[["gpu"]])]
+        request = (
+            DeviceRequest(device_ids=list(spec.gpu_device_ids), capabilities=[["gpu"]])
+            if spec.gpu_device_ids
+            else DeviceRequest(count=spec.gpu_count, capabilities=[["gpu"]])
+        )
+        host["device_requests"] = [request]
     if spec.devices:
         host["devices"] = [f"{d}:{d}:rwm" for d in spec.devices]
         host["group_add"] = list(spec.group_add)

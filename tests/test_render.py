@@ -315,3 +315,26 @@ def test_single_host_targets_refuse_a_multi_node_layout(target):
 
     with pytest.raises(InputError, match="--target k8s"):
         render(plan_for("h100x4"), target)
+
+
+def test_probed_host_pins_its_visible_gpus_by_uuid(tmp_path):
+    """A plan made from this host's probe hands over exactly the GPUs the probe saw (it honours
+    CUDA_VISIBLE_DEVICES); Docker would otherwise take the first N of the host."""
+    import json as jsonlib
+
+    from m31ctl.probe import detect
+    from m31ctl.probe.nvidia import NvmlProbe
+    from tests.fakes import GPU_FIXTURES, FakeNvml
+
+    capture = jsonlib.loads((GPU_FIXTURES / "device-h200x2" / "nvml-capture.json").read_text())
+    hw = detect([NvmlProbe(FakeNvml(capture))], env={"CUDA_VISIBLE_DEVICES": "1"}).hardware
+    plan = resolve(PlanRequest(hardware=hw, sets=("parallelism.tensor=1",)))
+    spec = container_spec(plan)
+    assert spec.gpu_device_ids == (capture["gpus"][1]["uuid"],)
+    argv = docker_run_argv(spec, "detached")
+    assert argv[argv.index("--gpus") + 1] == f'"device={capture["gpus"][1]["uuid"]}"'
+    service = yaml.safe_load(render(plan, "compose")[0].content)["services"]["vllm"]
+    assert service["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == [
+        capture["gpus"][1]["uuid"]
+    ]
+    assert container_spec(plan_for("h200x8")).gpu_device_ids == ()  # simulated: by count

@@ -20,7 +20,9 @@ def docker_run_argv(spec: ContainerSpec, mode: Mode, env_file: str | None = None
     for key, value in spec.labels:
         argv += ["--label", f"{key}={value}"]
     if spec.vendor == "nvidia":
-        argv += ["--gpus", str(spec.gpu_count)]
+        # The CLI reads a device list as CSV, hence the inner quotes.
+        gpus = f'"device={",".join(spec.gpu_device_ids)}"' if spec.gpu_device_ids else str(spec.gpu_count)
+        argv += ["--gpus", gpus]
     for device in spec.devices:
         argv += ["--device", device]
     for group in spec.group_add:

@@ -151,7 +151,11 @@ def compose_document(plan: Plan) -> dict[str, Any]:
         service["deploy"] = {
             "resources": {
                 "reservations": {
-                    "devices": [{"driver": "nvidia", "count": spec.gpu_count, "capabilities": ["gpu"]}]
+                    "devices": [
+                        {"driver": "nvidia", "device_ids": list(spec.gpu_device_ids), "capabilities": ["gpu"]}
+                        if spec.gpu_device_ids
+                        else {"driver": "nvidia", "count": spec.gpu_count, "capabilities": ["gpu"]}
+                    ]
                 }
             }
         }
