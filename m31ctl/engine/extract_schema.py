@@ -92,7 +92,10 @@ def extract() -> dict[str, Any]:
     import vllm
     import vllm.config as config
     import vllm.envs as envs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:  # 0.33 moved the serve parser
+        from vllm.entrypoints.common.cli_args import make_arg_parser
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     from vllm.reasoning import ReasoningParserManager
     from vllm.utils.argparse_utils import FlexibleArgumentParser
