@@ -65,7 +65,7 @@ def results(
 ):  # type: ignore[no-untyped-def]
     hw = simulated(hardware) if hardware else probe.hardware
     request = PlanRequest(hardware=hw, sets=sets)
-    report = diagnose(request, probe, {"docker": (lambda: docker) if docker is not None else _no_docker})
+    report = diagnose(request, probe, (lambda: docker) if docker is not None else _no_docker)
     return {r.id: r for r in report.results}, report
 
 
@@ -144,7 +144,7 @@ def test_port_in_use_fails():
 
 def test_no_gpu_host_reports_without_crashing():
     probe = ProbeReport(NO_GPU, ())
-    report = diagnose(None, probe, {"docker": _no_docker})
+    report = diagnose(None, probe, _no_docker)
     by_id = {r.id: r for r in report.results}
     assert report.plan is None and "no GPU" in (report.plan_error or "")
     assert by_id["gpus"].status == "fail" and by_id["docker"].status == "fail"

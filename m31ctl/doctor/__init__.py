@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from m31ctl.doctor.base import CheckResult, Context, run_checks
 from m31ctl.doctor.checks import all_checks
@@ -40,11 +42,12 @@ def plan_for_host(request: PlanRequest | None, probe: ProbeReport) -> tuple[Plan
 def diagnose(
     request: PlanRequest | None,
     probe: ProbeReport | None = None,
-    ctx_overrides: dict[str, object] | None = None,
+    docker: Callable[[], Any] | None = None,
 ) -> DoctorReport:
+    """Run every check. `docker` connects to the Engine (the default: the local one)."""
     probe = probe or detect()
     plan, error = plan_for_host(request, probe)
-    ctx = Context(plan=plan, plan_error=error, probe=probe, env=os.environ, **(ctx_overrides or {}))  # type: ignore[arg-type]
+    ctx = Context(plan=plan, plan_error=error, probe=probe, env=os.environ, docker=docker)
     return DoctorReport(plan, error, tuple(run_checks(all_checks(), ctx)))
 
 

@@ -92,6 +92,7 @@ def extract() -> dict[str, Any]:
     import vllm
     import vllm.config as config
     import vllm.envs as envs
+
     try:
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
     except ImportError:  # 0.33 moved the serve parser
