@@ -21,6 +21,10 @@ _CONNECT_LOCK = threading.Lock()
 class SkipCheck(Exception):
     """Raised inside a check that cannot run here; it reports skip with this reason."""
 
+    def __init__(self, reason: str, remedy: str = "") -> None:
+        super().__init__(reason)
+        self.remedy = remedy
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -61,6 +65,15 @@ class Context:
     docker: Callable[[], Any] | None = None  # returns a connected client or raises DockerUnreachable
     _docker_client: Any = field(default=None, init=False)
     _docker_error: Exception | None = field(default=None, init=False)
+
+    def require_plan(self) -> Plan:
+        """The plan, for checks that judge it; without one they skip."""
+        if self.plan is None:
+            raise SkipCheck(
+                "needs a plan (none for this host: see above)",
+                "pass --hardware to check against a target host",
+            )
+        return self.plan
 
     def engine(self) -> Any:
         """The client for checks that need Docker only as a means: when the Engine is
@@ -129,7 +142,7 @@ def _timed(check: Check, ctx: Context) -> CheckResult:
     try:
         outcome = check.fn(ctx)
     except SkipCheck as skip:
-        outcome = Outcome("skip", str(skip))
+        outcome = Outcome("skip", str(skip), skip.remedy)
     except Exception as exc:
         from m31ctl.errors import M31Error
 

@@ -11,19 +11,10 @@ from typing import Any
 
 from m31ctl.doctor.base import Check, Context, Outcome
 from m31ctl.errors import M31Error
+from m31ctl.plan import Plan
 
 GB = 1e9
 GIB = 1024**3
-
-
-def _skip_without_plan(ctx: Context) -> Outcome | None:
-    if ctx.plan is None:
-        return Outcome(
-            "skip",
-            "needs a plan (none for this host: see above)",
-            "pass --hardware to check against a target host",
-        )
-    return None
 
 
 def docker_daemon(ctx: Context) -> Outcome:
@@ -94,20 +85,17 @@ def gpus(ctx: Context) -> Outcome:
 
 
 def gpu_memory(ctx: Context) -> Outcome:
-    skip = _skip_without_plan(ctx)
-    if skip:
-        return skip
-    assert ctx.plan is not None
+    plan = ctx.require_plan()
     from m31ctl.planning import plan_fit
 
-    fit = plan_fit(ctx.plan)
+    fit = plan_fit(plan)
     need = fit.weights_per_gpu_bytes
-    gpus = ctx.probe.hardware.gpus[: ctx.plan.gpus_needed]
+    gpus = ctx.probe.hardware.gpus[: plan.gpus_needed]
     free = [g.memory_free_bytes for g in gpus if g.memory_free_bytes is not None]
     if not free:
         return Outcome("skip", "free GPU memory unknown (no GPU, or the probe could not read it)")
     lowest = min(free)
-    util = ctx.plan.settings.serving.gpu_memory_utilization
+    util = plan.settings.serving.gpu_memory_utilization
     total = ctx.probe.hardware.memory_per_gpu_bytes
     if lowest < need:
         return Outcome(
@@ -176,25 +164,20 @@ def rocm(ctx: Context) -> Outcome:
     return Outcome("ok", f"ROCm {version}")
 
 
-def _hf_cache(ctx: Context) -> Path:
-    assert ctx.plan is not None
-    return Path(os.path.expanduser(ctx.plan.settings.runtime.hf_cache))
+def _hf_cache(plan: Plan) -> Path:
+    return Path(os.path.expanduser(plan.settings.runtime.hf_cache))
 
 
-def _checkpoint_cached(ctx: Context) -> bool:
-    assert ctx.plan is not None
-    repo = ctx.plan.settings.model.path
+def _checkpoint_cached(plan: Plan) -> bool:
+    repo = plan.settings.model.path
     if Path(repo).is_dir():
         return True
-    return (_hf_cache(ctx) / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots").is_dir()
+    return (_hf_cache(plan) / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots").is_dir()
 
 
 def disk(ctx: Context) -> Outcome:
-    skip = _skip_without_plan(ctx)
-    if skip:
-        return skip
-    assert ctx.plan is not None
-    local = ctx.plan.settings.model.path
+    plan = ctx.require_plan()
+    local = plan.settings.model.path
     if os.path.isabs(local):  # a local checkpoint directory, mounted as it is
         if Path(local).is_dir():
             return Outcome("ok", f"local checkpoint {local}")
@@ -203,14 +186,14 @@ def disk(ctx: Context) -> Outcome:
             f"the model path {local} does not exist",
             "create it (scripts/rehearse makes the rehearsal model) or --set model.path=...",
         )
-    if _checkpoint_cached(ctx):
-        return Outcome("ok", f"checkpoint already in {_hf_cache(ctx)}")
-    path = _hf_cache(ctx)
+    if _checkpoint_cached(plan):
+        return Outcome("ok", f"checkpoint already in {_hf_cache(plan)}")
+    path = _hf_cache(plan)
     probe_path = path
     while not probe_path.exists():
         probe_path = probe_path.parent
     free = shutil.disk_usage(probe_path).free
-    need = ctx.plan.model.checkpoint_gb * GB
+    need = plan.model.checkpoint_gb * GB
     if free < need:
         return Outcome(
             "fail",
@@ -229,11 +212,8 @@ def _parse_size(text: str) -> int:
 
 
 def shm(ctx: Context) -> Outcome:
-    skip = _skip_without_plan(ctx)
-    if skip:
-        return skip
-    assert ctx.plan is not None
-    runtime = ctx.plan.settings.runtime
+    plan = ctx.require_plan()
+    runtime = plan.settings.runtime
     if runtime.ipc_host:
         size = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").exists() else 0
         if size < GIB:
@@ -266,11 +246,8 @@ def memlock(ctx: Context) -> Outcome:
 
 
 def port(ctx: Context) -> Outcome:
-    skip = _skip_without_plan(ctx)
-    if skip:
-        return skip
-    assert ctx.plan is not None
-    runtime = ctx.plan.settings.runtime
+    plan = ctx.require_plan()
+    runtime = plan.settings.runtime
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -285,12 +262,10 @@ def port(ctx: Context) -> Outcome:
 
 
 def hf_token(ctx: Context) -> Outcome:
-    skip = _skip_without_plan(ctx)
-    if skip:
-        return skip
-    if _checkpoint_cached(ctx):
+    plan = ctx.require_plan()
+    if _checkpoint_cached(plan):
         return Outcome("ok", "checkpoint cached; no token needed to start")
-    token_file = _hf_cache(ctx) / "token"
+    token_file = _hf_cache(plan) / "token"
     if ctx.env.get("HF_TOKEN") or ctx.env.get("HUGGING_FACE_HUB_TOKEN"):
         return Outcome("ok", "Hugging Face token present in the environment (not shown)")
     if token_file.exists():
@@ -303,11 +278,8 @@ def hf_token(ctx: Context) -> Outcome:
 
 
 def image(ctx: Context) -> Outcome:
-    skip = _skip_without_plan(ctx)
-    if skip:
-        return skip
-    assert ctx.plan is not None
-    name = ctx.plan.settings.engine.image
+    plan = ctx.require_plan()
+    name = plan.settings.engine.image
     client = ctx.engine()
     from docker.errors import APIError, ImageNotFound
 
@@ -358,16 +330,13 @@ def _engine_schema_from_image(ctx: Context, image: Any) -> dict[str, Any]:
 
 
 def engine(ctx: Context) -> Outcome:
-    skip = _skip_without_plan(ctx)
-    if skip:
-        return skip
-    assert ctx.plan is not None
+    plan = ctx.require_plan()
     from docker.errors import ImageNotFound
 
     from m31ctl.engine.adapter import build_invocation
     from m31ctl.engine.validate import schema_from_data, validate
 
-    name = ctx.plan.settings.engine.image
+    name = plan.settings.engine.image
     try:
         image = ctx.engine().images.get(name)
     except ImageNotFound:
@@ -377,7 +346,7 @@ def engine(ctx: Context) -> Outcome:
             "pull it, then run doctor again (plan-time validation used the vLLM 0.32 schema)",
         )
     data = _engine_schema_from_image(ctx, image)
-    findings = validate(build_invocation(ctx.plan), schema_from_data(data, name))
+    findings = validate(build_invocation(plan), schema_from_data(data, name))
     if findings:
         return Outcome(
             "fail",
@@ -389,16 +358,13 @@ def engine(ctx: Context) -> Outcome:
 
 
 def capacity(ctx: Context) -> Outcome:
-    skip = _skip_without_plan(ctx)
-    if skip:
-        return skip
-    assert ctx.plan is not None
+    plan = ctx.require_plan()
     from m31ctl.planning import capacity_warning, plan_fit
 
-    warning = capacity_warning(ctx.plan)
+    warning = capacity_warning(plan)
     if warning:
         return Outcome("warn", warning, "lower serving.max_model_len / max_num_seqs or add GPUs")
-    fit = plan_fit(ctx.plan)
+    fit = plan_fit(plan)
     return Outcome("ok", f"{fit.sequences} sequences of {fit.context} tokens fit ({fit.layout})")
 
 
