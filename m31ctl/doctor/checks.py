@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import resource
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -248,16 +247,14 @@ def memlock(ctx: Context) -> Outcome:
 def port(ctx: Context) -> Outcome:
     plan = ctx.require_plan()
     runtime = plan.settings.runtime
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((runtime.bind, runtime.port))
-        except OSError as exc:
-            return Outcome(
-                "fail",
-                f"port {runtime.bind}:{runtime.port} is in use ({exc.strerror})",
-                "stop what listens there or pass --port / --set runtime.port=...",
-            )
+    from m31ctl.launcher import port_free
+
+    if not port_free(runtime.bind, runtime.port):
+        return Outcome(
+            "fail",
+            f"port {runtime.bind}:{runtime.port} is in use",
+            "stop what listens there or pass --port / --set runtime.port=...",
+        )
     return Outcome("ok", f"port {runtime.bind}:{runtime.port} is free")
 
 

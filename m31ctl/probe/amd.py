@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Any
 
 from m31ctl.hardware import GPU, PRODUCTS, normalize_arch
-from m31ctl.probe.base import ProbeUnavailable, Runner, Snapshot, run_command
+from m31ctl.probe.base import ProbeUnavailable, Runner, Snapshot, json_output, run_command
 
 AMDSMI_LINK_XGMI = 2
 KFD_TOPOLOGY = Path("/sys/class/kfd/kfd/topology/nodes")
@@ -161,14 +160,7 @@ class AmdSmiCliProbe:
         self._run = runner
 
     def probe(self) -> Snapshot:
-        result = self._run(["amd-smi", "static", "--asic", "--vram", "--driver", "--json"])
-        if result.returncode != 0:
-            lines = (result.stdout + result.stderr).strip().splitlines()
-            raise ProbeUnavailable(f"amd-smi failed: {lines[0] if lines else f'exit {result.returncode}'}")
-        try:
-            data = json.loads(result.stdout)
-        except ValueError:
-            raise ProbeUnavailable("amd-smi printed no JSON") from None
+        data = json_output(self._run, ["amd-smi", "static", "--asic", "--vram", "--driver", "--json"])
         entries = data.get("gpu_data", []) if isinstance(data, dict) else data  # newer releases wrap the list
         gpus, driver = [], None
         for index, entry in enumerate(entries):
@@ -204,14 +196,7 @@ class RocmSmiProbe:
         self._run = runner
 
     def probe(self) -> Snapshot:
-        result = self._run(["rocm-smi", "--showproductname", "--showmeminfo", "vram", "--json"])
-        if result.returncode != 0:
-            lines = (result.stdout + result.stderr).strip().splitlines()
-            raise ProbeUnavailable(f"rocm-smi failed: {lines[0] if lines else f'exit {result.returncode}'}")
-        try:
-            data = json.loads(result.stdout)
-        except ValueError:
-            raise ProbeUnavailable("rocm-smi printed no JSON") from None
+        data = json_output(self._run, ["rocm-smi", "--showproductname", "--showmeminfo", "vram", "--json"])
         cards = sorted((k, v) for k, v in data.items() if k.startswith("card") and k[4:].isdigit())
         gpus = []
         for key, card in cards:

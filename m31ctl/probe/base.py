@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from m31ctl.hardware import GPU, Fabric
 
@@ -39,6 +41,23 @@ class CommandResult:
 
 
 Runner = Callable[[Sequence[str]], CommandResult]
+
+
+def require_success(result: CommandResult, tool: str) -> CommandResult:
+    """A tool that answered with an error is unavailable; its first line says why."""
+    if result.returncode != 0:
+        lines = (result.stdout + result.stderr).strip().splitlines()
+        raise ProbeUnavailable(f"{tool} failed: {lines[0] if lines else f'exit {result.returncode}'}")
+    return result
+
+
+def json_output(runner: Runner, argv: Sequence[str]) -> Any:
+    """Run a tool's JSON mode and parse what it printed."""
+    result = require_success(runner(argv), argv[0])
+    try:
+        return json.loads(result.stdout)
+    except ValueError:
+        raise ProbeUnavailable(f"{argv[0]} printed no JSON") from None
 
 
 def run_command(argv: Sequence[str], timeout: float = 10.0) -> CommandResult:

@@ -9,7 +9,7 @@ import io
 from typing import Any
 
 from m31ctl.hardware import GPU, PRODUCTS, Fabric
-from m31ctl.probe.base import ProbeUnavailable, Runner, Snapshot, run_command
+from m31ctl.probe.base import ProbeUnavailable, Runner, Snapshot, require_success, run_command
 
 # nvidia-smi fields; the order matches the real 2xH200 capture (fixtures/gpu/nvidia-h200x2).
 SMI_FIELDS = (
@@ -227,15 +227,10 @@ class NvidiaSmiProbe:
             notes = (
                 "this driver's nvidia-smi has no compute_cap field; architecture inferred from the name",
             )
-        if result.returncode != 0:
-            message = (result.stdout + result.stderr).strip().splitlines()
-            raise ProbeUnavailable(
-                f"nvidia-smi failed: {message[0] if message else f'exit {result.returncode}'}"
-            )
-        gpus = gpus_from_smi(parse_smi_csv(result.stdout, fields))
-        driver = None
-        if gpus:
-            driver = parse_smi_csv(result.stdout, fields)[0]["driver_version"]
+        require_success(result, "nvidia-smi")
+        rows = parse_smi_csv(result.stdout, fields)
+        gpus = gpus_from_smi(rows)
+        driver = rows[0]["driver_version"] if rows else None
         topo = self._run(["nvidia-smi", "topo", "-m"])
         links = nvlink_pairs_from_topo(topo.stdout) if topo.returncode == 0 else frozenset()
         return Snapshot(
