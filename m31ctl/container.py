@@ -22,6 +22,12 @@ LOG_MAX_FILES = 5
 STOP_MARGIN_S = 30
 
 
+def local_url(bind: str, port: int) -> str:
+    """Where this host reaches a server bound to `bind` (an all-interfaces bind via loopback)."""
+    host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
+    return f"http://{host}:{port}"
+
+
 @dataclass(frozen=True)
 class Mount:
     source: str

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from m31ctl.container import ContainerSpec, container_spec
+from m31ctl.container import ContainerSpec, container_spec, local_url
 from m31ctl.diagnosis import diagnose
 from m31ctl.dockerapi import OWNER, OWNER_LABEL, connect
 from m31ctl.errors import ConflictError, HostPreconditionError, M31Error
@@ -49,8 +49,7 @@ class LaunchResult:
 
 
 def endpoint(spec: ContainerSpec) -> str:
-    host = "127.0.0.1" if spec.bind in ("0.0.0.0", "::") else spec.bind
-    return f"http://{host}:{spec.host_port}"
+    return local_url(spec.bind, spec.host_port)
 
 
 def create_container(client: Any, spec: ContainerSpec, environ: dict[str, str]) -> Any:
@@ -350,12 +349,8 @@ def status(client: Any) -> list[dict[str, Any]]:
     for c in our_containers(client):
         ports = c.attrs.get("HostConfig", {}).get("PortBindings") or {}
         binding: dict[str, Any] = next(iter(ports.values()), [{}])[0] if ports else {}
-        base = f"http://{binding.get('HostIp') or '127.0.0.1'}:{binding.get('HostPort')}" if binding else None
-        health = (
-            readiness_health(base.replace("0.0.0.0", "127.0.0.1"), timeout=1.0)
-            if base and c.status == "running"
-            else None
-        )
+        base = local_url(binding.get("HostIp") or "127.0.0.1", int(binding["HostPort"])) if binding else None
+        health = readiness_health(base, timeout=1.0) if base and c.status == "running" else None
         rows.append(
             {
                 "name": c.name,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from m31ctl.container import local_url
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.errors import ConflictError, HostPreconditionError
 from m31ctl.launcher import LaunchResult, api_key_for, ensure_port_free
@@ -51,8 +52,7 @@ class NativeServer:
 
     @property
     def base(self) -> str:
-        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
-        return f"http://{host}:{self.port}"
+        return local_url(self.bind, self.port)
 
     def alive(self) -> bool:
         try:

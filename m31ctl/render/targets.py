@@ -11,7 +11,14 @@ from typing import Any, Literal
 import jinja2
 
 from m31ctl import __version__
-from m31ctl.container import API_KEY, HF_CACHE_IN_CONTAINER, HF_TOKEN, ContainerSpec, container_spec
+from m31ctl.container import (
+    API_KEY,
+    HF_CACHE_IN_CONTAINER,
+    HF_TOKEN,
+    ContainerSpec,
+    container_spec,
+    local_url,
+)
 from m31ctl.plan import Plan
 from m31ctl.render.dockercli import docker_run_argv
 from m31ctl.render.escape import compose_literal, k8s_literal, shell_word, systemd_word, to_yaml
@@ -59,10 +66,6 @@ def _render(template: str, **values: Any) -> str:
     return _environment().get_template(template).render(**values)
 
 
-def _url_host(spec: ContainerSpec) -> str:
-    return "127.0.0.1" if spec.bind in ("0.0.0.0", "::") else spec.bind
-
-
 def render_script(plan: Plan) -> list[Artifact]:
     spec = container_spec(plan, expand_home=False)
     no_secrets = _without_secrets(spec)
@@ -76,8 +79,7 @@ def render_script(plan: Plan) -> list[Artifact]:
         secret_names=list(spec.secret_env),
         run_lines=_paired(argv[:split]),
         engine_lines=_paired(argv[split:]),
-        url_host=_url_host(spec),
-        port=spec.host_port,
+        url=local_url(spec.bind, spec.host_port),
     )
     return [Artifact("m31ctl-run.sh", content, 0o755)]
 

@@ -7,6 +7,7 @@ set -euo pipefail
 
 ENV_FILE=${M31CTL_ENV_FILE:-/etc/m31ctl/minimax-m31-flash.env}
 NAME=m31ctl-minimax-m31-flash
+URL=http://127.0.0.1:8000/v1
 
 if docker container inspect "$NAME" >/dev/null 2>&1; then
   echo "m31ctl: container $NAME already exists; stop and remove it first (docker rm -f $NAME)" >&2
@@ -68,4 +69,4 @@ docker \
   --reasoning-parser minimax_m3 \
   --shutdown-timeout 30
 
-echo "m31ctl: started $NAME; it answers on http://127.0.0.1:8000/v1 once the model is loaded"
+echo "m31ctl: started $NAME; it answers on $URL once the model is loaded"
