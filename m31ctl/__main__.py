@@ -1,3 +1,3 @@
-from m31ctl._cli import main
+from m31ctl.cli import run
 
-main()
+run()

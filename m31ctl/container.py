@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 
 from m31ctl import __version__
-from m31ctl.dockerapi import OWNER, OWNER_LABEL
 from m31ctl.engine.adapter import build_invocation
+from m31ctl.hardware import vendor_facts
 from m31ctl.plan import Plan
 
 CONTAINER_PORT = 8000
@@ -22,10 +22,21 @@ LOG_MAX_FILES = 5
 STOP_MARGIN_S = 30
 
 
-def local_url(bind: str, port: int) -> str:
-    """Where this host reaches a server bound to `bind` (an all-interfaces bind via loopback)."""
-    host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
-    return f"http://{host}:{port}"
+class Label:
+    """The label keys m31ctl puts on what it starts (containers, Kubernetes annotations, native
+    state files): one table, read back by status, stop and converge."""
+
+    OWNER = "io.m31ctl.owner"
+    PLAN_HASH = "io.m31ctl.plan-hash"
+    RECIPE = "io.m31ctl.recipe"
+    VARIANT = "io.m31ctl.variant"
+    PROFILE = "io.m31ctl.profile"
+    SERVED_MODEL = "io.m31ctl.served-model"
+    VERSION = "io.m31ctl.version"
+
+
+# The owner label's value: only what carries it is ever changed or removed.
+OWNER = "m31ctl"
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,7 @@ class ContainerSpec:
     secret_env: tuple[str, ...]  # names passed through by reference
     labels: tuple[tuple[str, str], ...]
     vendor: str
+    device_request: bool  # GPUs through a device request (NVIDIA) rather than device nodes
     gpu_count: int
     # UUIDs of the GPUs to hand over when the plan was made from this host's probe (which honours
     # *_VISIBLE_DEVICES); empty for a simulated host, where Docker picks by count.
@@ -74,13 +86,13 @@ def labels_for(plan: Plan) -> tuple[tuple[str, str], ...]:
     return tuple(
         sorted(
             {
-                OWNER_LABEL: OWNER,
-                "io.m31ctl.plan-hash": plan.hash,
-                "io.m31ctl.recipe": plan.recipe.recipe,
-                "io.m31ctl.variant": plan.variant,
-                "io.m31ctl.profile": plan.profile,
-                "io.m31ctl.served-model": plan.settings.model.served_name,
-                "io.m31ctl.version": __version__,
+                Label.OWNER: OWNER,
+                Label.PLAN_HASH: plan.hash,
+                Label.RECIPE: plan.recipe.recipe,
+                Label.VARIANT: plan.variant,
+                Label.PROFILE: plan.profile,
+                Label.SERVED_MODEL: plan.settings.model.served_name,
+                Label.VERSION: __version__,
             }.items()
         )
     )
@@ -96,10 +108,12 @@ def _probed_gpu_ids(plan: Plan) -> tuple[str, ...]:
 
 
 def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
+    """The container a plan runs in, for launch (expand_home: paths of this host) and for the
+    render targets (paths stay as written, for the target host to resolve)."""
     s = plan.settings
     runtime = s.runtime
     inv = build_invocation(plan)
-    amd = plan.hardware.vendor == "amd"
+    vendor = vendor_facts(plan.hardware.vendor)
     hf_cache = os.path.expanduser(runtime.hf_cache) if expand_home else runtime.hf_cache
     mounts = [Mount(hf_cache, HF_CACHE_IN_CONTAINER)]
     if os.path.isabs(s.model.path) and expand_home:
@@ -113,12 +127,13 @@ def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
         secret_env=tuple(secrets),
         labels=labels_for(plan),
         vendor=plan.hardware.vendor,
+        device_request=vendor.device_request,
         gpu_count=plan.gpus_needed,
         gpu_device_ids=_probed_gpu_ids(plan),
-        devices=("/dev/kfd", "/dev/dri") if amd else (),
-        group_add=("video", "render") if amd else (),
+        devices=vendor.device_nodes,
+        group_add=vendor.group_add,
         security_opt=("seccomp=unconfined",) if runtime.seccomp_unconfined else (),
-        cap_add=("SYS_PTRACE",) if amd else (),
+        cap_add=vendor.cap_add,
         ipc_host=runtime.ipc_host,
         shm_size=None if runtime.ipc_host else runtime.shm_size,
         ulimits=tuple((name, value, value) for name, value in sorted(runtime.ulimits.items())),

@@ -25,11 +25,21 @@ class M31Error(Exception):
 
     exit_code: ExitCode = ExitCode.BAD_INPUT
 
-    def __init__(self, message: str, *, hint: str | None = None, where: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        hint: str | None = None,
+        where: str | None = None,
+        details: tuple[str, ...] = (),
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
         self.where = where
+        # Lines that explain the error (a dying server's last log lines); the CLI prints them
+        # before the one-line message, and --json carries them.
+        self.details = details
 
     def one_line(self) -> str:
         parts = []
@@ -49,6 +59,7 @@ class M31Error(Exception):
             "message": self.message,
             "where": self.where,
             "hint": self.hint,
+            "details": list(self.details),
             "exit_code": int(self.exit_code),
         }
 

@@ -32,6 +32,52 @@ SERVED_ARCHS: dict[str, Family] = {
     "10.7": Family("rubin", "nvidia", "NVIDIA Rubin"),
     "gfx950": Family("mi350", "amd", "AMD Instinct MI350 series (MI350X, MI355X)"),
 }
+
+
+@dataclass(frozen=True)
+class VendorFacts:
+    """What every later stage needs to know about a GPU vendor: one row per vendor, so a new
+    vendor is one entry here rather than a branch in the probe, the container and each target."""
+
+    # Visibility variables, outermost first: the container runtime picks devices, then the
+    # compute runtime numbers what it was given (NVML and amdsmi ignore them; the probe applies them).
+    visibility_vars: tuple[str, ...]
+    # Docker: NVIDIA GPUs come through a device request (the NVIDIA container toolkit); AMD GPUs
+    # are device nodes plus the groups that own them (ROCm's Docker guide).
+    device_request: bool
+    device_nodes: tuple[str, ...]
+    group_add: tuple[str, ...]
+    cap_add: tuple[str, ...]
+    # Kubernetes: the device plugin's extended resource.
+    k8s_resource: str | None
+
+
+VENDORS: dict[str, VendorFacts] = {
+    "nvidia": VendorFacts(
+        visibility_vars=("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
+        device_request=True,
+        device_nodes=(),
+        group_add=(),
+        cap_add=(),
+        k8s_resource="nvidia.com/gpu",
+    ),
+    "amd": VendorFacts(
+        visibility_vars=("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
+        device_request=False,
+        device_nodes=("/dev/kfd", "/dev/dri"),
+        group_add=("video", "render"),
+        cap_add=("SYS_PTRACE",),
+        k8s_resource="amd.com/gpu",
+    ),
+}
+NO_VENDOR = VendorFacts((), False, (), (), (), None)
+
+
+def vendor_facts(vendor: str) -> VendorFacts:
+    """The row for `vendor`; the CPU rehearsal and a GPU-less host have none of these facts."""
+    return VENDORS.get(vendor, NO_VENDOR)
+
+
 # The CPU rehearsal's "family" (never probed: chosen with --hardware cpu).
 CPU_FAMILY = Family("cpu", "cpu", "CPU rehearsal")
 

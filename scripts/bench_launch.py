@@ -85,7 +85,7 @@ def main() -> None:
     opts.add_argument("--runs", type=int, default=5)
     ns = opts.parse_args()
     sys.path.insert(0, str(ROOT))
-    from m31ctl.dockerapi import connect
+    from m31ctl.runtime.engine_api import connect
     from tests.dockerlib import build_engine_images
 
     image = build_engine_images(connect())["ready"]

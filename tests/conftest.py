@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,10 +15,53 @@ FIXTURES = ROOT / "tests" / "fixtures"
 SHARED_GPU = ROOT.parent / "shared" / "fixtures" / "gpu"
 
 
+class _Stdin(io.StringIO):
+    def isatty(self) -> bool:
+        return False  # tests are never a terminal: confirmations answer no
+
+
+@contextlib.contextmanager
+def _patched_environ(env: dict[str, str]) -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def run_cli(
     *args: str, env: dict[str, str] | None = None, input: str | None = None, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run m31ctl as a whole process, as users and CI do."""
+    """Run m31ctl in this process through `m31ctl.cli.main(argv)`, capturing what it prints and
+    its exit code; the result has the shape of a finished process."""
+    from m31ctl.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    old_cwd = os.getcwd()
+    with (
+        _patched_environ({"COLUMNS": "200", **(env or {})}),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        old_stdin = sys.stdin
+        sys.stdin = _Stdin(input or "")
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            code = main(list(args))
+        finally:
+            sys.stdin = old_stdin
+            os.chdir(old_cwd)
+    return subprocess.CompletedProcess(["m31ctl", *args], code, out.getvalue(), err.getvalue())
+
+
+def run_cli_process(
+    *args: str, env: dict[str, str] | None = None, input: str | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run m31ctl as a whole process (`python -m m31ctl`): for what only a process shows
+    (signals, closed pipes, start-up)."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "m31ctl", *args],
@@ -45,7 +91,7 @@ def _gpu_present() -> bool:
 
 def _docker_reachable() -> bool:
     try:
-        from m31ctl.dockerapi import connect
+        from m31ctl.runtime.engine_api import connect
 
         connect(timeout=3)
         return True
@@ -65,7 +111,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="no GPU on this host (runs on the device host)"))
         if "docker" in item.keywords and not docker and os.environ.get("CI") != "true":
             item.add_marker(
-                pytest.mark.skip(reason="no Docker Engine reachable (scripts/start-docker starts one)")
+                pytest.mark.skip(reason="no Docker Engine reachable (scripts/setup-host starts one)")
             )
 
 

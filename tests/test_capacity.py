@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from m31ctl.capacity import Layout, parse_context, resident_sequences
+from m31ctl.capacity.fit import memory_inputs, plan_fit
+from m31ctl.capacity.model import Layout, parse_context, resident_sequences
 from m31ctl.errors import InputError
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
-from m31ctl.planning import memory_inputs, plan_fit
-from m31ctl.recipes import get_model
+from m31ctl.plan.recipes import get_model
 
 CTX_256K = 262144
 
@@ -73,7 +73,7 @@ def test_parse_context():
 
 
 def test_longest_context_inverts_resident_sequences():
-    from m31ctl.planning import plan_longest_context
+    from m31ctl.capacity.fit import plan_longest_context
 
     plan = plan_for("b300x4", profile="throughput")
     longest = plan_longest_context(plan, 76)
@@ -83,8 +83,8 @@ def test_longest_context_inverts_resident_sequences():
 
 
 def test_comparison_respects_recipe_rules_and_lists_m3():
-    from m31ctl.capacity_cmd import _layouts
-    from m31ctl.planning import comparison
+    from m31ctl.capacity.fit import comparison
+    from m31ctl.capacity.fit import profile_layouts as _layouts
 
     hopper = plan_for("h200x8")
     rows = comparison(hopper, CTX_256K, _layouts(hopper))

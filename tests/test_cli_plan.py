@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from m31ctl.cli.views import plan_json
 from m31ctl.errors import InputError
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
-from m31ctl.recipes import builtin_recipes
-from m31ctl.views import plan_json
+from m31ctl.plan.recipes import builtin_recipes
 from tests.conftest import ROOT
 
 PLANS = Path(__file__).parent / "reference_files" / "plans"

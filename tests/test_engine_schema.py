@@ -12,7 +12,7 @@ from m31ctl.engine.adapter import EngineInvocation, build_invocation
 from m31ctl.engine.validate import schema_for, validate
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
-from m31ctl.recipes import builtin_recipes
+from m31ctl.plan.recipes import builtin_recipes
 from tests.conftest import ROOT
 
 SCHEMA = ROOT / "m31ctl" / "engine" / "schemas" / "vllm-0.32.0.json"

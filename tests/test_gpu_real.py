@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
+from m31ctl.plan.recipes import select_recipe
 from m31ctl.probe import detect
 from m31ctl.probe.nvidia import NvidiaSmiProbe, NvmlProbe
-from m31ctl.recipes import select_recipe
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,7 @@ CANARY = "hf_CANARY_launch_0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def images():
-    from m31ctl.dockerapi import connect
+    from m31ctl.runtime.engine_api import connect
     from tests.dockerlib import build_engine_images
 
     return build_engine_images(connect())
@@ -31,7 +31,7 @@ def images():
 
 @pytest.fixture
 def docker_client():
-    from m31ctl.dockerapi import connect
+    from m31ctl.runtime.engine_api import connect
 
     return connect()
 

@@ -9,11 +9,11 @@ import pytest
 
 from m31ctl.errors import InputError, UnsupportedHardware
 from m31ctl.hardware import family_for, normalize_arch
+from m31ctl.plan.recipes import select_recipe
 from m31ctl.probe import detect
 from m31ctl.probe.amd import AmdSmiProbe, KfdSysfsProbe, gfx_from_target_version
 from m31ctl.probe.base import CommandResult
 from m31ctl.probe.nvidia import NvidiaSmiProbe, NvmlProbe, healthy_fabric, nvlink_pairs_from_topo
-from m31ctl.recipes import select_recipe
 from tests.fakes import GPU_FIXTURES, FakeAmdSmi, FakeNvml, FakeRunner
 
 H200 = GPU_FIXTURES / "nvidia-h200x2"
@@ -257,7 +257,7 @@ def test_replay_of_device_capture_matches_what_the_real_probe_printed():
     capture = json.loads((DEVICE / "nvml-capture.json").read_text())
     recorded = json.loads((DEVICE / "probe-2gpu.json").read_text())["hardware"]
     hw = detect([NvmlProbe(FakeNvml(capture))], env={"NVIDIA_VISIBLE_DEVICES": "all"}).hardware
-    from m31ctl.views import hardware_json
+    from m31ctl.cli.views import hardware_json
 
     assert hardware_json(hw) == recorded
     one = json.loads((DEVICE / "probe-1gpu.json").read_text())["hardware"]
@@ -294,7 +294,7 @@ def test_replay_of_single_gpu_device_capture():
     capture = json.loads((single / "nvml-capture.json").read_text())
     recorded = json.loads((single / "probe-1gpu.json").read_text())["hardware"]
     hw = detect([NvmlProbe(FakeNvml(capture))], env={"NVIDIA_VISIBLE_DEVICES": "all"}).hardware
-    from m31ctl.views import hardware_json
+    from m31ctl.cli.views import hardware_json
 
     assert hardware_json(hw) == recorded
     assert hw.count == 1 and hw.nvlink is None and hw.family == "hopper"

@@ -93,7 +93,7 @@ def test_native_launch_smoke_stop(vllm_py, tiny_model, tmp_path):
 
 @pytest.mark.docker
 def test_container_launch_smoke_stop(tiny_model):
-    from m31ctl.dockerapi import connect
+    from m31ctl.runtime.engine_api import connect
 
     client = connect()
     try:

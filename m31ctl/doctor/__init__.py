@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,14 +51,16 @@ def diagnose(
     return DoctorReport(plan, error, tuple(run_checks(all_checks(), ctx)))
 
 
-def preflight(plan: Plan, probe: ProbeReport | None = None) -> list[CheckResult]:
-    """The doctor's checks that gate `launch`; raises on the first class of failure."""
-    from m31ctl.doctor.checks import PREFLIGHT
+def preflight(
+    plan: Plan, check_ids: tuple[str, ...], env: Mapping[str, str], probe: ProbeReport | None = None
+) -> list[CheckResult]:
+    """The doctor's checks that gate a launch (each runtime names its own); raises on failure,
+    so nothing starts on a host that cannot run the plan."""
     from m31ctl.errors import DockerUnreachable
 
     probe = probe or detect()
-    ctx = Context(plan=plan, plan_error=None, probe=probe, env=os.environ)
-    results = run_checks([c for c in all_checks() if c.id in PREFLIGHT], ctx)
+    ctx = Context(plan=plan, plan_error=None, probe=probe, env=env)
+    results = run_checks([c for c in all_checks() if c.id in check_ids], ctx)
     failed = [r for r in results if r.status == "fail"]
     docker = next((r for r in failed if r.id == "docker"), None)
     if docker is not None:
@@ -73,29 +75,6 @@ def preflight(plan: Plan, probe: ProbeReport | None = None) -> list[CheckResult]
             hint=first.remedy or "run `m31ctl doctor` for the full report",
         )
     return results
-
-
-def print_report(report: DoctorReport) -> None:
-    from rich.text import Text
-
-    from m31ctl.output import console, table
-
-    out = console()
-    if report.plan is None:
-        out.print(Text(f"No plan for this host: {report.plan_error}"))
-    else:
-        p = report.plan
-        out.print(
-            f"Plan {p.hash}: recipe {p.recipe.recipe}, variant {p.variant}, profile {p.profile}, "
-            f"{p.gpus_needed} GPUs"
-        )
-    colors = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
-    t = table(None, ["check", "status", "finding", "remedy"])
-    for r in report.results:
-        t.add_row(r.title, Text(r.status, style=colors[r.status]), Text(r.message), Text(r.remedy))
-    out.print(t)
-    s = report.summary()
-    out.print(f"{s['ok']} ok, {s['warn']} warn, {s['fail']} fail, {s['skip']} skip")
 
 
 def report_json(report: DoctorReport) -> dict[str, object]:

@@ -97,7 +97,7 @@ class Context:
         if self._docker_client is None and self._docker_error is None:
             try:
                 if self.docker is None:
-                    from m31ctl.dockerapi import connect
+                    from m31ctl.runtime.engine_api import connect
 
                     self._docker_client = connect(timeout=5)
                 else:

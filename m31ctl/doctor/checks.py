@@ -10,7 +10,12 @@ from typing import Any
 
 from m31ctl.doctor.base import Check, Context, Outcome
 from m31ctl.errors import M31Error
+from m31ctl.hardware import vendor_facts
+from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
+from m31ctl.runtime.engine_api import local_image, registry_error
+from m31ctl.runtime.launching import API_KEY_ENV
+from m31ctl.units import parse_size
 
 GB = 1e9
 GIB = 1024**3
@@ -27,15 +32,16 @@ def gpu_runtime(ctx: Context) -> Outcome:
     if vendor == "cpu":
         ctx.engine()  # still needs an engine
         return Outcome("ok", "the CPU rehearsal needs no GPU runtime")
-    if vendor == "amd":
-        missing = [d for d in ("/dev/kfd", "/dev/dri") if not os.access(d, os.R_OK | os.W_OK)]
+    nodes = vendor_facts(vendor).device_nodes
+    if nodes:
+        missing = [d for d in nodes if not os.access(d, os.R_OK | os.W_OK)]
         if missing:
             return Outcome(
                 "fail",
                 f"no access to {', '.join(missing)}",
                 "load the amdgpu driver and add the user to the video and render groups",
             )
-        return Outcome("ok", "/dev/kfd and /dev/dri are accessible")
+        return Outcome("ok", f"{' and '.join(nodes)} are accessible")
     if vendor == "none":
         return Outcome("skip", "no GPU vendor to check a container runtime for")
     info = ctx.engine().info()
@@ -85,7 +91,7 @@ def gpus(ctx: Context) -> Outcome:
 
 def gpu_memory(ctx: Context) -> Outcome:
     plan = ctx.require_plan()
-    from m31ctl.planning import plan_fit
+    from m31ctl.capacity.fit import plan_fit
 
     fit = plan_fit(plan)
     need = fit.weights_per_gpu_bytes
@@ -202,14 +208,6 @@ def disk(ctx: Context) -> Outcome:
     return Outcome("ok", f"{free / GB:.0f} GB free at {probe_path} for the {need / GB:.1f} GB checkpoint")
 
 
-def _parse_size(text: str) -> int:
-    units = {"k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-    text = text.strip().lower().removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
 def shm(ctx: Context) -> Outcome:
     plan = ctx.require_plan()
     runtime = plan.settings.runtime
@@ -220,7 +218,7 @@ def shm(ctx: Context) -> Outcome:
                 "warn", f"host /dev/shm is {size / GIB:.1f} GiB", "NCCL needs more; enlarge /dev/shm"
             )
         return Outcome("ok", f"host IPC namespace, /dev/shm {size / GIB:.0f} GiB")
-    want = _parse_size(runtime.shm_size)
+    want = parse_size(runtime.shm_size)
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if want > mem_total // 2:
         return Outcome(
@@ -247,7 +245,6 @@ def memlock(ctx: Context) -> Outcome:
 def port(ctx: Context) -> Outcome:
     plan = ctx.require_plan()
     runtime = plan.settings.runtime
-    from m31ctl.launcher import port_free
 
     if not port_free(runtime.bind, runtime.port):
         return Outcome(
@@ -278,19 +275,14 @@ def image(ctx: Context) -> Outcome:
     plan = ctx.require_plan()
     name = plan.settings.engine.image
     client = ctx.engine()
-    from docker.errors import APIError, ImageNotFound
-
-    try:
-        img = client.images.get(name)
+    img = local_image(client, name)
+    if img is not None:
         return Outcome("ok", f"{name} present locally ({img.short_id})")
-    except ImageNotFound:
-        pass
-    try:
-        client.api.inspect_distribution(name)
-    except APIError as exc:
+    problem = registry_error(client, name)
+    if problem is not None:
         return Outcome(
             "warn",
-            f"{name} is not present locally and its registry did not answer ({str(exc)[:120]})",
+            f"{name} is not present locally and its registry did not answer ({problem[:120]})",
             "pull it where the registry is reachable, or `docker load` it",
         )
     return Outcome("ok", f"{name} not present locally; the registry has it (launch pulls it)")
@@ -328,15 +320,12 @@ def _engine_schema_from_image(ctx: Context, image: Any) -> dict[str, Any]:
 
 def engine(ctx: Context) -> Outcome:
     plan = ctx.require_plan()
-    from docker.errors import ImageNotFound
-
     from m31ctl.engine.adapter import build_invocation
     from m31ctl.engine.validate import schema_from_data, validate
 
     name = plan.settings.engine.image
-    try:
-        image = ctx.engine().images.get(name)
-    except ImageNotFound:
+    image = local_image(ctx.engine(), name)
+    if image is None:
         return Outcome(
             "skip",
             f"{name} is not present locally, so its own vLLM cannot be asked",
@@ -354,20 +343,28 @@ def engine(ctx: Context) -> Outcome:
     return Outcome("ok", f"argv and environment match the vLLM {data.get('version')} inside {name}")
 
 
+def api_key(ctx: Context) -> Outcome:
+    plan = ctx.require_plan()
+    if not plan.settings.runtime.api_key:
+        return Outcome("ok", "the server takes no API key (loopback only)")
+    if ctx.env.get(API_KEY_ENV):
+        return Outcome("ok", f"{API_KEY_ENV} is set (not shown)")
+    return Outcome(
+        "fail",
+        f"runtime.api_key is set but {API_KEY_ENV} is not in the environment",
+        f"export {API_KEY_ENV} (m31ctl passes it by reference, never in argv)",
+    )
+
+
 def capacity(ctx: Context) -> Outcome:
     plan = ctx.require_plan()
-    from m31ctl.planning import capacity_warning, plan_fit
+    from m31ctl.capacity.fit import capacity_warning, plan_fit
 
     warning = capacity_warning(plan)
     if warning:
         return Outcome("warn", warning, "lower serving.max_model_len / max_num_seqs or add GPUs")
     fit = plan_fit(plan)
     return Outcome("ok", f"{fit.sequences} sequences of {fit.context} tokens fit ({fit.layout})")
-
-
-# What `launch` runs before it touches a container (the port is checked by launch itself,
-# which knows whether the container holding it is ours).
-PREFLIGHT = ("docker", "gpu-runtime", "gpus", "gpu-memory", "mig", "disk", "shm", "capacity")
 
 
 def all_checks() -> list[Check]:
@@ -384,6 +381,7 @@ def all_checks() -> list[Check]:
         Check("memlock", "Locked-memory limit", memlock, timeout_s=1),
         Check("port", "Port", port, timeout_s=1),
         Check("hf-token", "Hugging Face token", hf_token, timeout_s=1),
+        Check("api-key", "API key", api_key, timeout_s=1),
         Check("image", "Engine image", image, timeout_s=8),
         Check("capacity", "KV capacity", capacity, timeout_s=2),
         Check("engine", "Engine accepts the argv", engine, timeout_s=120),

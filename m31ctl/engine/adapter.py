@@ -37,7 +37,16 @@ def _json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def build_invocation(plan: Plan) -> EngineInvocation:
+# The OpenAI-compatible server as a module, for a local Python (`vllm serve MODEL` is this with
+# `--model MODEL`; vLLM's entrypoints/openai/api_server.py).
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Multi-node: vLLM's Ray executor spans the nodes of one engine (docs: serving/parallelism_scaling).
+RAY_EXECUTOR = ("--distributed-executor-backend", "ray")
+
+
+def build_invocation(plan: Plan, *, ray_executor: bool = False) -> EngineInvocation:
+    """The argv after `vllm serve` and the environment for the plan. `ray_executor` adds the
+    flags of a layout that spans nodes (the Kubernetes LeaderWorkerSet's leader)."""
     s = plan.settings
     args: list[str] = [s.model.path, "--served-model-name", s.model.served_name]
 
@@ -91,6 +100,8 @@ def build_invocation(plan: Plan) -> EngineInvocation:
         args.append("--trust-remote-code")
     if serving.shutdown_timeout:
         args += ["--shutdown-timeout", str(serving.shutdown_timeout)]
+    if ray_executor:
+        args += RAY_EXECUTOR
     args += list(s.engine.extra_args)
 
     env: dict[str, str] = {}
@@ -98,3 +109,22 @@ def build_invocation(plan: Plan) -> EngineInvocation:
         env.update(_AITER_MOE_ENV)
     env.update(s.runtime.env)
     return EngineInvocation(image=s.engine.image, args=tuple(args), env=tuple(sorted(env.items())))
+
+
+def native_command(plan: Plan, python: str) -> list[str]:
+    """The API server run from a local Python, with the same engine flags and the bind address
+    and port that the container runtime gets from its port mapping."""
+    model, *rest = build_invocation(plan).args
+    runtime = plan.settings.runtime
+    return [
+        python,
+        "-m",
+        API_SERVER_MODULE,
+        "--model",
+        model,
+        *rest,
+        "--host",
+        runtime.bind,
+        "--port",
+        str(runtime.port),
+    ]

@@ -16,8 +16,9 @@ from functools import cache, cached_property
 from importlib import resources
 from typing import Any
 
-from m31ctl.engine.adapter import EngineInvocation
+from m31ctl.engine.adapter import EngineInvocation, build_invocation
 from m31ctl.errors import InputError
+from m31ctl.plan import Plan
 
 # Environment variables vLLM removed, and what replaced them (vllm-engine-facts.md). vLLM only
 # warns "Unknown vLLM environment variable" for them, so the setting silently does nothing.
@@ -273,34 +274,31 @@ def check_plan_engine(
         )
 
 
-def report_plan(plan: Any, as_json: bool) -> bool:
-    """`m31ctl validate`: print every finding (stderr) or the JSON report; True when clean."""
-    import sys
+@dataclass(frozen=True)
+class PlanValidation:
+    """`m31ctl validate`'s answer: every finding for the plan's argv and environment."""
 
-    from m31ctl.engine.adapter import build_invocation
+    schema: EngineSchema
+    invocation: EngineInvocation
+    findings: tuple[Finding, ...]
 
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "engine": "vllm",
+            "schema_version": self.schema.version,
+            "image": self.invocation.image,
+            "extension": self.schema.extension.get("attention_backends", []),
+            "ok": self.ok,
+            "findings": [f.__dict__ for f in self.findings],
+        }
+
+
+def validate_plan(plan: Plan) -> PlanValidation:
+    """Every finding for the plan's engine invocation (the serve argv and the multi-node form)."""
     inv = build_invocation(plan)
     schema = schema_for(inv.image, plan.settings.engine.schema_version)
-    findings = validate(inv, schema)
-    if as_json:
-        from m31ctl.output import emit_json
-
-        emit_json(
-            {
-                "engine": "vllm",
-                "schema_version": schema.version,
-                "image": inv.image,
-                "extension": schema.extension.get("attention_backends", []),
-                "ok": not findings,
-                "findings": [f.__dict__ for f in findings],
-            }
-        )
-    else:
-        for finding in findings:
-            sys.stderr.write(f"m31ctl: {finding.line()}\n")
-        if not findings:
-            sys.stdout.write(
-                f"ok: {len(inv.args)} argv elements and {len(inv.env)} environment variables "
-                f"match vLLM {schema.version} ({inv.image})\n"
-            )
-    return not findings
+    return PlanValidation(schema, inv, tuple(validate(inv, schema)))

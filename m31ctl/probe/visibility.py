@@ -5,11 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from m31ctl.errors import InputError
-from m31ctl.hardware import GPU
-
-# Outermost first: the container runtime picks devices, then CUDA numbers what it was given.
-NVIDIA_VARS = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
-AMD_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+from m31ctl.hardware import GPU, vendor_facts
 
 
 def _select(gpus: tuple[GPU, ...], spec: str, var: str) -> tuple[GPU, ...]:
@@ -44,9 +40,8 @@ def apply_visibility(
     gpus: tuple[GPU, ...], vendor: str, env: Mapping[str, str]
 ) -> tuple[tuple[GPU, ...], str | None]:
     """Filter GPUs as the container runtime / CUDA / ROCm would; returns which variable applied."""
-    names = NVIDIA_VARS if vendor == "nvidia" else AMD_VARS
     applied = None
-    for var in names:
+    for var in vendor_facts(vendor).visibility_vars:
         if var in env:
             gpus = _select(gpus, env[var], var)
             applied = var if applied is None else f"{applied}, {var}"

@@ -19,7 +19,7 @@ def docker_run_argv(spec: ContainerSpec, mode: Mode, env_file: str | None = None
     argv += ["--name", spec.name]
     for key, value in spec.labels:
         argv += ["--label", f"{key}={value}"]
-    if spec.vendor == "nvidia":
+    if spec.device_request:
         # The CLI reads a device list as CSV, hence the inner quotes.
         gpus = f'"device={",".join(spec.gpu_device_ids)}"' if spec.gpu_device_ids else str(spec.gpu_count)
         argv += ["--gpus", gpus]

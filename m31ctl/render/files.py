@@ -9,16 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from m31ctl.errors import ConflictError, InputError
+from m31ctl.inputs import read_text_if_exists
 from m31ctl.render.targets import Artifact
 
 
 def _existing(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise InputError(f"cannot read {path}: {exc.strerror}") from None
+    return read_text_if_exists(path, "existing file")
 
 
 def write(directory: Path, artifacts: Sequence[Artifact], force: bool) -> list[tuple[Path, str]]:

@@ -11,18 +11,15 @@ from typing import Any, Literal
 import jinja2
 
 from m31ctl import __version__
-from m31ctl.container import (
-    API_KEY,
-    HF_CACHE_IN_CONTAINER,
-    HF_TOKEN,
-    ContainerSpec,
-    container_spec,
-    local_url,
-)
+from m31ctl.container import API_KEY, HF_CACHE_IN_CONTAINER, HF_TOKEN, ContainerSpec, container_spec
+from m31ctl.engine.adapter import build_invocation
+from m31ctl.hardware import vendor_facts
+from m31ctl.netaddr import local_url
 from m31ctl.plan import Plan
 from m31ctl.render.dockercli import docker_run_argv
 from m31ctl.render.escape import compose_literal, k8s_literal, shell_word, systemd_word, to_yaml
 from m31ctl.resources import templates_dir
+from m31ctl.units import k8s_quantity
 
 Target = Literal["script", "compose", "k8s", "systemd"]
 TARGETS: tuple[Target, ...] = ("script", "compose", "k8s", "systemd")
@@ -149,7 +146,7 @@ def compose_document(plan: Plan) -> dict[str, Any]:
     else:
         service["shm_size"] = spec.shm_size
     service["ulimits"] = {name: {"soft": soft, "hard": hard} for name, soft, hard in spec.ulimits}
-    if spec.vendor == "nvidia":
+    if spec.device_request:
         service["deploy"] = {
             "resources": {
                 "reservations": {
@@ -204,7 +201,7 @@ def k8s_documents(plan: Plan) -> list[dict[str, Any]]:
     name = _k8s_name(spec)
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "m31ctl"}
     annotations = {k: v for k, v in spec.labels}
-    gpu_resource = "amd.com/gpu" if spec.vendor == "amd" else "nvidia.com/gpu"
+    gpu_resource = vendor_facts(spec.vendor).k8s_resource or "nvidia.com/gpu"
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in spec.env]
     for secret in spec.secret_env:
         env.append(
@@ -221,7 +218,10 @@ def k8s_documents(plan: Plan) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = [{"name": "hf-cache", "mountPath": HF_CACHE_IN_CONTAINER}]
     if not spec.ipc_host:
         volumes.append(
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _k8s_quantity(spec.shm_size)}}
+            {
+                "name": "dshm",
+                "emptyDir": {"medium": "Memory", "sizeLimit": k8s_quantity(spec.shm_size or "64g")},
+            }
         )
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     startup_failures = math.ceil(spec.startup_timeout / PROBE_PERIOD_S)
@@ -251,7 +251,7 @@ def k8s_documents(plan: Plan) -> list[dict[str, Any]]:
             "timeoutSeconds": 10,
         },
     }
-    if spec.vendor == "amd":
+    if spec.cap_add:
         container["securityContext"] = {"capabilities": {"add": list(spec.cap_add)}}
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": spec.stop_timeout,
@@ -309,7 +309,7 @@ def _leader_worker_set(
     `vllm serve`, and whose workers join its Ray cluster (vLLM's multi-node recipe)."""
     per_node = plan.hardware.count
     size = math.ceil(spec.gpu_count / per_node)
-    serve = shlex.join(["vllm", "serve", *spec.args, "--distributed-executor-backend", "ray"])
+    serve = shlex.join(["vllm", "serve", *build_invocation(plan, ray_executor=True).args])
     # $(LWS_LEADER_ADDRESS) is for Kubernetes to expand; user values were escaped by k8s_literal.
     leader_script = f"ray start --head --port={RAY_PORT} && exec {k8s_literal(serve)}"
     worker_script = f"exec ray start --address=$(LWS_LEADER_ADDRESS):{RAY_PORT} --block"
@@ -363,12 +363,6 @@ def single_host_only(plan: Plan, target: str) -> None:
         )
 
 
-def _k8s_quantity(size: str | None) -> str:
-    text = (size or "64g").strip().lower().removesuffix("b")
-    units = {"k": "Ki", "m": "Mi", "g": "Gi", "t": "Ti"}
-    return text[:-1] + units[text[-1]] if text and text[-1] in units else text
-
-
 def render_k8s(plan: Plan) -> list[Artifact]:
     content = _render(
         "k8s.yaml.j2",
@@ -379,10 +373,13 @@ def render_k8s(plan: Plan) -> list[Artifact]:
     return [Artifact("k8s.yaml", content)]
 
 
+# The registry: a new target is a function above and one line here.
 RENDERERS = {"script": render_script, "compose": render_compose, "k8s": render_k8s, "systemd": render_systemd}
+# Targets that run on one host (Kubernetes spans nodes with a LeaderWorkerSet).
+SINGLE_HOST = ("script", "compose", "systemd")
 
 
 def render(plan: Plan, target: Target) -> list[Artifact]:
-    if target != "k8s":
+    if target in SINGLE_HOST:
         single_host_only(plan, target)
     return RENDERERS[target](plan)

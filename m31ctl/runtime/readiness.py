@@ -7,18 +7,16 @@ stops the wait at once with the last log lines and a diagnosis.
 
 from __future__ import annotations
 
-import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from m31ctl.diagnosis import diagnose, phase
 from m31ctl.errors import NotReadyError
+from m31ctl.runtime.base import Reporter
+from m31ctl.runtime.exits import diagnose, phase
 
 POLL_S = 0.25
 LOG_TAIL_ON_FAILURE = 20
-Reporter = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -28,6 +26,7 @@ class ProcessState:
     exit_code: int | None = None
     oom_killed: bool = False
     restarted: bool = False
+    vanished: bool = False  # removed under us (a container deleted during the wait)
 
 
 class ServerHandle(Protocol):
@@ -106,9 +105,18 @@ def wait_ready(
 
 
 def died(handle: ServerHandle, state: ProcessState) -> None:
+    """Stop waiting: the server is gone. The error carries its last log lines and a diagnosis."""
+    if state.vanished:
+        raise NotReadyError(
+            f"{handle.name} was removed while starting",
+            hint="something else removed the " + handle.kind + "; `m31ctl launch` starts it again",
+        )
     tail = handle.log_tail(LOG_TAIL_ON_FAILURE)
     d = diagnose(tail, state.exit_code, state.oom_killed)
-    shown = "\n".join("    " + line for line in tail.rstrip().splitlines()[-LOG_TAIL_ON_FAILURE:])
+    lines = tuple(tail.rstrip().splitlines()[-LOG_TAIL_ON_FAILURE:])
     how = "restarted" if state.restarted else f"exited (code {state.exit_code})"
-    sys.stderr.write(f"m31ctl: the {handle.kind} {how} while starting; last log lines:\n{shown}\n")
-    raise NotReadyError(f"{handle.name} {how}: {d.cause}", hint=d.remedy)
+    raise NotReadyError(
+        f"{handle.name} {how} while starting: {d.cause}",
+        hint=d.remedy,
+        details=(f"the {handle.kind} {how} while starting; last log lines:", *("    " + ln for ln in lines)),
+    )

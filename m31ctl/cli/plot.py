@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from m31ctl.capacity import Layout, resident_sequences
+from m31ctl.capacity.fit import ComparisonRow, comparison
+from m31ctl.capacity.model import Layout
 from m31ctl.errors import InputError
 from m31ctl.plan import Plan
-from m31ctl.planning import memory_inputs
-from m31ctl.recipes import get_model
 
 CONTEXTS = [2**k for k in range(13, 21)]  # 8K .. 1M
 
@@ -22,21 +21,16 @@ def draw(plan: Plan, layouts: dict[str, Layout], path: Path) -> None:
     except ImportError:
         raise InputError("--plot needs matplotlib", hint="pip install 'm31ctl[plot]'") from None
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    for model in [plan.model, *(get_model(m) for m in plan.model.compare_with)]:
-        for dtype in model.kv_bytes_per_token:
-            for name, layout in layouts.items():
-                if layout.gpus > plan.hardware.count:
-                    continue
-                inputs = memory_inputs(plan, model, dtype)
-                counts = [resident_sequences(inputs, layout, c).sequences for c in CONTEXTS]
-                style = "-" if model.id == plan.model.id else "--"
-                ax.plot(
-                    CONTEXTS,
-                    counts,
-                    style,
-                    marker="o",
-                    label=f"{model.display_name}, {dtype} KV, {name} ({layout.label()})",
-                )
+    # The comparison's own rows at each context: what the table shows (and what the recipe's
+    # rules allow, e.g. no NVFP4 cache on Hopper) is exactly what is drawn.
+    series: dict[tuple[str, str, str], list[ComparisonRow]] = {}
+    for context in CONTEXTS:
+        for row in comparison(plan, context, layouts):
+            series.setdefault((row.model, row.kv_dtype, row.layout), []).append(row)
+    for (model, dtype, layout), rows in series.items():
+        style = "-" if model == plan.model.display_name else "--"
+        counts = [r.fit.sequences for r in rows]
+        ax.plot(CONTEXTS, counts, style, marker="o", label=f"{model}, {dtype} KV, {layout}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_ylim(bottom=0.8)  # 0 (does not fit) falls below the axis

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from m31ctl.errors import InputError
+from m31ctl.inputs import read_text
 
 
 @dataclass(frozen=True)
@@ -156,12 +157,7 @@ def flatten_value(value: Any, source: Source, prefix: str) -> Layer:
 
 def load_layer_file(path: Path, layer: str = "file") -> Layer:
     """A user override file: YAML whose keys are plan settings."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"override file not found: {path}", hint="check the path given to -f") from None
-    except OSError as exc:
-        raise InputError(f"cannot read override file {path}: {exc.strerror}") from None
+    text = read_text(path, "override file", hint="check the path given to -f")
     node = compose_yaml(text, str(path))
     if node is None:
         return {}

@@ -142,21 +142,3 @@ def _stream(client: Any, body: dict[str, Any], report: SmokeReport) -> None:
         report.completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         if last is not None and last > first and report.completion_tokens:
             report.tokens_per_s = (report.completion_tokens - 1) / (last - first)
-
-
-def print_report(report: SmokeReport, as_json: bool) -> None:
-    import sys
-
-    if as_json:
-        from m31ctl.output import emit_json
-
-        emit_json(report.to_json())
-        return
-    for check in report.checks:
-        sys.stdout.write(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}\n")
-    if report.ttft_s is not None:
-        rate = f"{report.tokens_per_s:.1f} tokens/s" if report.tokens_per_s else "rate n/a"
-        sys.stdout.write(
-            f"time to first token {report.ttft_s * 1000:.0f} ms, {rate}, "
-            f"chat latency {report.latency_s or 0:.2f} s ({report.model} at {report.endpoint})\n"
-        )

@@ -4,42 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from m31ctl.capacity import Layout, parse_context
-from m31ctl.output import console, emit_json, table
+from m31ctl.capacity.fit import comparison, plan_fit, plan_layout, plan_longest_context, profile_layouts
+from m31ctl.capacity.model import parse_context
+from m31ctl.cli.output import console, emit_json, table
+from m31ctl.cli.views import fit_json
 from m31ctl.plan import Plan
-from m31ctl.planning import comparison, plan_fit, plan_layout, plan_longest_context
-from m31ctl.views import fit_json
-
-
-def _layouts(plan: Plan) -> dict[str, Layout]:
-    """The recipe's profiles that change the layout, as capacity layouts."""
-    layouts: dict[str, Layout] = {}
-    for name, option in plan.recipe.profiles.items():
-        if option.unsupported:
-            continue
-        values = {key: s.value for key, s in option.layer.items()}
-        base = plan.recipe.layer
-        tensor = values.get("parallelism.tensor", base["parallelism.tensor"].value)
-        layout = Layout(
-            tensor=tensor,
-            data=values.get("parallelism.data", 1),
-            expert=values.get("parallelism.expert", False),
-        )
-        # Profiles that share a memory layout (long-context is TP4 too) would repeat a row.
-        if layout not in layouts.values():
-            layouts[name] = layout
-    return layouts
 
 
 def run(plan: Plan, context_text: str, sequences: int | None, plot: Path | None, as_json: bool) -> None:
     context = parse_context(context_text)
     fit = plan_fit(plan, context)
     longest = plan_longest_context(plan, sequences) if sequences else None
-    rows = comparison(plan, context, _layouts(plan))
+    rows = comparison(plan, context, profile_layouts(plan))
     if plot is not None:
-        from m31ctl.plot import draw
+        from m31ctl.cli.plot import draw
 
-        draw(plan, _layouts(plan), plot)
+        draw(plan, profile_layouts(plan), plot)
     if as_json:
         emit_json(
             {

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from m31ctl.units import Size
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -125,7 +127,7 @@ class Runtime(_Frozen):
     container_name: str = "m31ctl-minimax-m31-flash"
     hf_cache: str = "~/.cache/huggingface"
     ipc_host: bool = False
-    shm_size: str = "64g"
+    shm_size: Size = "64g"
     seccomp_unconfined: bool = False
     # Container ulimits (soft = hard; -1 = unlimited). Unlimited locked memory serves pinned host
     # buffers and RDMA; NVIDIA's container guide asks for a 64 MB stack.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any, Literal
@@ -12,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from m31ctl.errors import InputError, UnsupportedHardware
 from m31ctl.hardware import Hardware, describe_arch
-from m31ctl.layers import Layer, Source, compose_yaml, construct, flatten_node, mapping_items
+from m31ctl.inputs import read_text
+from m31ctl.plan.layers import Layer, Source, compose_yaml, construct, flatten_node, mapping_items
 from m31ctl.resources import recipes_dir
 
 _NOT_SET = object()
@@ -162,7 +164,7 @@ def _options(node: yaml.Node, file: str, kind: str, recipe: str) -> dict[str, Op
 
 def load_recipe(path: Path) -> Recipe:
     file = _display(path)
-    node = compose_yaml(path.read_text(encoding="utf-8"), file)
+    node = compose_yaml(read_text(path, "recipe file"), file)
     if node is None:
         raise InputError("empty recipe file", where=file)
     fields: dict[str, Any] = {"path": file}
@@ -272,3 +274,21 @@ def select_recipe(hw: Hardware) -> Recipe:
         hint="recipes exist for Hopper (9.0), Blackwell (10.0, 10.3), Rubin (10.7) and MI350 (gfx950); "
         "pass --hardware or --recipe to plan for other hardware",
     )
+
+
+@dataclass(frozen=True)
+class RecipeMatch:
+    """`probe`'s answer about recipes: the one that serves this hardware, or why none does."""
+
+    recipe: Recipe | None
+    reason: str | None = None
+
+    def enough_gpus(self, hw: Hardware) -> bool:
+        return self.recipe is not None and hw.count >= self.recipe.match.min_gpus
+
+
+def match_recipe(hw: Hardware) -> RecipeMatch:
+    try:
+        return RecipeMatch(select_recipe(hw))
+    except UnsupportedHardware as exc:
+        return RecipeMatch(None, exc.one_line())

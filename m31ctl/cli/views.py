@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import json
 import shlex
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
-from m31ctl.capacity import Fit
+from m31ctl.capacity.model import Fit
+from m31ctl.cli.output import console, emit_json
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.hardware import Hardware
-from m31ctl.output import console
 from m31ctl.plan import Plan
+from m31ctl.plan.recipes import match_recipe
 from m31ctl.probe import ProbeReport
+
+if TYPE_CHECKING:
+    from m31ctl.doctor import DoctorReport
+    from m31ctl.engine.validate import PlanValidation
+    from m31ctl.runtime.smoke import SmokeReport
 
 GB = 1e9
 
@@ -63,7 +70,7 @@ def serve_command(plan: Plan) -> str:
 def print_plan(plan: Plan, fit: Fit | None, explain: bool) -> None:
     from rich.text import Text
 
-    from m31ctl.output import table
+    from m31ctl.cli.output import table
 
     out = console()
     hw = plan.hardware
@@ -104,7 +111,37 @@ def print_plan(plan: Plan, fit: Fit | None, explain: bool) -> None:
     out.print(Text(command), soft_wrap=True)
 
 
-def print_probe(report: ProbeReport, recipe_line: str) -> None:
+def probe_json(report: ProbeReport) -> dict[str, Any]:
+    hw = report.hardware
+    found = match_recipe(hw)
+    recipe: dict[str, Any] = (
+        {
+            "name": found.recipe.recipe,
+            "min_gpus": found.recipe.match.min_gpus,
+            "enough_gpus": found.enough_gpus(hw),
+        }
+        if found.recipe
+        else {"name": None, "reason": found.reason}
+    )
+    return {
+        "hardware": hardware_json(hw),
+        "recipe": recipe,
+        "visible_devices_from": report.visibility,
+        "attempts": [{"method": a.method, "ok": a.ok, "detail": a.detail} for a in report.attempts],
+    }
+
+
+def _recipe_line(hw: Hardware) -> str:
+    found = match_recipe(hw)
+    if found.recipe is None:
+        return str(found.reason)
+    needed = found.recipe.match.min_gpus
+    short = "" if found.enough_gpus(hw) else f"; needs {needed} GPUs, this host has {hw.count}"
+    return f"{found.recipe.recipe} ({found.recipe.description}){short}"
+
+
+def print_probe(report: ProbeReport) -> None:
+    recipe_line = _recipe_line(report.hardware)
     out = console()
     hw = report.hardware
     if hw.count == 0:
@@ -158,4 +195,57 @@ def print_probe(report: ProbeReport, recipe_line: str) -> None:
         out.print(
             f"  probe {attempt.method}: {'ok' if attempt.ok else 'unavailable'} ({attempt.detail})",
             markup=False,
+        )
+
+
+def print_validation(report: PlanValidation, as_json: bool) -> None:
+    """`m31ctl validate`: every finding on stderr, or the JSON report."""
+    if as_json:
+        emit_json(report.to_json())
+        return
+    for finding in report.findings:
+        sys.stderr.write(f"m31ctl: {finding.line()}\n")
+    if report.ok:
+        inv = report.invocation
+        sys.stdout.write(
+            f"ok: {len(inv.args)} argv elements and {len(inv.env)} environment variables "
+            f"match vLLM {report.schema.version} ({inv.image})\n"
+        )
+
+
+def print_doctor(report: DoctorReport) -> None:
+    from rich.text import Text
+
+    from m31ctl.cli.output import table
+
+    out = console()
+    if report.plan is None:
+        out.print(Text(f"No plan for this host: {report.plan_error}"))
+    else:
+        p = report.plan
+        out.print(
+            f"Plan {p.hash}: recipe {p.recipe.recipe}, variant {p.variant}, profile {p.profile}, "
+            f"{p.gpus_needed} GPUs",
+            markup=False,
+        )
+    colors = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
+    t = table(None, ["check", "status", "finding", "remedy"])
+    for r in report.results:
+        t.add_row(r.title, Text(r.status, style=colors[r.status]), Text(r.message), Text(r.remedy))
+    out.print(t)
+    s = report.summary()
+    out.print(f"{s['ok']} ok, {s['warn']} warn, {s['fail']} fail, {s['skip']} skip")
+
+
+def print_smoke(report: SmokeReport, as_json: bool) -> None:
+    if as_json:
+        emit_json(report.to_json())
+        return
+    for check in report.checks:
+        sys.stdout.write(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}\n")
+    if report.ttft_s is not None:
+        rate = f"{report.tokens_per_s:.1f} tokens/s" if report.tokens_per_s else "rate n/a"
+        sys.stdout.write(
+            f"time to first token {report.ttft_s * 1000:.0f} ms, {rate}, "
+            f"chat latency {report.latency_s or 0:.2f} s ({report.model} at {report.endpoint})\n"
         )

@@ -14,10 +14,18 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from m31ctl.errors import HostPreconditionError, InputError, RuleViolation
-from m31ctl.hardware import Hardware
-from m31ctl.layers import Layer, Source, load_layer_file, merge, parse_set, unflatten
-from m31ctl.recipes import ModelFacts, Recipe, defaults_layer, get_model, get_recipe, select_recipe
-from m31ctl.settings import PlanSettings
+from m31ctl.hardware import PRODUCTS, SERVED_ARCHS, Hardware, cpu_host, simulated
+from m31ctl.plan.layers import Layer, Source, load_layer_file, merge, parse_set, unflatten
+from m31ctl.plan.recipes import (
+    ModelFacts,
+    Recipe,
+    defaults_layer,
+    get_model,
+    get_recipe,
+    load_recipe,
+    select_recipe,
+)
+from m31ctl.plan.settings import PlanSettings
 
 DEFAULT_PROFILE = "latency"
 
@@ -206,3 +214,32 @@ def require_fit(plan: Plan) -> None:
             f"but the hardware has {have}",
             hint="use a host with more GPUs, or pass --hardware to plan for one",
         )
+
+
+def _host_for(recipe: Recipe) -> Hardware:
+    """A simulated host the recipe matches, with GPUs to spare, to resolve every combination."""
+    if recipe.match.vendor == "cpu":
+        return cpu_host()
+    archs = [a for a, fam in SERVED_ARCHS.items() if fam.id in recipe.match.families]
+    product = next((p for p in PRODUCTS.values() if p.arch in archs), None)
+    if product is None:
+        raise InputError(
+            f"recipe {recipe.recipe} matches no known hardware (families {list(recipe.match.families)})",
+            where=recipe.path,
+            hint="use families hopper, blackwell, rubin, mi350 or cpu",
+        )
+    return simulated(f"{product.id}x{max(recipe.match.min_gpus, 8)}")
+
+
+def check_recipe_file(path: Path) -> tuple[Recipe, list[tuple[str, str, str]]]:
+    """`recipes validate`: load a recipe file and resolve every supported variant x profile
+    on a host it matches; (variant, profile, plan hash) for each, or the first error."""
+    recipe = load_recipe(path)
+    hw = _host_for(recipe)
+    checked = []
+    for variant in recipe.variants:
+        for profile, option in recipe.profiles.items():
+            if not option.unsupported:
+                plan = resolve(PlanRequest(hardware=hw, variant=variant, profile=profile), recipe=recipe)
+                checked.append((variant, profile, plan.hash))
+    return recipe, checked

@@ -4,12 +4,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m31ctl.capacity import Fit, Layout, MemoryInputs, dense_weight_bytes, longest_context, resident_sequences
+from m31ctl.capacity.model import (
+    Fit,
+    Layout,
+    MemoryInputs,
+    dense_weight_bytes,
+    longest_context,
+    resident_sequences,
+)
 from m31ctl.errors import InputError
 from m31ctl.plan import Plan
-from m31ctl.recipes import ModelFacts, get_model
+from m31ctl.plan.recipes import ModelFacts, get_model
 
 REFERENCE_MODEL = "minimax-m3.1-flash"
+
+
+def profile_layouts(plan: Plan) -> dict[str, Layout]:
+    """The recipe's profiles that change the memory layout, by profile name."""
+    layouts: dict[str, Layout] = {}
+    base = plan.recipe.layer
+    for name, option in plan.recipe.profiles.items():
+        if option.unsupported:
+            continue
+        values = {key: s.value for key, s in option.layer.items()}
+        layout = Layout(
+            tensor=values.get("parallelism.tensor", base["parallelism.tensor"].value),
+            data=values.get("parallelism.data", 1),
+            expert=values.get("parallelism.expert", False),
+        )
+        # Profiles that share a memory layout (long-context is TP4 too) would repeat a row.
+        if layout not in layouts.values():
+            layouts[name] = layout
+    return layouts
 
 
 def plan_layout(plan: Plan) -> Layout:

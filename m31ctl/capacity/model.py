@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from m31ctl.errors import InputError
-from m31ctl.recipes import ModelFacts
+from m31ctl.plan.recipes import ModelFacts
 
 GIB = 1024**3
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from m31ctl.errors import InputError
-from m31ctl.hardware import MIB, PRODUCTS, SERVED_ARCHS, Hardware, cpu_host
-from m31ctl.output import console, emit_json, table
-from m31ctl.plan import PlanRequest, resolve
-from m31ctl.recipes import Recipe, builtin_recipes, get_recipe, load_recipe
+from m31ctl.cli.output import console, emit_json, table
+from m31ctl.plan.recipes import Recipe, builtin_recipes, get_recipe
+from m31ctl.plan.resolve import check_recipe_file
 
 
 def summary(recipe: Recipe) -> dict[str, Any]:
@@ -77,40 +75,18 @@ def show(name: str, as_json: bool) -> None:
             out.print(Text(f"{kind[:-1]} {option}{marker}: {text}"))
 
 
-def _host_for(recipe: Recipe) -> Hardware:
-    """A simulated host the recipe matches, with GPUs to spare, to resolve every combination."""
-    if recipe.match.vendor == "cpu":
-        return cpu_host()
-    archs = [a for a, fam in SERVED_ARCHS.items() if fam.id in recipe.match.families]
-    product = next((p for p in PRODUCTS.values() if p.arch in archs), None)
-    if product is None:
-        raise InputError(
-            f"recipe {recipe.recipe} matches no known hardware (families {list(recipe.match.families)})",
-            where=recipe.path,
-            hint="use families hopper, blackwell, rubin, mi350 or cpu",
-        )
-    from m31ctl.hardware import simulated
-
-    count = max(recipe.match.min_gpus, 8)
-    hw = simulated(f"{product.id}x{count}")
-    return hw.model_copy(update={"memory_per_gpu_bytes": product.memory_mib * MIB})
-
-
 def validate(path: Path, as_json: bool) -> None:
     """Load a recipe file and resolve every variant x profile; the first error is the answer."""
-    if not path.is_file():
-        raise InputError(f"recipe file not found: {path}")
-    recipe = load_recipe(path)
-    hw = _host_for(recipe)
-    checked = []
-    for variant in recipe.variants:
-        for profile, option in recipe.profiles.items():
-            if option.unsupported:
-                continue
-            plan = resolve(PlanRequest(hardware=hw, variant=variant, profile=profile), recipe=recipe)
-            checked.append({"variant": variant, "profile": profile, "plan_hash": plan.hash})
+    recipe, checked = check_recipe_file(path)
     if as_json:
-        emit_json({"file": str(path), "recipe": recipe.recipe, "valid": True, "checked": checked})
+        emit_json(
+            {
+                "file": str(path),
+                "recipe": recipe.recipe,
+                "valid": True,
+                "checked": [{"variant": v, "profile": p, "plan_hash": h} for v, p, h in checked],
+            }
+        )
         return
     console().print(
         f"{path}: recipe {recipe.recipe} is valid ({len(checked)} variant x profile combinations resolve)",

@@ -1,0 +1,95 @@
+"""The command line: the only package that parses argv or prints.
+
+`main(argv) -> int` runs one command and returns its exit code (tests call it in-process);
+`run()` is the console script. Every error maps to one line and a documented exit code here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from m31ctl.errors import ExitCode, M31Error
+
+INTERRUPTED = "interrupted; a container being started keeps its labels, and the next launch converges"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run m31ctl with `argv` (default: sys.argv[1:]) and return the exit code."""
+    from m31ctl.cli.app import app
+
+    aborts, exits = _click_exceptions()
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        args = ["--help"]  # bare `m31ctl`: help, exit 0
+    as_json = "--json" in args
+    try:
+        result = app(args=args, prog_name="m31ctl", standalone_mode=False)
+    except M31Error as exc:
+        return _fail(exc, as_json)
+    except aborts:
+        return _say(INTERRUPTED, ExitCode.INTERRUPTED)
+    except exits as exc:
+        return int(getattr(exc, "exit_code", 0) or 0)
+    except BrokenPipeError:
+        _silence_stdout()
+        return int(ExitCode.OK)
+    except Exception as exc:
+        if hasattr(exc, "format_message"):  # click's usage errors: unknown option, missing value
+            return _say(f"{exc.format_message()} (see m31ctl --help)", ExitCode.BAD_INPUT)
+        if os.environ.get("M31CTL_DEBUG"):
+            raise
+        # A bug: one line for the user, the traceback on request.
+        return _say(
+            f"internal error: {type(exc).__name__}: {exc} (rerun with M31CTL_DEBUG=1 and report it)",
+            ExitCode.INTERNAL,
+        )
+    if result == ExitCode.INTERRUPTED:  # click turns Ctrl-C during a prompt into exit code 130
+        return _say(INTERRUPTED, ExitCode.INTERRUPTED)
+    return result if isinstance(result, int) else 0
+
+
+def _click_exceptions() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """(abort, exit) classes: typer's own (typer >= 0.20 vendors click and uses them throughout),
+    plus click's where an older typer runs on click itself."""
+    import typer
+
+    aborts: list[type[BaseException]] = [KeyboardInterrupt, typer.Abort]
+    exits: list[type[BaseException]] = [typer.Exit]
+    if "click" in sys.modules:  # an older typer imported it; a newer one never loads it
+        from click import exceptions as click_exceptions
+
+        aborts.append(click_exceptions.Abort)
+        exits.append(click_exceptions.Exit)
+    return tuple(aborts), tuple(exits)
+
+
+def _fail(exc: M31Error, as_json: bool) -> int:
+    if as_json:
+        from m31ctl.cli.output import emit_json
+
+        emit_json(exc.to_json())
+    for line in exc.details:
+        sys.stderr.write(f"m31ctl: {line}\n")
+    return _say(exc.one_line(), exc.exit_code)
+
+
+def _say(message: str, code: int) -> int:
+    sys.stderr.write(f"m31ctl: error: {message}\n")
+    return int(code)
+
+
+def _silence_stdout() -> None:
+    """After a closed pipe, point stdout at /dev/null so Python's exit flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def run() -> None:
+    """The console script."""
+    sys.exit(main())

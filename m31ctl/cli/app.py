@@ -1,0 +1,416 @@
+"""The commands: each parses its options, calls the core once, and prints what it returned."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from m31ctl.cli.options import (
+    AnyRuntimeOpt,
+    FileOpt,
+    HardwareOpt,
+    JsonOpt,
+    LaunchRuntimeOpt,
+    NameOpt,
+    NoValidateOpt,
+    ProfileOpt,
+    RecipeOpt,
+    SetOpt,
+    VariantOpt,
+    plan_request,
+)
+from m31ctl.errors import ExitCode
+
+if TYPE_CHECKING:
+    from m31ctl.plan import Plan
+    from m31ctl.runtime import Survey
+
+app = typer.Typer(
+    name="m31ctl",
+    help="Serve MiniMax-M3.1-Flash with vLLM: probe, plan, render, launch, doctor.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from m31ctl import __version__
+
+        sys.stdout.write(f"m31ctl {__version__}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Serve MiniMax-M3.1-Flash with vLLM: probe, plan, render, launch, doctor."""
+
+
+recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
+app.add_typer(recipes_app, name="recipes")
+
+
+def _resolve(
+    hardware: str | None,
+    recipe: str | None,
+    variant: str | None,
+    profile: str,
+    files: list[Path] | None,
+    sets: list[str] | None,
+    validate: bool = True,
+) -> Plan:
+    from m31ctl.plan import resolve
+
+    plan = resolve(plan_request(hardware, recipe, variant, profile, files, sets))
+    if validate:
+        from m31ctl.engine.adapter import build_invocation
+        from m31ctl.engine.validate import check_plan_engine
+
+        source = plan.provenance.get("engine.extra_args")
+        check_plan_engine(
+            build_invocation(plan),
+            plan.settings.engine.schema_version,
+            plan.settings.engine.extra_args,
+            str(source) if source else None,
+        )
+    return plan
+
+
+@recipes_app.command("list")
+def recipes_list(json: JsonOpt = False) -> None:
+    """The built-in recipes and what they match."""
+    from m31ctl.cli import recipes
+
+    recipes.list_recipes(json)
+
+
+@recipes_app.command("show")
+def recipes_show(name: Annotated[str, typer.Argument(help="Recipe name.")], json: JsonOpt = False) -> None:
+    """One recipe: hardware match, hard rules with reasons and sources, variants, profiles."""
+    from m31ctl.cli import recipes
+
+    recipes.show(name, json)
+
+
+@recipes_app.command("validate")
+def recipes_validate(
+    file: Annotated[Path, typer.Argument(help="Recipe YAML file.")], json: JsonOpt = False
+) -> None:
+    """Check a recipe file: schema, rules, and every variant x profile resolving."""
+    from m31ctl.cli import recipes
+
+    recipes.validate(file, json)
+
+
+@app.command()
+def plan(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    json: JsonOpt = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Show where every value comes from.")] = False,
+    no_validate: NoValidateOpt = False,
+) -> None:
+    """Resolve the recipe for this host (or --hardware) and print the plan."""
+    from m31ctl.capacity.fit import plan_fit
+
+    p = _resolve(hardware, recipe, variant, profile, file, set_, not no_validate)
+    fit = plan_fit(p)
+    if json:
+        from m31ctl.cli.output import emit_json
+        from m31ctl.cli.views import plan_json
+
+        emit_json(plan_json(p, fit))
+    else:
+        from m31ctl.cli.views import print_plan
+
+        print_plan(p, fit, explain)
+
+
+@app.command()
+def probe(json: JsonOpt = False) -> None:
+    """Detect this host's GPUs and tell which recipe fits."""
+    from m31ctl.cli.views import print_probe, probe_json
+    from m31ctl.probe import detect
+
+    report = detect()
+    if json:
+        from m31ctl.cli.output import emit_json
+
+        emit_json(probe_json(report))
+    else:
+        print_probe(report)
+
+
+@app.command()
+def capacity(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    json: JsonOpt = False,
+    context: Annotated[str, typer.Option("--context", help="Context length: 262144, 256k, 1m.")] = "256k",
+    sequences: Annotated[
+        int | None, typer.Option("--sequences", help="Also report the longest context for N sequences.")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Draw sequences against context to this PNG.")
+    ] = None,
+) -> None:
+    """How many sequences stay resident, and how the recipes and cache dtypes compare."""
+    from m31ctl.cli import capacity as capacity_view
+
+    p = _resolve(hardware, recipe, variant, profile, file, set_)
+    capacity_view.run(p, context, sequences, plot, json)
+
+
+@app.command()
+def render(
+    target: Annotated[str, typer.Option("--target", help="script | compose | k8s | systemd.")],
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write into DIR (else print).")
+    ] = None,
+    check: Annotated[
+        Path | None, typer.Option("--check", help="Exit 1 with a diff when DIR is out of date.")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite files that differ.")] = False,
+    no_validate: NoValidateOpt = False,
+) -> int:
+    """Render deployment artifacts (bash script, Compose, Kubernetes, systemd) from the plan."""
+    from m31ctl.errors import InputError
+    from m31ctl.render import files, get_target
+
+    if check is not None and output is not None:
+        raise InputError(
+            "--check and -o/--output exclude each other", hint="--check DIR compares; -o DIR writes"
+        )
+    renderer = get_target(target)
+    artifacts = renderer(_resolve(hardware, recipe, variant, profile, file, set_, not no_validate))
+    if check is not None:
+        drift = files.diff(check, artifacts)
+        sys.stdout.write(drift)
+        return int(ExitCode.CHECK_FAILED if drift else ExitCode.OK)
+    if output is None:
+        for artifact in artifacts:
+            sys.stdout.write(artifact.content)
+        return 0
+    for path, state in files.write(output, artifacts, force):
+        sys.stderr.write(f"{state}: {path}\n")
+    return 0
+
+
+@app.command()
+def validate(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    json: JsonOpt = False,
+) -> int:
+    """Check the plan's vLLM argv and environment against vLLM's own schema (no vLLM import)."""
+    from m31ctl.cli.views import print_validation
+    from m31ctl.engine.validate import validate_plan
+
+    report = validate_plan(_resolve(hardware, recipe, variant, profile, file, set_, False))
+    print_validation(report, json)
+    return int(ExitCode.OK if report.ok else ExitCode.BAD_INPUT)
+
+
+@app.command()
+def doctor(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    json: JsonOpt = False,
+) -> int:
+    """Check that this host can run the plan: Docker, GPUs, drivers, disk, port, image."""
+    from m31ctl.cli.views import print_doctor
+    from m31ctl.doctor import diagnose, report_json
+    from m31ctl.probe import detect
+
+    probe = detect()
+    request = None
+    if hardware is not None or recipe or variant or file or set_ or profile != "latency":
+        request = plan_request(hardware, recipe, variant, profile, file, set_)
+        if hardware is None:
+            request = replace(request, hardware=probe.hardware)
+    report = diagnose(request, probe)
+    if json:
+        from m31ctl.cli.output import emit_json
+
+        emit_json(report_json(report))
+    else:
+        print_doctor(report)
+    return int(ExitCode.CHECK_FAILED if report.failed else ExitCode.OK)
+
+
+@app.command()
+def launch(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    json: JsonOpt = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan and what would start; start nothing.")
+    ] = False,
+    detach: Annotated[
+        bool, typer.Option("--detach", help="Return once started; do not wait for readiness.")
+    ] = False,
+    timeout: Annotated[float | None, typer.Option("--timeout", help="Seconds to wait for readiness.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Replace a server running another plan.")] = False,
+    name: Annotated[str | None, typer.Option("--name", help="Server (container) name.")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Host port.")] = None,
+    runtime: LaunchRuntimeOpt = "docker",
+    no_validate: NoValidateOpt = False,
+) -> int:
+    """Resolve, check, pull, start the server and wait until the model answers."""
+    import json as jsonlib
+    import os
+
+    from m31ctl import deploy
+    from m31ctl.cli import launch_views
+    from m31ctl.errors import InputError
+    from m31ctl.runtime import get_runtime
+    from m31ctl.runtime.base import LaunchOptions
+
+    get_runtime(runtime)  # an unknown runtime is bad input before anything resolves
+    if timeout is not None and not (0 < timeout < float("inf")):
+        raise InputError(
+            f"--timeout {timeout:g} is not a positive number of seconds", hint="e.g. --timeout 900"
+        )
+    sets = list(set_ or [])
+    # Flags are values, not JSON: encode them so `--name true` stays the string "true".
+    if name is not None:
+        sets.append(f"runtime.container_name={jsonlib.dumps(name)}")
+    if port is not None:
+        sets.append(f"runtime.port={port}")
+    p = _resolve(hardware, recipe, variant, profile, file, sets, not no_validate)
+    if dry_run:
+        launch_views.print_dry_run(p, deploy.dry_run(p, runtime), json)
+        return 0
+    options = LaunchOptions(
+        report=launch_views.reporter(),
+        confirm=launch_views.confirm,
+        timeout=timeout,
+        detach=detach,
+        yes=yes,
+        environ=dict(os.environ),
+        pull_progress=launch_views.pull_progress(),
+    )
+    result = deploy.launch(p, runtime, options)
+    launch_views.print_result(p, result, json)
+    return 0
+
+
+@app.command()
+def status(json: JsonOpt = False, runtime: AnyRuntimeOpt = None) -> int:
+    """The servers m31ctl runs, in every runtime: state, plan, endpoint, health."""
+    from m31ctl.cli import launch_views
+    from m31ctl.runtime import survey
+
+    found = survey(runtime)
+    launch_views.print_status(found, json)
+    return _incomplete_exit(found)
+
+
+@app.command()
+def logs(
+    name: NameOpt = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+    tail: Annotated[int, typer.Option("--tail", help="Lines from the end.")] = 100,
+    runtime: AnyRuntimeOpt = None,
+) -> int:
+    """Print a server's log."""
+    from m31ctl.cli import launch_views
+    from m31ctl.runtime import logs as server_logs
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    found = server_logs(name, runtime, follow, tail, write)
+    launch_views.print_unreachable(found)
+    return _incomplete_exit(found)
+
+
+@app.command()
+def stop(
+    name: NameOpt = None,
+    timeout: Annotated[int | None, typer.Option("--timeout", help="Seconds of drain before SIGKILL.")] = None,
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the stopped container (and its log).")] = False,
+    json: JsonOpt = False,
+    runtime: AnyRuntimeOpt = None,
+) -> int:
+    """Stop our servers (in every runtime, or the named one wherever it runs): SIGTERM, a drain, SIGKILL."""
+    from m31ctl.cli import launch_views
+    from m31ctl.runtime import stop as stop_servers
+
+    stopped, found = stop_servers(name, runtime, timeout, keep, launch_views.reporter())
+    launch_views.print_unreachable(found)
+    if json:
+        from m31ctl.cli.output import emit_json
+
+        emit_json({"stopped": stopped})
+    elif not stopped:
+        sys.stderr.write("nothing to stop\n")
+    # Without a name, an engine we could not ask may still run our servers: say so.
+    return _incomplete_exit(found) if name is None else 0
+
+
+def _incomplete_exit(found: Survey) -> int:
+    """0, or the exit code of a runtime that could not be asked (3: the Docker Engine)."""
+    codes = [int(error.exit_code) for error in found.unreachable.values()]
+    return max(codes) if codes else 0
+
+
+@app.command()
+def smoke(
+    url: Annotated[
+        str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")
+    ] = None,
+    name: NameOpt = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Served model name (default: the first).")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Tokens to generate.")] = 16,
+    runtime: AnyRuntimeOpt = None,
+    json: JsonOpt = False,
+) -> int:
+    """Send a chat completion and a streamed one; check their shape; measure TTFT and tokens/s."""
+    from m31ctl.cli.views import print_smoke
+    from m31ctl.runtime import running_endpoint
+    from m31ctl.runtime import smoke as smoke_test
+
+    base = url or running_endpoint(name, runtime)
+    report = smoke_test.run(base.rstrip("/"), model, max_tokens)
+    print_smoke(report, json)
+    return int(ExitCode.OK if report.ok else ExitCode.CHECK_FAILED)

@@ -1,0 +1,139 @@
+"""What launch, status, logs and stop print, and the prompts and progress they show."""
+
+from __future__ import annotations
+
+import json as jsonlib
+import shlex
+import sys
+from typing import Any
+
+from m31ctl.capacity.fit import plan_fit
+from m31ctl.cli.output import console, emit_json, table
+from m31ctl.cli.views import plan_json, print_plan
+from m31ctl.container import API_KEY
+from m31ctl.plan import Plan
+from m31ctl.runtime import Survey
+from m31ctl.runtime.base import DryRun, LaunchResult, PullEvent, PullProgress, Reporter
+
+
+def reporter() -> Reporter:
+    """Progress lines go to stderr, so stdout stays one JSON object under --json."""
+
+    def report(line: str) -> None:
+        sys.stderr.write(f"m31ctl: {line}\n")
+        sys.stderr.flush()
+
+    return report
+
+
+def confirm(question: str) -> bool:
+    """Ask on a terminal; anywhere else (CI, a pipe) the answer is no."""
+    if not sys.stdin.isatty():
+        return False
+    import typer
+
+    return bool(typer.confirm(question, default=False))
+
+
+def pull_progress() -> PullProgress:
+    """A rich progress display of an image pull, per layer, on stderr; closed on the final None."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    state: dict[str, Any] = {"progress": None, "tasks": {}}
+
+    def on_event(event: PullEvent | None) -> None:
+        progress = state["progress"]
+        if event is None:
+            if progress is not None:
+                progress.stop()
+            return
+        if progress is None:
+            progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                transient=True,
+                console=console(stderr=True),
+            )
+            progress.start()
+            state["progress"] = progress
+        tasks = state["tasks"]
+        if event.layer not in tasks:
+            tasks[event.layer] = progress.add_task(f"layer {event.layer}", total=event.total)
+        progress.update(tasks[event.layer], completed=event.current)
+
+    return on_event
+
+
+def print_dry_run(plan: Plan, dry: DryRun, as_json: bool) -> None:
+    if as_json:
+        payload: dict[str, Any] = {"plan": plan_json(plan, plan_fit(plan)), **dry.detail}
+        payload["docker_run" if dry.kind == "container" else "command"] = list(dry.argv)
+        emit_json(payload)
+        return
+    print_plan(plan, plan_fit(plan), explain=False)
+    out = console()
+    out.print()
+    out.print(f"{dry.kind.capitalize()} (dry run, nothing started):", markup=False)
+    out.print(shlex.join(dry.argv), markup=False, soft_wrap=True)
+
+
+def print_result(plan: Plan, result: LaunchResult, as_json: bool) -> None:
+    if as_json:
+        emit_json(result.to_json())
+        return
+    out = console()
+    verb = {"unchanged": "already serving this plan; nothing changed"}.get(result.action, result.action)
+    out.print(f"{result.server}: {verb} (plan {result.plan_hash}, {result.runtime})", markup=False)
+    if not result.ready:
+        out.print("started; not waiting for readiness (--detach). `m31ctl status` tells when it is up.")
+        return
+    if "ready" in result.timings:
+        out.print(f"ready in {result.timings['ready']:.1f} s", markup=False)
+    body = {
+        "model": plan.settings.model.served_name,
+        "messages": [{"role": "user", "content": "Hello!"}],
+        "max_tokens": 64,
+    }
+    auth = f' -H "Authorization: Bearer ${API_KEY}"' if plan.settings.runtime.api_key else ""
+    out.print(f"endpoint: {result.endpoint}/v1", markup=False)
+    out.print(
+        f"try: curl -s {result.endpoint}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f"-d {shlex.quote(jsonlib.dumps(body))}",
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+def print_unreachable(found: Survey) -> None:
+    for name, error in found.unreachable.items():
+        sys.stderr.write(f"m31ctl: {name} runtime not asked: {error.one_line()}\n")
+
+
+def print_status(found: Survey, as_json: bool) -> None:
+    if as_json:
+        emit_json(
+            {
+                "containers": [s.to_json() for s in found.servers],
+                "unreachable": {name: error.one_line() for name, error in found.unreachable.items()},
+            }
+        )
+        return
+    print_unreachable(found)
+    if not found.servers:
+        console().print("no m31ctl servers")
+        return
+    t = table(None, ["name", "runtime", "state", "health", "plan", "recipe", "endpoint", "restarts"])
+    for s in found.servers:
+        t.add_row(
+            s.name,
+            s.runtime,
+            s.state,
+            str(s.health or "-"),
+            s.plan_hash or "-",
+            f"{s.recipe}/{s.variant}/{s.profile}",
+            s.endpoint or "-",
+            str(s.restart_count),
+        )
+    console().print(t)

@@ -1,0 +1,27 @@
+"""Launching a plan on a runtime: the one preflight every runtime shares, then the runtime.
+
+It sits above both doctor/ (whose checks gate the launch) and runtime/ (which starts the
+server), so neither imports the other's caller.
+"""
+
+from __future__ import annotations
+
+from m31ctl.doctor import preflight
+from m31ctl.plan import Plan, require_fit
+from m31ctl.runtime import get_runtime
+from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult
+
+
+def launch(plan: Plan, runtime_name: str, options: LaunchOptions) -> LaunchResult:
+    """Check the host (GPUs, memory, model path, API key, and what the runtime needs, such as
+    the Docker Engine), then let the runtime converge on the plan. Nothing starts if a check fails."""
+    runtime = get_runtime(runtime_name)
+    require_fit(plan)
+    for result in preflight(plan, runtime.preflight_checks, options.environ):
+        if result.status == "warn":
+            options.report(f"warning: {result.title}: {result.message}")
+    return runtime.launch(plan, options)
+
+
+def dry_run(plan: Plan, runtime_name: str) -> DryRun:
+    return get_runtime(runtime_name).dry_run(plan)

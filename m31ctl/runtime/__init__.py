@@ -1,0 +1,131 @@
+"""Runtimes behind one registry: `docker` (a container on the Docker Engine) and `native` (vLLM
+from a local Python). A new runtime is one module with a class that follows base.Runtime, plus
+one line in RUNTIMES; commands never branch on the runtime's name.
+
+Without a runtime name, `status`, `logs`, `stop` and `smoke` look for m31ctl servers in every
+runtime. One that cannot be asked (the Docker Engine is down) is reported as unreachable: a
+command whose answer would then be incomplete says so with its exit code (3) after doing what
+it could.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from m31ctl.errors import (
+    CheckFailed,
+    ConflictError,
+    DockerUnreachable,
+    HostPreconditionError,
+    InputError,
+    M31Error,
+)
+from m31ctl.runtime.base import Reporter, Runtime, ServerStatus
+
+# name -> (module, class): imported on use, so the Docker SDK loads only when Docker is asked.
+RUNTIMES: dict[str, tuple[str, str]] = {
+    "docker": ("m31ctl.runtime.docker", "DockerRuntime"),
+    "native": ("m31ctl.runtime.native", "NativeRuntime"),
+}
+DEFAULT_RUNTIME = "docker"
+
+
+def get_runtime(name: str) -> Runtime:
+    if name not in RUNTIMES:
+        raise InputError(f"unknown --runtime {name!r}", hint=f"choose one of: {', '.join(RUNTIMES)}")
+    module, cls = RUNTIMES[name]
+    runtime: Runtime = getattr(importlib.import_module(module), cls)()
+    return runtime
+
+
+@dataclass(frozen=True)
+class Survey:
+    """Our servers in the runtimes asked, and the runtimes that could not be asked (and why)."""
+
+    servers: tuple[ServerStatus, ...]
+    unreachable: dict[str, M31Error] = field(default_factory=dict)
+
+    def raise_if_incomplete(self) -> None:
+        for error in self.unreachable.values():
+            raise error
+
+
+def survey(runtime: str | None = None) -> Survey:
+    """Every m31ctl server in `runtime`, or in all runtimes. A named runtime that cannot be asked
+    raises; without a name, it is recorded and the others still answer."""
+    if runtime is not None:
+        return Survey(tuple(get_runtime(runtime).servers()))
+    found: list[ServerStatus] = []
+    unreachable: dict[str, M31Error] = {}
+    for name in RUNTIMES:
+        try:
+            found.extend(get_runtime(name).servers())
+        except DockerUnreachable as exc:
+            unreachable[name] = exc
+    return Survey(tuple(found), unreachable)
+
+
+def select(name: str | None, runtime: str | None) -> tuple[list[ServerStatus], Survey]:
+    """The servers a command acts on: the named one wherever it runs, or all of ours."""
+    found = survey(runtime)
+    chosen = [s for s in found.servers if name is None or s.name == name]
+    if name is not None and not chosen:
+        found.raise_if_incomplete()  # it may run where we could not look
+        for asked in [runtime] if runtime else list(RUNTIMES):
+            if get_runtime(asked).foreign(name):
+                raise ConflictError(f"{name} was not created by m31ctl; not touching it")
+        raise HostPreconditionError(f"no m31ctl server named {name}", hint="see `m31ctl status`")
+    return chosen, found
+
+
+def stop(
+    name: str | None, runtime: str | None, timeout: int | None, keep: bool, report: Reporter
+) -> tuple[list[str], Survey]:
+    servers, found = select(name, runtime)
+    for server in servers:
+        get_runtime(server.runtime).stop(server.name, timeout, keep, report)
+    still = [s.name for s in survey(runtime).servers if s.name in {x.name for x in servers} and s.running]
+    if still:
+        raise CheckFailed(f"{', '.join(still)} still running after stop", hint="see `m31ctl status`")
+    return [s.name for s in servers], found
+
+
+def logs(
+    name: str | None, runtime: str | None, follow: bool, tail: int, write: Callable[[str], None]
+) -> Survey:
+    servers, found = select(name, runtime)
+    if follow and len(servers) > 1:
+        raise InputError(
+            f"--follow needs one server, and {len(servers)} run", hint="pass --name (see `m31ctl status`)"
+        )
+    for server in servers:
+        get_runtime(server.runtime).logs(server.name, follow, tail, write)
+    return found
+
+
+def running_endpoint(name: str | None, runtime: str | None) -> str:
+    """The endpoint of the one running server (or of the named one)."""
+    servers, found = select(name, runtime)
+    running = [s for s in servers if s.running and s.endpoint]
+    if len(running) != 1:
+        if not running:
+            found.raise_if_incomplete()
+        names = ", ".join(s.name for s in running) or "none"
+        raise HostPreconditionError(
+            f"need exactly one running m31ctl server, found {names}", hint="pass --name or --url"
+        )
+    return str(running[0].endpoint)
+
+
+__all__ = [
+    "DEFAULT_RUNTIME",
+    "RUNTIMES",
+    "Survey",
+    "get_runtime",
+    "logs",
+    "running_endpoint",
+    "stop",
+    "survey",
+]

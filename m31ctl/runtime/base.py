@@ -1,0 +1,144 @@
+"""The runtime seam: what every way of running a server (a container, a native process, later a
+Kubernetes apply) offers to the commands, and the data that crosses it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from m31ctl.plan import Plan
+
+Reporter = Callable[[str], None]  # progress lines for the user (the CLI decides where they go)
+
+Confirm = Callable[[str], bool]
+
+
+@dataclass(frozen=True)
+class PullEvent:
+    """One progress event of an image pull (a layer's bytes so far), for the CLI to draw."""
+
+    layer: str
+    current: int
+    total: int
+
+
+PullProgress = Callable[[PullEvent | None], None]  # None: the pull is over
+
+
+def _no_progress(event: PullEvent | None) -> None:
+    del event
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """How to launch, beyond the plan: the CLI fills it from flags; tests from code."""
+
+    report: Reporter
+    confirm: Confirm
+    timeout: float | None = None
+    detach: bool = False
+    yes: bool = False
+    environ: Mapping[str, str] = field(default_factory=dict)
+    pull_progress: PullProgress = _no_progress
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    action: str  # created | recreated | unchanged | adopted
+    server: str
+    runtime: str
+    endpoint: str
+    plan_hash: str
+    ready: bool
+    timings: Mapping[str, float] = field(default_factory=dict)
+    phases: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "container": self.server,
+            "runtime": self.runtime,
+            "endpoint": self.endpoint,
+            "plan_hash": self.plan_hash,
+            "ready": self.ready,
+            "phases": list(self.phases),
+            "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
+        }
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """One m31ctl server as `status` shows it, whatever runs it."""
+
+    name: str
+    runtime: str
+    state: str  # running | created | restarting | exited | dead | paused
+    plan_hash: str | None
+    recipe: str | None
+    variant: str | None
+    profile: str | None
+    endpoint: str | None
+    health: int | None = None
+    image: str | None = None
+    started_at: str | None = None
+    restart_count: int = 0
+    pid: int | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "runtime": self.runtime,
+            "state": self.state,
+            "plan_hash": self.plan_hash,
+            "recipe": self.recipe,
+            "variant": self.variant,
+            "profile": self.profile,
+            "image": self.image,
+            "endpoint": self.endpoint,
+            "health": self.health,
+            "started_at": self.started_at,
+            "restart_count": self.restart_count,
+            "pid": self.pid,
+        }
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """What a launch would start, without starting it."""
+
+    kind: str  # "container" | "process"
+    argv: tuple[str, ...]  # the equivalent command line (docker run ... / python -m ...)
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Runtime(Protocol):
+    """A way to run the plan's server. Implementations live in this package, one module each,
+    and are registered in m31ctl.runtime.RUNTIMES."""
+
+    name: str
+    # The doctor checks that gate a launch on this runtime (ids in m31ctl.doctor.checks).
+    preflight_checks: tuple[str, ...]
+
+    def dry_run(self, plan: Plan) -> DryRun: ...
+
+    def launch(self, plan: Plan, options: LaunchOptions) -> LaunchResult:
+        """Converge on the plan: create, adopt, leave unchanged, recreate (after confirmation) or
+        refuse; then wait until the served model answers unless options.detach."""
+        ...
+
+    def servers(self) -> list[ServerStatus]: ...
+
+    def foreign(self, name: str) -> bool:
+        """A server by that name exists here and m31ctl did not start it (never touched)."""
+        ...
+
+    def logs(self, name: str, follow: bool, tail: int, write: Callable[[str], None]) -> None: ...
+
+    def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
+        """Stop the named server; returns only when it no longer runs (else raises)."""
+        ...

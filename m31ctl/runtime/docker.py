@@ -1,0 +1,361 @@
+"""The `docker` runtime: the serving container's lifecycle on the Docker Engine.
+
+Only containers labelled as ours are ever changed. Launch converges (runtime/converge.py): the
+same plan on a healthy container changes nothing; a changed plan recreates it after
+confirmation; an interrupted launch leaves a labelled container that the next launch adopts.
+Every Engine call runs inside engine_api.engine_boundary, so SDK errors surface as documented
+exit codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from m31ctl.container import OWNER, ContainerSpec, Label, container_spec
+from m31ctl.errors import ConflictError, HostPreconditionError, M31Error
+from m31ctl.netaddr import local_url
+from m31ctl.plan import Plan
+from m31ctl.render.dockercli import docker_run_argv
+from m31ctl.runtime import engine_api
+from m31ctl.runtime.base import (
+    DryRun,
+    LaunchOptions,
+    LaunchResult,
+    PullEvent,
+    PullProgress,
+    Reporter,
+    ServerStatus,
+)
+from m31ctl.runtime.converge import Action, Decision, Existing, decide
+from m31ctl.runtime.exits import diagnose
+from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, wait_for
+from m31ctl.runtime.readiness import ProcessState, health, models
+
+# What `docker stop` waits for when the container does not say (vLLM's drain + margin).
+DEFAULT_STOP_TIMEOUT_S = 60
+
+
+def endpoint(spec: ContainerSpec) -> str:
+    return local_url(spec.bind, spec.host_port)
+
+
+def create_container(client: Any, spec: ContainerSpec, environ: dict[str, str]) -> Any:
+    """Create (not start) the container through the Engine API. Secret values come from our
+    environment into the API request, never into any process's argv."""
+    from docker.types import DeviceRequest, LogConfig, Ulimit
+
+    env = dict(spec.env)
+    env.update({name: environ[name] for name in spec.secret_env if environ.get(name)})
+    host: dict[str, Any] = {
+        "port_bindings": {spec.container_port: (spec.bind, spec.host_port)},
+        "binds": {m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
+        "ulimits": [Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits],
+        "log_config": LogConfig(
+            type="json-file", config={"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)}
+        ),
+        "restart_policy": {"Name": spec.restart},
+    }
+    if spec.ipc_host:
+        host["ipc_mode"] = "host"
+    elif spec.shm_size:
+        host["shm_size"] = spec.shm_size
+    if spec.device_request:
+        request = (
+            DeviceRequest(device_ids=list(spec.gpu_device_ids), capabilities=[["gpu"]])
+            if spec.gpu_device_ids
+            else DeviceRequest(count=spec.gpu_count, capabilities=[["gpu"]])
+        )
+        host["device_requests"] = [request]
+    if spec.devices:
+        host["devices"] = [f"{d}:{d}:rwm" for d in spec.devices]
+        host["group_add"] = list(spec.group_add)
+        host["cap_add"] = list(spec.cap_add)
+    if spec.security_opt:
+        host["security_opt"] = list(spec.security_opt)
+    created = client.api.create_container(
+        image=spec.image,
+        command=list(spec.args),
+        name=spec.name,
+        labels=spec.label_dict,
+        environment=env,
+        ports=[spec.container_port],
+        host_config=client.api.create_host_config(**host),
+        stop_signal="SIGTERM",
+        stop_timeout=spec.stop_timeout,
+    )
+    return client.containers.get(created["Id"])
+
+
+def _ours(container: Any) -> bool:
+    return bool((container.labels or {}).get(Label.OWNER) == OWNER)
+
+
+class ContainerHandle:
+    """A container as readiness sees it. A container removed under us is a dead server."""
+
+    kind = "container"
+
+    def __init__(self, container: Any) -> None:
+        self.container = container
+        self.name = str(container.name)
+        self._restarts = int(container.attrs.get("RestartCount", 0) or 0)
+
+    def state(self) -> ProcessState:
+        try:
+            self.container.reload()
+        except Exception as exc:
+            if engine_api.is_not_found(exc):
+                return ProcessState(running=False, dead=True, vanished=True)
+            raise
+        state = self.container.attrs.get("State") or {}
+        status = state.get("Status")
+        restarted = (
+            int(self.container.attrs.get("RestartCount", 0) or 0) > self._restarts or status == "restarting"
+        )
+        dead = status in ("exited", "dead", "removing") or bool(state.get("OOMKilled")) or restarted
+        return ProcessState(
+            running=status == "running",
+            dead=dead,
+            exit_code=state.get("ExitCode"),
+            oom_killed=bool(state.get("OOMKilled")),
+            restarted=restarted,
+        )
+
+    def log_tail(self, lines: int) -> str:
+        try:
+            return str(self.container.logs(tail=lines).decode("utf-8", "replace"))
+        except Exception:
+            return ""
+
+
+def _existing(
+    container: Any | None, spec: ContainerSpec, api_key: str | None, served: str
+) -> Existing | None:
+    if container is None:
+        return None
+    labels = container.labels or {}
+    running = container.status == "running"
+    return Existing(
+        owned=_ours(container),
+        plan_hash=labels.get(Label.PLAN_HASH),
+        state=str(container.status),
+        serving=running and served in (models(endpoint(spec), api_key) or []),
+    )
+
+
+class DockerRuntime:
+    name = "docker"
+    preflight_checks = (
+        "docker",
+        "gpu-runtime",
+        "gpus",
+        "gpu-memory",
+        "mig",
+        "disk",
+        "shm",
+        "capacity",
+        "api-key",
+    )
+
+    def dry_run(self, plan: Plan) -> DryRun:
+        spec = container_spec(plan)
+        return DryRun(
+            "container",
+            ("docker", *docker_run_argv(spec, "detached")),
+            {"container": dataclasses.asdict(spec)},
+        )
+
+    def launch(self, plan: Plan, options: LaunchOptions) -> LaunchResult:
+        with engine_api.engine_boundary("launching"):
+            return self._launch(plan, options)
+
+    def _launch(self, plan: Plan, options: LaunchOptions) -> LaunchResult:
+        environ = dict(options.environ)
+        spec = container_spec(plan)
+        api_key = api_key_for(plan, environ)
+        served = plan.settings.model.served_name
+        client = engine_api.connect()
+        timeout = float(options.timeout if options.timeout is not None else spec.startup_timeout)
+        container = engine_api.find_container(client, spec.name)
+        decision = decide(_existing(container, spec, api_key, served), plan.hash)
+        confirm_or_refuse(decision, spec.name, plan.hash, options)
+
+        def result(
+            action: Action, ready: bool, timings: dict[str, float] | None = None, phases: tuple[str, ...] = ()
+        ) -> LaunchResult:
+            return LaunchResult(
+                action.value, spec.name, self.name, endpoint(spec), plan.hash, ready, timings or {}, phases
+            )
+
+        if decision.action is Action.UNCHANGED:
+            return result(Action.UNCHANGED, True)
+        if decision.action is Action.ADOPT and container is not None:
+            options.report(f"{spec.name} runs this plan already; waiting for it")
+            if container.status == "created":
+                container.start()
+            if options.detach:
+                return result(Action.ADOPT, False)
+            timings, phases = wait_for(
+                ContainerHandle(container), endpoint(spec), served, timeout, options.report, api_key
+            )
+            return result(Action.ADOPT, True, timings, phases)
+        if decision.action is Action.RECREATE and container is not None:
+            options.report(f"removing {spec.name} ({decision.reason})")
+            container.remove(force=True)
+        ensure_port_free(spec.bind, spec.host_port)
+        _ensure_image(client, spec.image, options.report, options.pull_progress)
+        started = time.monotonic()
+        created = _create_and_start(client, spec, environ)
+        options.report(f"started {spec.name} ({created.short_id}) from {spec.image}")
+        if options.detach:
+            return result(decision.action, False)
+        timings, phases = wait_for(
+            ContainerHandle(created), endpoint(spec), served, timeout, options.report, api_key
+        )
+        timings["total_since_create"] = time.monotonic() - started
+        return result(decision.action, True, timings, phases)
+
+    def servers(self) -> list[ServerStatus]:
+        with engine_api.engine_boundary("listing containers"):
+            client = engine_api.connect()
+            return [_status(c) for c in _our_containers(client)]
+
+    def foreign(self, name: str) -> bool:
+        with engine_api.engine_boundary("looking up a container"):
+            container = engine_api.find_container(engine_api.connect(), name)
+            return container is not None and not _ours(container)
+
+    def logs(self, name: str, follow: bool, tail: int, write: Callable[[str], None]) -> None:
+        with engine_api.engine_boundary("reading logs"):
+            container = _ours_named(engine_api.connect(), name)
+            stream = container.logs(stream=follow, follow=follow, tail=tail)
+            for chunk in stream if follow else [stream]:
+                write(chunk.decode("utf-8", "replace"))
+
+    def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
+        with engine_api.engine_boundary("stopping a container"):
+            container = _ours_named(engine_api.connect(), name)
+            config = container.attrs.get("Config") or {}
+            grace = (
+                timeout if timeout is not None else int(config.get("StopTimeout") or DEFAULT_STOP_TIMEOUT_S)
+            )
+            report(f"stopping {name} (SIGTERM, then SIGKILL after {grace} s)")
+            try:
+                container.stop(timeout=grace)
+                if not keep:
+                    container.remove()
+            except Exception as exc:
+                if not engine_api.is_not_found(exc):  # removed meanwhile: stopped all the same
+                    raise
+
+
+def _our_containers(client: Any) -> list[Any]:
+    return list(client.containers.list(all=True, filters={"label": f"{Label.OWNER}={OWNER}"}))
+
+
+def _ours_named(client: Any, name: str) -> Any:
+    container = engine_api.find_container(client, name)
+    if container is None:
+        raise HostPreconditionError(f"no m31ctl container named {name}", hint="see `m31ctl status`")
+    if not _ours(container):
+        raise ConflictError(f"{name} was not created by m31ctl; not touching it")
+    return container
+
+
+def _published(container: Any) -> str | None:
+    """Where the container's API port is reached. Labels and bindings are anyone's to set, so
+    an odd binding (an ephemeral or missing host port) gives no endpoint rather than a crash."""
+    ports = (container.attrs.get("HostConfig") or {}).get("PortBindings") or {}
+    for bindings in ports.values():
+        for binding in bindings or []:
+            port = str((binding or {}).get("HostPort") or "")
+            if port.isdigit():
+                return local_url(binding.get("HostIp") or "127.0.0.1", int(port))
+    return None
+
+
+def _status(container: Any) -> ServerStatus:
+    labels = container.labels or {}
+    base = _published(container)
+    running = container.status == "running"
+    return ServerStatus(
+        name=str(container.name),
+        runtime="docker",
+        state=str(container.status),
+        plan_hash=labels.get(Label.PLAN_HASH),
+        recipe=labels.get(Label.RECIPE),
+        variant=labels.get(Label.VARIANT),
+        profile=labels.get(Label.PROFILE),
+        endpoint=base,
+        health=health(base, timeout=1.0) if base and running else None,
+        image=(container.attrs.get("Config") or {}).get("Image"),
+        started_at=(container.attrs.get("State") or {}).get("StartedAt"),
+        restart_count=int(container.attrs.get("RestartCount", 0) or 0),
+    )
+
+
+def _create_and_start(client: Any, spec: ContainerSpec, environ: dict[str, str]) -> Any:
+    try:
+        container = create_container(client, spec, environ)
+        container.start()
+        return container
+    except Exception as exc:
+        text = engine_api.api_error_text(exc)
+        if text is None:
+            raise
+        d = diagnose(text, None, False)
+        leftover = engine_api.find_container(client, spec.name)
+        if leftover is not None and leftover.status == "created" and _ours(leftover):
+            leftover.remove(force=True)  # a container that never started is no state to keep
+        raise HostPreconditionError(
+            f"Docker could not start {spec.name}: {d.cause} ({text[:200]})", hint=d.remedy
+        ) from None
+
+
+def _ensure_image(client: Any, image: str, report: Reporter, progress: PullProgress) -> None:
+    if engine_api.local_image(client, image) is not None:
+        return
+    report(f"pulling {image}")
+    repository, _, tag = image.rpartition(":") if ":" in image.split("/")[-1] else (image, "", "latest")
+    try:
+        for event in client.api.pull(repository, tag=tag or "latest", stream=True, decode=True):
+            if "error" in event:
+                raise _pull_error(image, str(event["error"]))
+            detail = event.get("progressDetail") or {}
+            if event.get("id") and detail.get("total"):
+                progress(PullEvent(str(event["id"]), int(detail.get("current", 0)), int(detail["total"])))
+    except M31Error:
+        raise
+    except Exception as exc:
+        text = engine_api.api_error_text(exc)
+        if text is None:
+            raise
+        raise _pull_error(image, text) from None
+    finally:
+        progress(None)
+
+
+def _pull_error(image: str, text: str) -> M31Error:
+    lowered = text.lower()
+    if "not found" in lowered or "manifest unknown" in lowered or "does not exist" in lowered:
+        return HostPreconditionError(
+            f"image {image} not found in its registry",
+            hint="check engine.image; day-zero images are vllm/vllm-openai:minimax-m31-flash "
+            "and vllm/vllm-openai-rocm:minimax-m31-flash",
+        )
+    if "denied" in lowered or "unauthorized" in lowered:
+        return HostPreconditionError(f"pulling {image} was denied", hint="docker login to the registry first")
+    if "toomanyrequests" in lowered or "rate limit" in lowered:
+        return HostPreconditionError(
+            f"the registry rate-limited the pull of {image}", hint="docker login, or wait and retry"
+        )
+    return HostPreconditionError(
+        f"cannot pull {image}: no route to its registry ({text[:160]})",
+        hint="check the network or proxy, or `docker load` the image",
+    )
+
+
+__all__ = ["Decision", "DockerRuntime", "create_container"]
