@@ -115,3 +115,31 @@ def test_capacity_cli_and_plot(cli, tmp_path):
     pairs = {(r["model"], r["layout"]): r["sequences"] for r in data["comparison"]}
     assert pairs[("MiniMax-M3 (MXFP8)", "throughput (DEP4)")] == 28
     assert (tmp_path / "cap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_only_what_the_recipe_allows(tmp_path):
+    """The plot draws the comparison's own rows: Hopper's FP8-only rule leaves no NVFP4 line."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from m31ctl.capacity.fit import profile_layouts
+    from m31ctl.cli.plot import draw
+
+    plan = resolve(PlanRequest(hardware=simulated("h200x8")))
+    labels: list[str] = []
+    original = plt.close
+
+    def capture(fig):  # type: ignore[no-untyped-def]
+        labels.extend(line.get_label() for ax in fig.axes for line in ax.get_lines())
+        original(fig)
+
+    plt.close = capture
+    try:
+        draw(plan, profile_layouts(plan), tmp_path / "h200.png")
+    finally:
+        plt.close = original
+    assert labels and all("fp8 KV" in label for label in labels)
+    assert not any("nvfp4" in label for label in labels)

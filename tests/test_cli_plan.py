@@ -239,3 +239,53 @@ def test_installed_wheel_finds_its_recipes_outside_the_repo(tmp_path):
         text=True,
     )
     assert rendered.returncode == 0 and "kind: Deployment" in rendered.stdout
+
+
+@pytest.mark.parametrize(
+    ("content", "what"),
+    [
+        ("serving:\n  max_model_len: 1024  # caf\xe9\n".encode("latin-1"), "not UTF-8"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "not UTF-8"),
+    ],
+    ids=["latin-1", "binary"],
+)
+def test_non_utf8_override_file_is_bad_input_naming_it(content, what, tmp_path, cli):
+    path = tmp_path / "site.yaml"
+    path.write_bytes(content)
+    result = cli("plan", "--hardware", "b300x4", "-f", str(path))
+    assert result.returncode == 2 and what in result.stderr and str(path) in result.stderr
+    assert result.stderr.count("\n") == 1 and result.stdout == ""
+    recipe = cli("recipes", "validate", str(path))
+    assert recipe.returncode == 2 and what in recipe.stderr
+
+
+@pytest.mark.parametrize("size", ["64x", "lots", "-1g", "1.5.2g", ""])
+def test_bad_sizes_are_refused_at_plan_time(size, cli):
+    result = cli("plan", "--hardware", "b300x4", "--set", f"runtime.shm_size={size}")
+    assert result.returncode == 2 and "runtime.shm_size" in result.stderr and "64g" in result.stderr
+    rendered = cli("render", "--target", "k8s", "--hardware", "b300x4", "--set", f"runtime.shm_size={size}")
+    assert rendered.returncode == 2 and rendered.stdout == ""
+
+
+def test_one_size_parser_serves_docker_and_kubernetes():
+    from m31ctl.units import k8s_quantity, parse_size
+
+    assert parse_size("64g") == 64 * 2**30 and parse_size("512m") == 512 * 2**20 and parse_size("1GiB") == 2**30
+    assert k8s_quantity("64g") == "64Gi" and k8s_quantity("1024") == "1024"
+
+
+def test_empty_hardware_is_refused_not_probed(cli):
+    result = cli("plan", "--hardware", "")
+    assert result.returncode == 2 and "unknown --hardware ''" in result.stderr
+
+
+def test_launch_name_is_a_value_not_json(cli):
+    result = cli("launch", "--hardware", "cpu", "--name", "true", "--dry-run", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["container"]["name"] == "true"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-5"])
+def test_launch_timeout_must_be_finite_and_positive(value, cli):
+    result = cli("launch", "--hardware", "cpu", "--timeout", value, "--dry-run")
+    assert result.returncode == 2 and "--timeout" in result.stderr

@@ -216,3 +216,22 @@ if os.environ.get("CI") == "true":  # pragma: no cover - CI must exercise the en
 
     def test_engine_is_reachable_in_ci(docker_client):
         assert docker_client.ping()
+
+
+def test_container_removed_while_waiting_is_a_dead_server(deployment, docker_client):
+    """A Docker API error after connect (the container removed during the readiness wait) is
+    the documented exit 5, not an internal error."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "m31ctl", *deployment.args(delay=20)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    seen = ""
+    while time.monotonic() < deadline and "started" not in seen:
+        seen += proc.stderr.readline()
+    docker_client.containers.get(deployment.name).remove(force=True)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 5, err
+    assert "removed while starting" in err and "internal error" not in err and "Traceback" not in err

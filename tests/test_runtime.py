@@ -1,0 +1,139 @@
+"""The runtime seam without Docker: the pure convergence decision, the registry, and the native
+runtime driving a stand-in server (tests/standin_vllm) through the CLI in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from m31ctl.errors import InputError
+from m31ctl.runtime import RUNTIMES, get_runtime
+from m31ctl.runtime.converge import Action, Existing, decide
+from tests.conftest import ROOT, run_cli
+
+STANDIN = ROOT / "tests" / "standin_vllm"
+
+
+@pytest.mark.parametrize(
+    ("existing", "action", "confirm"),
+    [
+        (None, Action.CREATE, False),
+        (Existing(owned=False, plan_hash="abc", state="running"), Action.REFUSE, False),
+        (Existing(owned=True, plan_hash="abc", state="running", serving=True), Action.UNCHANGED, False),
+        (Existing(owned=True, plan_hash="abc", state="running", serving=False), Action.ADOPT, False),
+        (Existing(owned=True, plan_hash="abc", state="created"), Action.ADOPT, False),
+        (Existing(owned=True, plan_hash="abc", state="restarting"), Action.ADOPT, False),
+        (Existing(owned=True, plan_hash="abc", state="exited"), Action.RECREATE, False),
+        (Existing(owned=True, plan_hash="old", state="running", serving=True), Action.RECREATE, True),
+        (Existing(owned=True, plan_hash="old", state="exited"), Action.RECREATE, False),
+        (Existing(owned=True, plan_hash=None, state="running"), Action.RECREATE, True),
+    ],
+)
+def test_decide(existing, action, confirm):
+    decision = decide(existing, "abc")
+    assert (decision.action, decision.needs_confirmation) == (action, confirm)
+    assert decision.reason
+
+
+def test_registry_builds_every_runtime_and_refuses_unknown_names():
+    for name in RUNTIMES:
+        runtime = get_runtime(name)
+        assert runtime.name == name and runtime.preflight_checks
+        for method in ("dry_run", "launch", "servers", "foreign", "logs", "stop"):
+            assert callable(getattr(runtime, method))
+    with pytest.raises(InputError, match="unknown --runtime 'k8s'"):
+        get_runtime("k8s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def native_env(tmp_path):
+    state = tmp_path / "state"
+    model = tmp_path / "model"
+    model.mkdir()
+    env = {
+        "M31CTL_STATE_DIR": str(state),
+        "PYTHONPATH": str(STANDIN),
+        # No Docker Engine here, on purpose: commands without --runtime must still find native servers.
+        "DOCKER_HOST": f"unix://{tmp_path}/no-docker.sock",
+    }
+    name = f"m31ctl-native-{uuid.uuid4().hex[:6]}"
+    port = free_port()
+    args = [
+        "launch", "--hardware", "cpu", "--runtime", "native", "--name", name, "--port", str(port),
+        "--set", f"model.path={model}", "--timeout", "30",
+    ]  # fmt: skip
+    yield env, name, port, args, state
+    run_cli("stop", "--runtime", "native", env=env)
+
+
+def _pid(state: Path, name: str) -> int:
+    return int(json.loads((state / "native" / f"{name}.json").read_text())["pid"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def test_native_server_is_found_and_stopped_without_runtime_flag(native_env):
+    env, name, port, args, state = native_env
+    launched = run_cli(*args, "--json", env=env)
+    assert launched.returncode == 0, launched.stderr
+    assert json.loads(launched.stdout)["runtime"] == "native"
+    pid = _pid(state, name)
+
+    status = run_cli("status", "--json", env=env)
+    data = json.loads(status.stdout)
+    assert [s["name"] for s in data["containers"]] == [name]
+    assert "cannot reach the Docker Engine" in data["unreachable"]["docker"]
+    assert status.returncode == 3  # the answer is incomplete: Docker could not be asked
+
+    smoke = run_cli("smoke", "--json", env=env)
+    assert smoke.returncode == 0, smoke.stderr
+    assert json.loads(smoke.stdout)["endpoint"] == f"http://127.0.0.1:{port}"
+
+    stopped = run_cli("stop", "--name", name, "--json", env=env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert json.loads(stopped.stdout) == {"stopped": [name]}
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid)
+    assert json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"] == []
+
+
+def test_native_launch_refuses_a_missing_model_before_starting(native_env, tmp_path):
+    env, name, _port, args, state = native_env
+    missing = tmp_path / "no-such-model"
+    result = run_cli(*args, "--set", f"model.path={missing}", env=env)
+    assert result.returncode == 6
+    assert "preflight check disk failed" in result.stderr and str(missing) in result.stderr
+    assert not (state / "native" / f"{name}.json").exists()  # nothing started
+
+
+def test_native_crash_while_loading_is_exit_5_with_log_lines(native_env):
+    env, _name, _port, args, _state = native_env
+    result = run_cli(*args, "--set", "runtime.env.FAKE_ENGINE_MODE=crash", env=env)
+    assert result.returncode == 5
+    assert "out of GPU memory" in result.stderr and "CUDA out of memory" in result.stderr
+
+
+def test_stop_of_an_unknown_name_is_not_success(native_env):
+    env, *_ = native_env
+    result = run_cli("stop", "--runtime", "native", "--name", "nobody-here", env=env)
+    assert result.returncode == 6 and "no m31ctl server named nobody-here" in result.stderr
