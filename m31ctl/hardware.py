@@ -132,13 +132,13 @@ PRODUCTS: dict[str, Product] = {
 class Fabric(BaseModel):
     """NVL72-style fabric membership; present only when the fabric is healthy."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, defer_build=True)
     clique_id: int
     cluster_uuid: str
 
 
 class GPU(BaseModel):
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, defer_build=True)
     index: int
     name: str
     arch: str | None  # "9.0" or "gfx950"; None when the driver cannot tell (old nvidia-smi)
@@ -153,7 +153,7 @@ class GPU(BaseModel):
 class Hardware(BaseModel):
     """What the accelerators of a host are: the probe's answer, or a simulated host."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, defer_build=True)
     vendor: str  # nvidia | amd | none
     family: str | None  # hopper | blackwell | rubin | mi350, None when no recipe serves it
     arch: str | None

@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
-"""Whole-process timings of m31ctl commands: median of N runs (what a user waits for).
+"""Whole-process timings of m31ctl commands against the floor of a minimal typer app.
 
-python3 scripts/bench.py --runs 11 "plan --hardware b300x4" "capacity --hardware b300x4"
+Runs are interleaved (floor, command 1, command 2, ..., floor, ...) so that a noisy machine
+slows every command alike; each command's median is divided by the floor's median.
+
+    python3 scripts/bench.py --runs 21
+    python3 scripts/bench.py --runs 11 "plan --hardware b300x4 --json"
 """
 
 from __future__ import annotations
@@ -13,42 +17,66 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+FLOOR = [sys.executable, str(Path(__file__).with_name("bench_floor.py")), "--name", "x", "--count", "2"]
+# The goals (issue 12): the commands that touch neither Docker nor GPUs cost at most 1.3x the
+# floor; --help at most 1.0x.
+DEFAULT = {
+    "--help": 1.0,
+    "plan --hardware b300x4 --json": 1.3,
+    "render --target k8s --hardware b300x4": 1.3,
+    "capacity --hardware b300x4 --json": 1.3,
+}
 
 
-def time_command(args: list[str], runs: int) -> dict[str, object]:
-    samples = []
-    codes = set()
-    for _ in range(runs):
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "m31ctl", *args], capture_output=True, check=False)
-        samples.append(time.perf_counter() - start)
-        codes.add(proc.returncode)
-    return {
-        "command": "m31ctl " + shlex.join(args),
-        "runs": runs,
-        "median_s": round(statistics.median(samples), 3),
-        "min_s": round(min(samples), 3),
-        "max_s": round(max(samples), 3),
-        "exit_codes": sorted(codes),
-    }
+def _once(argv: list[str]) -> tuple[float, int]:
+    start = time.perf_counter()
+    code = subprocess.run(argv, capture_output=True, check=False).returncode
+    return time.perf_counter() - start, code
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--runs", type=int, default=11)
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=21)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("commands", nargs="+")
+    parser.add_argument("commands", nargs="*", help="m31ctl arguments, one string per command")
     ns = parser.parse_args()
-    results = [time_command(shlex.split(c), ns.runs) for c in ns.commands]
-    if ns.json:
-        json.dump(results, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return
-    for r in results:
-        print(
-            f"{r['median_s']:.3f} s median ({r['min_s']:.3f}-{r['max_s']:.3f}, n={r['runs']}, exit {r['exit_codes']})  {r['command']}"
+    goals = {c: DEFAULT.get(c) for c in ns.commands} if ns.commands else dict(DEFAULT)
+    argvs = {"floor": FLOOR} | {c: [sys.executable, "-m", "m31ctl", *shlex.split(c)] for c in goals}
+    samples: dict[str, list[float]] = {k: [] for k in argvs}
+    codes: dict[str, set[int]] = {k: set() for k in argvs}
+    for name, argv in argvs.items():  # warm the file cache once, untimed
+        _once(argv)
+    for _ in range(ns.runs):
+        for name, argv in argvs.items():
+            seconds, code = _once(argv)
+            samples[name].append(seconds)
+            codes[name].add(code)
+    floor = statistics.median(samples["floor"])
+    rows = []
+    for name in argvs:
+        median = statistics.median(samples[name])
+        goal = goals.get(name)
+        rows.append(
+            {
+                "command": "typer floor" if name == "floor" else f"m31ctl {name}",
+                "median_s": round(median, 4),
+                "ratio": round(median / floor, 2),
+                "goal": goal,
+                "meets_goal": None if goal is None else median / floor <= goal,
+                "exit_codes": sorted(codes[name]),
+            }
         )
+    if ns.json:
+        json.dump({"runs": ns.runs, "results": rows}, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        for r in rows:
+            goal = "" if r["goal"] is None else f"  goal <= {r['goal']}x: {'ok' if r['meets_goal'] else 'MISSED'}"
+            print(f"{r['median_s']:.3f} s  {r['ratio']:.2f}x  {r['command']}  exit {r['exit_codes']}{goal}")
+    return 0 if all(r["meets_goal"] is not False for r in rows) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

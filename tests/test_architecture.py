@@ -81,8 +81,24 @@ def test_only_the_engine_adaptor_imports_the_docker_sdk():
 
 # Which stage may import which: probe -> hardware -> plan -> capacity/engine -> render/runtime/doctor -> cli.
 FORBIDDEN = {
-    "m31ctl.probe": ("m31ctl.plan", "m31ctl.capacity", "m31ctl.engine", "m31ctl.render", "m31ctl.runtime", "m31ctl.doctor", "m31ctl.cli"),
-    "m31ctl.plan": ("m31ctl.capacity", "m31ctl.engine", "m31ctl.render", "m31ctl.runtime", "m31ctl.doctor", "m31ctl.cli", "m31ctl.probe"),
+    "m31ctl.probe": (
+        "m31ctl.plan",
+        "m31ctl.capacity",
+        "m31ctl.engine",
+        "m31ctl.render",
+        "m31ctl.runtime",
+        "m31ctl.doctor",
+        "m31ctl.cli",
+    ),
+    "m31ctl.plan": (
+        "m31ctl.capacity",
+        "m31ctl.engine",
+        "m31ctl.render",
+        "m31ctl.runtime",
+        "m31ctl.doctor",
+        "m31ctl.cli",
+        "m31ctl.probe",
+    ),
     "m31ctl.capacity": ("m31ctl.render", "m31ctl.runtime", "m31ctl.doctor", "m31ctl.cli"),
     "m31ctl.engine": ("m31ctl.render", "m31ctl.runtime", "m31ctl.doctor", "m31ctl.cli"),
     "m31ctl.render": ("m31ctl.runtime", "m31ctl.doctor", "m31ctl.cli"),

@@ -270,7 +270,9 @@ def test_bad_sizes_are_refused_at_plan_time(size, cli):
 def test_one_size_parser_serves_docker_and_kubernetes():
     from m31ctl.units import k8s_quantity, parse_size
 
-    assert parse_size("64g") == 64 * 2**30 and parse_size("512m") == 512 * 2**20 and parse_size("1GiB") == 2**30
+    assert (
+        parse_size("64g") == 64 * 2**30 and parse_size("512m") == 512 * 2**20 and parse_size("1GiB") == 2**30
+    )
     assert k8s_quantity("64g") == "64Gi" and k8s_quantity("1024") == "1024"
 
 

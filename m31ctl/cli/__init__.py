@@ -17,7 +17,7 @@ INTERRUPTED = "interrupted; a container being started keeps its labels, and the 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run m31ctl with `argv` (default: sys.argv[1:]) and return the exit code."""
-    from m31ctl.cli.app import app
+    from m31ctl.cli.app import build_app
 
     aborts, exits = _click_exceptions()
 
@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = ["--help"]  # bare `m31ctl`: help, exit 0
     as_json = "--json" in args
     try:
-        result = app(args=args, prog_name="m31ctl", standalone_mode=False)
+        result = build_app(args)(args=args, prog_name="m31ctl", standalone_mode=False)
     except M31Error as exc:
         return _fail(exc, as_json)
     except aborts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -29,14 +30,14 @@ if TYPE_CHECKING:
     from m31ctl.plan import Plan
     from m31ctl.runtime import Survey
 
-app = typer.Typer(
-    name="m31ctl",
-    help="Serve MiniMax-M3.1-Flash with vLLM: probe, plan, render, launch, doctor.",
-    add_completion=False,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
+# Commands by name. build_app() registers only the one a command line names (typer converts every
+# registered command's options at start-up, a cost paid on each run), or all of them for help.
+COMMANDS: dict[str, Callable[..., object]] = {}
+
+
+def command(fn: Callable[..., object]) -> Callable[..., object]:
+    COMMANDS[fn.__name__] = fn
+    return fn
 
 
 def _version(value: bool) -> None:
@@ -47,7 +48,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
@@ -57,7 +57,6 @@ def _root(
 
 
 recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
-app.add_typer(recipes_app, name="recipes")
 
 
 def _resolve(
@@ -112,7 +111,7 @@ def recipes_validate(
     recipes.validate(file, json)
 
 
-@app.command()
+@command
 def plan(
     hardware: HardwareOpt = None,
     recipe: RecipeOpt = None,
@@ -140,7 +139,7 @@ def plan(
         print_plan(p, fit, explain)
 
 
-@app.command()
+@command
 def probe(json: JsonOpt = False) -> None:
     """Detect this host's GPUs and tell which recipe fits."""
     from m31ctl.cli.views import print_probe, probe_json
@@ -155,7 +154,7 @@ def probe(json: JsonOpt = False) -> None:
         print_probe(report)
 
 
-@app.command()
+@command
 def capacity(
     hardware: HardwareOpt = None,
     recipe: RecipeOpt = None,
@@ -179,7 +178,7 @@ def capacity(
     capacity_view.run(p, context, sequences, plot, json)
 
 
-@app.command()
+@command
 def render(
     target: Annotated[str, typer.Option("--target", help="script | compose | k8s | systemd.")],
     hardware: HardwareOpt = None,
@@ -220,7 +219,7 @@ def render(
     return 0
 
 
-@app.command()
+@command
 def validate(
     hardware: HardwareOpt = None,
     recipe: RecipeOpt = None,
@@ -239,7 +238,7 @@ def validate(
     return int(ExitCode.OK if report.ok else ExitCode.BAD_INPUT)
 
 
-@app.command()
+@command
 def doctor(
     hardware: HardwareOpt = None,
     recipe: RecipeOpt = None,
@@ -270,7 +269,7 @@ def doctor(
     return int(ExitCode.CHECK_FAILED if report.failed else ExitCode.OK)
 
 
-@app.command()
+@command
 def launch(
     hardware: HardwareOpt = None,
     recipe: RecipeOpt = None,
@@ -331,7 +330,7 @@ def launch(
     return 0
 
 
-@app.command()
+@command
 def status(json: JsonOpt = False, runtime: AnyRuntimeOpt = None) -> int:
     """The servers m31ctl runs, in every runtime: state, plan, endpoint, health."""
     from m31ctl.cli import launch_views
@@ -342,7 +341,7 @@ def status(json: JsonOpt = False, runtime: AnyRuntimeOpt = None) -> int:
     return _incomplete_exit(found)
 
 
-@app.command()
+@command
 def logs(
     name: NameOpt = None,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
@@ -362,7 +361,7 @@ def logs(
     return _incomplete_exit(found)
 
 
-@app.command()
+@command
 def stop(
     name: NameOpt = None,
     timeout: Annotated[int | None, typer.Option("--timeout", help="Seconds of drain before SIGKILL.")] = None,
@@ -392,7 +391,7 @@ def _incomplete_exit(found: Survey) -> int:
     return max(codes) if codes else 0
 
 
-@app.command()
+@command
 def smoke(
     url: Annotated[
         str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")
@@ -414,3 +413,24 @@ def smoke(
     report = smoke_test.run(base.rstrip("/"), model, max_tokens)
     print_smoke(report, json)
     return int(ExitCode.OK if report.ok else ExitCode.CHECK_FAILED)
+
+
+def build_app(argv: list[str]) -> typer.Typer:
+    """The typer app for this command line: the named command only, or every command."""
+    app = typer.Typer(
+        name="m31ctl",
+        help="Serve MiniMax-M3.1-Flash with vLLM: probe, plan, render, launch, doctor.",
+        add_completion=False,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+    )
+    app.callback()(_root)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    wanted = [first] if first in COMMANDS or first == "recipes" else [*COMMANDS, "recipes"]
+    for name in wanted:
+        if name == "recipes":
+            app.add_typer(recipes_app, name="recipes")
+        else:
+            app.command(name=name)(COMMANDS[name])
+    return app

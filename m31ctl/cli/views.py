@@ -7,17 +7,17 @@ import shlex
 import sys
 from typing import TYPE_CHECKING, Any
 
-from m31ctl.capacity.model import Fit
 from m31ctl.cli.output import console, emit_json
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.hardware import Hardware
 from m31ctl.plan import Plan
 from m31ctl.plan.recipes import match_recipe
-from m31ctl.probe import ProbeReport
 
 if TYPE_CHECKING:
+    from m31ctl.capacity.model import Fit
     from m31ctl.doctor import DoctorReport
     from m31ctl.engine.validate import PlanValidation
+    from m31ctl.probe import ProbeReport
     from m31ctl.runtime.smoke import SmokeReport
 
 GB = 1e9

@@ -13,7 +13,7 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cache, cached_property
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from m31ctl.engine.adapter import EngineInvocation, build_invocation
@@ -59,27 +59,28 @@ class EngineSchema:
         return set(self.data["attention_backends"]) | set(self.extension.get("attention_backends", ()))
 
 
+# The schemas ship inside the package (a plain directory in the wheel and in a checkout).
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+_VERSION = re.compile(r"^[0-9]+(\.[0-9A-Za-z]+)*$")
+
+
 @cache
 def _schema_data(version: str) -> dict[str, Any]:
-    try:
-        text = resources.files("m31ctl.engine").joinpath("schemas", f"vllm-{version}.json").read_text()
-    except FileNotFoundError:
-        known = sorted(
-            p.name
-            for p in resources.files("m31ctl.engine").joinpath("schemas").iterdir()
-            if p.name.startswith("vllm-")
-        )
+    path = SCHEMAS / f"vllm-{version}.json"
+    if not _VERSION.match(version) or not path.is_file():
+        known = sorted(p.stem.removeprefix("vllm-") for p in SCHEMAS.glob("vllm-*.json"))
         raise InputError(
-            f"no engine schema for vLLM {version}",
+            f"no engine schema for vLLM {version!r}",
             hint=f"engine.schema_version must be one of: {', '.join(known)}",
-        ) from None
+        )
+    text = path.read_text(encoding="utf-8")
     data: dict[str, Any] = json.loads(text)
     return data
 
 
 @cache
 def _extensions() -> dict[str, Any]:
-    text = resources.files("m31ctl.engine").joinpath("schemas", "image-extensions.json").read_text()
+    text = (SCHEMAS / "image-extensions.json").read_text(encoding="utf-8")
     images: dict[str, Any] = json.loads(text)["images"]
     return images
 

@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import yaml
+if TYPE_CHECKING:
+    import yaml
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from m31ctl.errors import InputError, UnsupportedHardware
 from m31ctl.hardware import Hardware, describe_arch
-from m31ctl.inputs import read_text
-from m31ctl.plan.layers import Layer, Source, compose_yaml, construct, flatten_node, mapping_items
+from m31ctl.inputs import decode, read_bytes
+from m31ctl.plan.layers import Layer, Source, layer_from_data, layer_to_data
+from m31ctl.plan.parsed import parsed
 from m31ctl.resources import recipes_dir
 
 _NOT_SET = object()
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
 
 class Match(_Frozen):
@@ -139,11 +143,12 @@ def _display(path: Path) -> str:
         return str(path)
 
 
-def _options(node: yaml.Node, file: str, kind: str, recipe: str) -> dict[str, Option]:
-    options: dict[str, Option] = {}
-    for name, option_node, line in mapping_items(node, file):
-        fields: dict[str, Any] = {"name": name}
-        layer: Layer = {}
+def _options(node: yaml.Node, file: str, kind: str) -> dict[str, Any]:
+    from m31ctl.plan.yamlfile import construct, flatten_node, mapping_items
+
+    options: dict[str, Any] = {}
+    for name, option_node, _line in mapping_items(node, file):
+        fields: dict[str, Any] = {"name": name, "layer": {}}
         if option_node.value:  # an empty option is allowed: it changes nothing
             for key, value_node, key_line in mapping_items(option_node, file):
                 if key not in _OPTION_KEYS:
@@ -155,19 +160,23 @@ def _options(node: yaml.Node, file: str, kind: str, recipe: str) -> dict[str, Op
                 if key == "settings":
                     detail = f"{kind} {name}"
                     layer = flatten_node(value_node, file, lambda f, ln, d=detail: Source(kind, f, ln, d))
+                    fields["layer"] = layer_to_data(layer)
                 else:
                     fields[key] = construct(value_node, file)
-        options[name] = Option(**fields, layer=layer)
-        del line
+        options[name] = fields
     return options
 
 
-def load_recipe(path: Path) -> Recipe:
+def _parse_recipe(raw: bytes, *, path: Path) -> dict[str, Any]:
+    """A recipe file as JSON-able data (settings layers keep file and line): the form the
+    parsed-file cache stores."""
+    from m31ctl.plan.yamlfile import compose_yaml, construct, flatten_node, mapping_items
+
     file = _display(path)
-    node = compose_yaml(read_text(path, "recipe file"), file)
+    node = compose_yaml(decode(raw, path, "recipe file"), file)
     if node is None:
         raise InputError("empty recipe file", where=file)
-    fields: dict[str, Any] = {"path": file}
+    fields: dict[str, Any] = {"path": file, "layer": {}}
     for key, value_node, line in mapping_items(node, file):
         if key not in _TOP_KEYS:
             close = difflib.get_close_matches(key, sorted(_TOP_KEYS), n=1)
@@ -177,11 +186,25 @@ def load_recipe(path: Path) -> Recipe:
                 hint=f"did you mean {close[0]!r}?" if close else None,
             )
         if key == "settings":
-            fields["layer"] = flatten_node(value_node, file, lambda f, ln: Source("recipe", f, ln, "recipe"))
+            layer = flatten_node(value_node, file, lambda f, ln: Source("recipe", f, ln, "recipe"))
+            fields["layer"] = layer_to_data(layer)
         elif key in ("variants", "profiles"):
-            fields[key] = _options(value_node, file, key[:-1], fields.get("recipe", "?"))
+            fields[key] = _options(value_node, file, key[:-1])
         else:
             fields[key] = construct(value_node, file)
+    return fields
+
+
+def _recipe_from_data(data: dict[str, Any]) -> Recipe:
+    fields = dict(data)
+    file = str(fields.get("path"))
+    fields["layer"] = layer_from_data(fields.get("layer") or {})
+    for kind in ("variants", "profiles"):
+        if isinstance(fields.get(kind), dict):
+            fields[kind] = {
+                name: Option(**{**option, "layer": layer_from_data(option.get("layer") or {})})
+                for name, option in fields[kind].items()
+            }
     try:
         recipe = Recipe(**fields)
     except ValidationError as exc:
@@ -193,13 +216,19 @@ def load_recipe(path: Path) -> Recipe:
     return recipe
 
 
+def load_recipe(path: Path) -> Recipe:
+    """A user's recipe file (`recipes validate`): always parsed, never cached."""
+    raw = read_bytes(path, "recipe file")
+    return _recipe_from_data(_parse_recipe(raw, path=path))
+
+
 @cache
 def builtin_recipes() -> dict[str, Recipe]:
     recipes: dict[str, Recipe] = {}
     for path in sorted(recipes_dir().glob("*.yaml")):
         if path.stem in ("models", "defaults"):
             continue
-        recipe = load_recipe(path)
+        recipe = _recipe_from_data(parsed(path, functools.partial(_parse_recipe, path=path)))
         recipes[recipe.recipe] = recipe
     return recipes
 
@@ -213,20 +242,27 @@ def get_recipe(name: str) -> Recipe:
     raise InputError(f"unknown recipe {name!r}", hint=f"{hint}choose one of: {', '.join(recipes)}")
 
 
-@cache
-def defaults_layer() -> Layer:
-    path = recipes_dir() / "defaults.yaml"
+def _parse_defaults(raw: bytes, path: Path) -> dict[str, list[Any]]:
+    from m31ctl.plan.yamlfile import compose_yaml, flatten_node, mapping_items
+
     file = _display(path)
-    node = compose_yaml(path.read_text(encoding="utf-8"), file)
-    assert node is not None
-    for key, value_node, _line in mapping_items(node, file):
+    node = compose_yaml(decode(raw, path, "defaults file"), file)
+    for key, value_node, _line in mapping_items(node, file) if node is not None else ():
         if key == "settings":
-            return flatten_node(value_node, file, lambda f, ln: Source("defaults", f, ln, "defaults"))
+            layer = flatten_node(value_node, file, lambda f, ln: Source("defaults", f, ln, "defaults"))
+            return layer_to_data(layer)
     return {}
 
 
+@cache
+def defaults_layer() -> Layer:
+    path = recipes_dir() / "defaults.yaml"
+    data: dict[str, list[Any]] = parsed(path, lambda raw: _parse_defaults(raw, path))
+    return layer_from_data(data)
+
+
 class ModelFacts(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
     id: str
     display_name: str
     hf_repo: str
@@ -242,9 +278,15 @@ class ModelFacts(BaseModel):
     compare_with: tuple[str, ...] = ()
 
 
+def _parse_models(raw: bytes) -> Any:
+    import yaml
+
+    return yaml.safe_load(raw.decode("utf-8"))
+
+
 @cache
 def model_facts() -> dict[str, ModelFacts]:
-    data = yaml.safe_load((recipes_dir() / "models.yaml").read_text(encoding="utf-8"))
+    data = parsed(recipes_dir() / "models.yaml", _parse_models)
     return {key: ModelFacts(id=key, **value) for key, value in data["models"].items()}
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from m31ctl.errors import HostPreconditionError, InputError, RuleViolation
 from m31ctl.hardware import PRODUCTS, SERVED_ARCHS, Hardware, cpu_host, simulated
-from m31ctl.plan.layers import Layer, Source, load_layer_file, merge, parse_set, unflatten
+from m31ctl.plan.layers import Layer, Source, merge, parse_set, unflatten
 from m31ctl.plan.recipes import (
     ModelFacts,
     Recipe,
@@ -160,7 +160,10 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
     variant = recipe.variant(request.variant)
     profile = recipe.profile(request.profile)
     layers: list[Layer] = [defaults_layer(), recipe.layer, variant.layer, profile.layer]
-    layers += [load_layer_file(path) for path in request.files]
+    if request.files:
+        from m31ctl.plan.yamlfile import load_layer_file
+
+        layers += [load_layer_file(path) for path in request.files]
     layers += [parse_set(expr, i) for i, expr in enumerate(request.sets, start=1)]
     merged = merge(layers)
     try:

@@ -12,7 +12,7 @@ from m31ctl.units import Size
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
 
 CacheDtype = Literal["auto", "nvfp4", "fp8", "bf16"]
@@ -117,7 +117,7 @@ class Serving(_Frozen):
 
 class Runtime(_Frozen):
     # --set runtime.env.X=1 parses 1 as JSON; environment values are strings all the same.
-    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True, defer_build=True)
 
     port: int = Field(8000, ge=1, le=65535)
     # Loopback by default: an open port on all interfaces is a deliberate choice with a key.

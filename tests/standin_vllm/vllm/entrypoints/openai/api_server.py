@@ -29,7 +29,7 @@ def main() -> None:
     time.sleep(float(os.environ.get("FAKE_ENGINE_DELAY", "0.2")))
 
     class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *a: object) -> None:  # noqa: A002 - the stdlib's name
+        def log_message(self, format: str, *a: object) -> None:
             pass
 
         def _json(self, body: object, status: int = 200) -> None:
@@ -57,7 +57,11 @@ def main() -> None:
                     {
                         "object": "chat.completion",
                         "choices": [
-                            {"index": 0, "message": {"role": "assistant", "content": "hi all"}, "finish_reason": "stop"}
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": "hi all"},
+                                "finish_reason": "stop",
+                            }
                         ],
                         "usage": usage,
                     }
@@ -67,11 +71,16 @@ def main() -> None:
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             for word in ("hi", " all", "!"):
-                chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": word}}]}
+                chunk = {
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": {"content": word}}],
+                }
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
                 time.sleep(0.01)
-            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+            self.wfile.write(
+                f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode()
+            )
 
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     print(f"INFO Application startup complete. Uvicorn running on http://{args.host}:{args.port}", flush=True)
