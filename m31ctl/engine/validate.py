@@ -193,6 +193,9 @@ def _lookup(name: str, options: dict[str, dict[str, Any]]) -> tuple[dict[str, An
 
 
 def validate(inv: EngineInvocation, schema: EngineSchema) -> list[Finding]:
+    """Every way `inv` breaks `schema`: unknown or abbreviated flags, bad choices and types,
+    unknown keys and values in the JSON configs, removed or unknown environment variables.
+    Pure: reads nothing but its arguments; an empty list means vLLM's parser would accept it."""
     options = schema.options
     findings: list[Finding] = []
     args = list(inv.args)
@@ -299,7 +302,7 @@ class PlanValidation:
 
 
 def validate_plan(plan: Plan) -> PlanValidation:
-    """Every finding for the plan's engine invocation (the serve argv and the multi-node form)."""
+    """Every finding for the plan's engine invocation against the schema it names."""
     inv = build_invocation(plan)
     schema = schema_for(inv.image, plan.settings.engine.schema_version)
     return PlanValidation(schema, inv, tuple(validate(inv, schema)))

@@ -67,6 +67,9 @@ def health(base: str, timeout: float = 2.0) -> int | None:
 def wait_ready(
     handle: ServerHandle, base: str, served_name: str, timeout: float, report: Reporter, api_key: str | None
 ) -> tuple[dict[str, float], list[str]]:
+    """Poll until /v1/models lists `served_name` (ready), the server dies (NotReadyError with its
+    last log lines and a diagnosis), or `timeout` seconds pass (NotReadyError saying how far it
+    got). Returns the timings of each milestone and the startup phases seen in the log."""
     start = time.monotonic()
     timings: dict[str, float] = {}
     seen: list[str] = []
