@@ -11,6 +11,8 @@ from m31ctl.engine.adapter import build_invocation
 from m31ctl.errors import HostPreconditionError, InputError, RuleViolation, UnsupportedHardware
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, require_fit, resolve
+from m31ctl.plan.recipes import builtin_recipes, select_recipe
+from tests.conftest import ROOT
 
 
 def plan_for(hw: str, **kw):  # type: ignore[no-untyped-def]
@@ -200,3 +202,136 @@ def test_hash_is_stable_and_changes_with_settings():
 def test_speculative_consistency():
     with pytest.raises(InputError, match="speculative"):
         plan_for("b300x4", sets=("speculative.method=none",))
+
+
+# --- issue 13: the model's hard constraints on every hardware ---------------------------------
+GPU_HOSTS = ("b300x4", "b200x8", "gb300x4", "rubinx4", "h200x8", "h100x8", "mi355xx8")
+
+
+def _gpu_plans():
+    for host in GPU_HOSTS:
+        recipe = select_recipe(simulated(host))
+        for variant in recipe.variants:
+            for profile, option in recipe.profiles.items():
+                if not option.unsupported:
+                    yield (
+                        host,
+                        resolve(PlanRequest(hardware=simulated(host), variant=variant, profile=profile)),
+                    )
+
+
+def test_every_gpu_plan_carries_128_token_blocks_and_the_amd_backend():
+    seen = 0
+    for host, plan in _gpu_plans():
+        args = list(build_invocation(plan).args)
+        assert args[args.index("--block-size") + 1] == "128", host
+        if plan.hardware.vendor == "amd":
+            assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN", host
+        else:
+            assert "--attention-backend" not in args, host
+        seen += 1
+    assert seen >= 20
+
+
+def test_blackwell_and_rubin_plans_state_cuda_13_4(cli):
+    for host in ("b300x4", "b200x8", "gb300x4", "rubinx4"):
+        data = json.loads(cli("plan", "--hardware", host, "--json").stdout)
+        assert data["requirements"] == {"cuda_driver": "13.4"}, host
+        assert "Requires: a driver supporting CUDA 13.4" in cli("plan", "--hardware", host).stdout
+    assert json.loads(cli("plan", "--hardware", "h200x8", "--json").stdout)["requirements"] == {}
+
+
+def test_every_rule_has_a_source_shown_by_recipes_show(cli):
+    for recipe in builtin_recipes().values():
+        shown = json.loads(cli("recipes", "show", recipe.recipe, "--json").stdout)
+        for rule in shown["rules"]:
+            assert len(rule["source"]) > 8, (recipe.recipe, rule["id"])
+        text = cli("recipes", "show", recipe.recipe).stdout
+        assert text.count("  source: ") == len(recipe.rules)
+
+
+def test_a_rule_without_source_is_refused(tmp_path, cli):
+    text = (ROOT / "recipes" / "hopper.yaml").read_text()
+    stripped = "\n".join(line for line in text.splitlines() if not line.strip().startswith("source:"))
+    path = tmp_path / "hopper.yaml"
+    path.write_text(stripped)
+    result = cli("recipes", "validate", str(path))
+    assert result.returncode == 2 and "source" in result.stderr
+
+
+def test_constraints_doc_is_generated_from_the_recipes():
+    from m31ctl.cli.recipes import constraints_markdown
+
+    assert (ROOT / "docs" / "constraints.md").read_text() == constraints_markdown(), (
+        "run scripts/gen-constraints"
+    )
+
+
+def test_blocking_128_cannot_be_overridden_on_amd(cli):
+    result = cli("plan", "--hardware", "mi355xx8", "--set", "cache.block_size=16")
+    assert (
+        result.returncode == 2
+        and "mi350-block-size" in result.stderr
+        and "No common block size" in result.stderr
+    )
+    backend = cli("plan", "--hardware", "mi355xx8", "--set", "attention_backend=FLASH_ATTN")
+    assert backend.returncode == 2 and "mi350-triton-attention" in backend.stderr
+
+
+def test_aiter_variant_says_what_it_switches_on(cli):
+    data = json.loads(cli("plan", "--hardware", "mi355xx8", "--variant", "aiter", "--json").stdout)
+    notes = " ".join(data["engine_notes"])
+    assert "MXFP8" in notes and "RMSNorm" in notes and "custom all-reduce" in notes
+    assert data["settings"]["moe"]["expert_requantization"] == "mxfp8"
+
+
+@pytest.mark.parametrize(("host", "tensor"), [("b200x8", 4), ("mi355xx8", 4)])
+def test_fill_host_uses_every_gpu_with_data_parallel_replicas(host, tensor, cli, tmp_path):
+    data = json.loads(cli("plan", "--hardware", host, "--set", "parallelism.fill_host=true", "--json").stdout)
+    args = data["argv"]
+    assert data["gpus_needed"] == 8 and not any("plan uses 4" in w for w in data["warnings"])
+    assert args[args.index("--tensor-parallel-size") + 1] == str(tensor)
+    assert args[args.index("--data-parallel-size") + 1] == "2"
+    assert data["provenance"]["parallelism.data"].startswith("parallelism.fill_host: 2 replicas")
+    one = json.loads(cli("capacity", "--hardware", host, "--json").stdout)["fit"]["sequences"]
+    both = json.loads(
+        cli("capacity", "--hardware", host, "--set", "parallelism.fill_host=true", "--json").stdout
+    )["fit"]["sequences"]
+    assert both == 2 * one
+    for target in ("script", "compose", "k8s", "systemd"):
+        rendered = cli(
+            "render", "--target", target, "--hardware", host, "--set", "parallelism.fill_host=true"
+        )
+        assert rendered.returncode == 0, (target, rendered.stderr)
+        assert "--data-parallel-size" in rendered.stdout
+    dry = json.loads(
+        cli("launch", "--hardware", host, "--set", "parallelism.fill_host=true", "--dry-run", "--json").stdout
+    )
+    run = dry["docker_run"]
+    if host.startswith("b200"):
+        assert run[run.index("--gpus") + 1] == "8"
+    else:
+        assert dry["container"]["devices"] == ["/dev/kfd", "/dev/dri"]
+
+
+def test_text_only_and_encoder_data_parallel_are_named_and_exclusive(cli):
+    text = json.loads(
+        cli("plan", "--hardware", "b300x4", "--set", "multimodal.text_only=true", "--json").stdout
+    )
+    assert "--language-model-only" in text["argv"]
+    enc = json.loads(
+        cli(
+            "plan", "--hardware", "mi355xx8", "--set", "multimodal.encoder_data_parallel=true", "--json"
+        ).stdout
+    )["argv"]
+    assert enc[enc.index("--mm-encoder-attn-backend") + 1] == "ROCM_AITER_FA"
+    assert enc[enc.index("--mm-encoder-tp-mode") + 1] == "data" and "shm" in enc
+    nv = json.loads(
+        cli("plan", "--hardware", "h200x8", "--set", "multimodal.encoder_data_parallel=true", "--json").stdout
+    )["argv"]
+    assert nv[nv.index("--mm-encoder-attn-backend") + 1] == "FLASHINFER"
+    both = cli(
+        "plan", "--hardware", "b300x4", "--set", "multimodal.text_only=true",
+        "--set", "multimodal.encoder_data_parallel=true",
+    )  # fmt: skip
+    assert both.returncode == 2 and "exclude each other" in both.stderr

@@ -69,6 +69,7 @@ def show(name: str, as_json: bool) -> None:
     for rule in data["rules"]:
         cond = {k: v for k, v in rule.items() if k in ("equals", "one_of", "not_in")}
         out.print(Text(f"rule {rule['id']}: {rule['key']} {cond} because {rule['reason']}"))
+        out.print(Text(f"  source: {rule['source']}"))
     for kind in ("variants", "profiles"):
         for option, text in data[kind].items():
             marker = " (default)" if kind == "variants" and option == data["default_variant"] else ""
@@ -92,3 +93,22 @@ def validate(path: Path, as_json: bool) -> None:
         f"{path}: recipe {recipe.recipe} is valid ({len(checked)} variant x profile combinations resolve)",
         markup=False,
     )
+
+
+def constraints_markdown() -> str:
+    """docs/constraints.md: every hard rule of every built-in recipe, generated so it cannot drift
+    (`python scripts/gen-constraints`; a test compares the file with this)."""
+    lines = [
+        "# Hard constraints",
+        "",
+        "Generated from the `rules:` of each recipe by `scripts/gen-constraints`; do not edit.",
+        "A plan that breaks one is refused at plan time (exit 2), naming the rule and the layer that broke it.",
+        "",
+        "| rule | recipe | setting | must | reason | source |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for recipe in builtin_recipes().values():
+        for rule in recipe.rules:
+            cells = [rule.id, recipe.recipe, f"`{rule.key}`", rule.expectation(), rule.reason, rule.source]
+            lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(lines) + "\n"

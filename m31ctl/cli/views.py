@@ -55,6 +55,8 @@ def plan_json(plan: Plan, fit: Fit | None) -> dict[str, Any]:
         "image": inv.image,
         "argv": list(inv.args),
         "env": inv.env_dict,
+        "engine_notes": list(inv.effects),
+        "requirements": plan.recipe.recommended.model_dump(mode="json", exclude_none=True),
         "settings": plan.settings_dict(),
         "provenance": {key: source for key, _value, source in plan.explain()},
         "capacity": fit_json(fit) if fit else None,
@@ -102,10 +104,19 @@ def print_plan(plan: Plan, fit: Fit | None, explain: bool) -> None:
             else f"does not fit: not one {fit.context}-token sequence fits ({fit.layout})"
         )
         out.print(Text(f"Capacity: {line}"))
+    inv = build_invocation(plan)
+    requirements = plan.recipe.recommended
+    if requirements.cuda_driver:
+        out.print(
+            Text(f"Requires: a driver supporting CUDA {requirements.cuda_driver} (recommended by the recipe)")
+        )
+    if requirements.rocm:
+        out.print(Text(f"Requires: ROCm {requirements.rocm}"))
+    for note in inv.effects:
+        out.print(Text(f"Engine: {note}"))
     for warning in plan.warnings:
         out.print(Text(f"warning: {warning}", style="yellow"))
     out.print()
-    inv = build_invocation(plan)
     command = shlex.join([*(f"{k}={v}" for k, v in inv.env), "vllm", "serve", *inv.args])
     out.print(Text(f"Command (image {inv.image}):"))
     out.print(Text(command), soft_wrap=True)

@@ -19,6 +19,9 @@ _INDEXER_DTYPE = {"nvfp4": "nvfp4", "fp8": "fp8", "bf16": "bf16"}
 
 # AITER is off unless its master switch is on; the MoE sub-switch only acts under it.
 _AITER_MOE_ENV = {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1"}
+# What else the master switch turns on: the AITER switches whose default is on (vLLM 0.32,
+# vllm/envs.py: VLLM_ROCM_USE_AITER_{CUSTOM_AR,LINEAR,MOE,RMSNORM,MLA,MHA,TRITON_GEMM} default "True").
+AITER_DEFAULT_ON = ("custom all-reduce", "linear", "MoE", "RMSNorm", "MLA", "MHA", "Triton GEMM")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class EngineInvocation:
     image: str
     args: tuple[str, ...]  # after `vllm serve`; the model comes first
     env: tuple[tuple[str, str], ...]  # sorted, no secrets
+    # What the argv and environment do beyond their face value, for the plan to say.
+    effects: tuple[str, ...] = ()
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -81,11 +86,22 @@ def build_invocation(plan: Plan, *, ray_executor: bool = False) -> EngineInvocat
     if s.moe.backend != "auto":
         args += ["--moe-backend", s.moe.backend]
 
-    limits = {
-        name: 0 for name, on in (("image", s.multimodal.image), ("video", s.multimodal.video)) if not on
-    }
-    if limits:
-        args += ["--limit-mm-per-prompt", _json(limits)]
+    mm = s.multimodal
+    if mm.text_only:
+        args.append("--language-model-only")
+    else:
+        limits = {name: 0 for name, on in (("image", mm.image), ("video", mm.video)) if not on}
+        if limits:
+            args += ["--limit-mm-per-prompt", _json(limits)]
+        if mm.encoder_data_parallel and mm.encoder_attention_backend:
+            args += [
+                "--mm-encoder-tp-mode",
+                "data",
+                "--mm-encoder-attn-backend",
+                mm.encoder_attention_backend,
+                "--mm-processor-cache-type",
+                "shm",
+            ]
 
     serving = s.serving
     args += ["--max-model-len", str(serving.max_model_len)]
@@ -105,10 +121,21 @@ def build_invocation(plan: Plan, *, ray_executor: bool = False) -> EngineInvocat
     args += list(s.engine.extra_args)
 
     env: dict[str, str] = {}
+    effects: list[str] = []
     if s.moe.backend == "aiter":
         env.update(_AITER_MOE_ENV)
+        effects.append(
+            "VLLM_ROCM_USE_AITER=1 switches on every AITER path whose switch defaults on: "
+            + ", ".join(AITER_DEFAULT_ON)
+        )
+    if s.moe.expert_requantization == "mxfp8":
+        effects.append(
+            "the AITER MoE path re-quantizes the NVFP4 experts to MXFP8 at load (caches stay as set)"
+        )
     env.update(s.runtime.env)
-    return EngineInvocation(image=s.engine.image, args=tuple(args), env=tuple(sorted(env.items())))
+    return EngineInvocation(
+        image=s.engine.image, args=tuple(args), env=tuple(sorted(env.items())), effects=tuple(effects)
+    )
 
 
 def native_command(plan: Plan, python: str) -> list[str]:

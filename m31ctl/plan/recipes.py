@@ -44,6 +44,9 @@ class Rule(_Frozen):
     id: str
     key: str
     reason: str
+    # Where the constraint comes from: a URL (upstream recipe, vLLM source, vendor doc) or a seed
+    # file with the quoted phrase. Required: a rule nobody can trace is a guess.
+    source: str = Field(min_length=8)
     equals: Any = None
     one_of: tuple[Any, ...] | None = None
     not_in: tuple[Any, ...] | None = None

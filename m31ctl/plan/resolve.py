@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from m31ctl.errors import HostPreconditionError, InputError, RuleViolation
 from m31ctl.hardware import PRODUCTS, SERVED_ARCHS, Hardware, cpu_host, simulated
-from m31ctl.plan.layers import Layer, Source, merge, parse_set, unflatten
+from m31ctl.plan.layers import Layer, Setting, Source, merge, parse_set, unflatten
 from m31ctl.plan.recipes import (
     ModelFacts,
     Recipe,
@@ -153,6 +153,21 @@ def _check_rules(recipe: Recipe, settings: PlanSettings, merged: Layer) -> None:
         )
 
 
+def _fill_host(settings: PlanSettings, merged: Layer, hw: Hardware) -> tuple[PlanSettings, Layer]:
+    """parallelism.fill_host: replicate the layout with data parallelism over every GPU of the
+    host (one vLLM server: DP ranks on disjoint GPU sets; vLLM's data-parallel deployment)."""
+    par = settings.parallelism
+    if not par.fill_host:
+        return settings, merged
+    replicas = hw.count // par.gpus if par.gpus else 0
+    if replicas < 2:
+        return settings, merged  # nothing to fill: the layout already takes the host (or more)
+    data = par.data * replicas
+    source = Source("hardware", detail=f"parallelism.fill_host: {replicas} replicas on {hw.count} GPUs")
+    filled = settings.model_copy(update={"parallelism": par.model_copy(update={"data": data})})
+    return filled, {**merged, "parallelism.data": Setting(data, source)}
+
+
 def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
     """Merge the layers and validate. `recipe` overrides request.recipe (used by `recipes validate`)."""
     if recipe is None:
@@ -170,6 +185,7 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
         settings = PlanSettings.model_validate(unflatten(merged))
     except ValidationError as exc:
         raise _validation_error(exc, merged) from None
+    settings, merged = _fill_host(settings, merged, request.hardware)
     _check_rules(recipe, settings, merged)
     model = get_model(settings.model.id)
     return Plan(
@@ -197,7 +213,12 @@ def _warnings(recipe: Recipe, settings: PlanSettings, hw: Hardware) -> tuple[str
             f"and the plan needs {needed}: launch will refuse it"
         )
     elif hw.count > needed:
-        notes.append(f"the plan uses {needed} of the {hw.count} GPUs")
+        hint = (
+            f"; --set parallelism.fill_host=true serves on all {hw.count} (data parallelism over the host)"
+            if hw.count // needed >= 2
+            else ""
+        )
+        notes.append(f"the plan uses {needed} of the {hw.count} GPUs{hint}")
     return tuple(notes)
 
 

@@ -39,10 +39,13 @@ _POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Parallelism(_Frozen):
-    tensor: int = Field(1, ge=1)
-    data: int = Field(1, ge=1)
+    tensor: int = Field(1, ge=1, le=64)
+    data: int = Field(1, ge=1, le=1024)
     expert: bool = False
     decode_context: int = Field(1, ge=1)
+    # Fill the host: replicate the layout with data parallelism over every GPU of the host
+    # (TP4 on 8 GPUs becomes DP2 x TP4 in one server); resolved against the hardware.
+    fill_host: bool = False
 
     @property
     def gpus(self) -> int:
@@ -103,6 +106,25 @@ class MoESettings(_Frozen):
 class Multimodal(_Frozen):
     image: bool = True
     video: bool = True
+    # vllm-project/recipes models/MiniMaxAI/MiniMax-M3.yaml, features text_only / encoder_parallel:
+    # text-only serving skips loading the vision encoder (frees its memory); the encoder can
+    # instead run data-parallel with its own attention backend and a shared-memory processor
+    # cache. Upstream calls the two mutually exclusive.
+    text_only: bool = False
+    encoder_data_parallel: bool = False
+    # The encoder's attention backend under encoder_data_parallel (per vendor, set by the recipe).
+    encoder_attention_backend: str | None = None
+
+    @model_validator(mode="after")
+    def _one_encoder_mode(self) -> Multimodal:
+        if self.text_only and self.encoder_data_parallel:
+            raise ValueError(
+                "multimodal.text_only and multimodal.encoder_data_parallel exclude each other "
+                "(text-only serving loads no vision encoder to parallelize)"
+            )
+        if self.encoder_data_parallel and not self.encoder_attention_backend:
+            raise ValueError("multimodal.encoder_data_parallel needs multimodal.encoder_attention_backend")
+        return self
 
 
 class Serving(_Frozen):
