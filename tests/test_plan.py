@@ -335,3 +335,33 @@ def test_text_only_and_encoder_data_parallel_are_named_and_exclusive(cli):
         "--set", "multimodal.encoder_data_parallel=true",
     )  # fmt: skip
     assert both.returncode == 2 and "exclude each other" in both.stderr
+
+
+def test_parsed_recipe_cache_changes_nothing(tmp_path, monkeypatch):
+    """Plans resolved from the parsed-file cache equal plans parsed from YAML; an unwritable cache
+    directory falls back to parsing."""
+    from m31ctl.cli.views import plan_json
+    from m31ctl.plan import recipes as recipes_module
+
+    def fresh_plans() -> list[dict]:
+        for loader in (
+            recipes_module.builtin_recipes,
+            recipes_module.defaults_layer,
+            recipes_module.model_facts,
+        ):
+            loader.cache_clear()
+        return [plan_json(plan_for(h), None) for h in ("b300x4", "h200x8", "mi355xx8")]
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = fresh_plans()  # parses and writes the cache
+    assert list((tmp_path / "cache" / "m31ctl" / "parsed").glob("*.json"))
+    assert fresh_plans() == first  # read back from the cache
+    monkeypatch.setenv("M31CTL_NO_PARSE_CACHE", "1")
+    assert fresh_plans() == first
+    monkeypatch.delenv("M31CTL_NO_PARSE_CACHE")
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert fresh_plans() == first
+    for loader in (recipes_module.builtin_recipes, recipes_module.defaults_layer, recipes_module.model_facts):
+        loader.cache_clear()
