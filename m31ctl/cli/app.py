@@ -27,7 +27,7 @@ from m31ctl.cli.options import (
 from m31ctl.errors import ExitCode
 
 if TYPE_CHECKING:
-    from m31ctl.plan import Plan
+    from m31ctl.plan import Plan, PlanRequest
     from m31ctl.runtime import Survey
 
 # Commands by name. build_app() registers only the one a command line names (typer converts every
@@ -59,18 +59,11 @@ def _root(
 recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
 
 
-def _resolve(
-    hardware: str | None,
-    recipe: str | None,
-    variant: str | None,
-    profile: str,
-    files: list[Path] | None,
-    sets: list[str] | None,
-    validate: bool = True,
-) -> Plan:
+def _resolve(request: PlanRequest, validate: bool = True) -> Plan:
+    """The plan, checked against the engine's schema unless --no-validate."""
     from m31ctl.plan import resolve
 
-    plan = resolve(plan_request(hardware, recipe, variant, profile, files, sets))
+    plan = resolve(request)
     if validate:
         from m31ctl.engine.adapter import build_invocation
         from m31ctl.engine.validate import check_plan_engine
@@ -126,7 +119,7 @@ def plan(
     """Resolve the recipe for this host (or --hardware) and print the plan."""
     from m31ctl.capacity.fit import plan_fit
 
-    p = _resolve(hardware, recipe, variant, profile, file, set_, not no_validate)
+    p = _resolve(plan_request(hardware, recipe, variant, profile, file, set_), not no_validate)
     fit = plan_fit(p)
     if json:
         from m31ctl.cli.output import emit_json
@@ -174,7 +167,7 @@ def capacity(
     """How many sequences stay resident, and how the recipes and cache dtypes compare."""
     from m31ctl.cli import capacity as capacity_view
 
-    p = _resolve(hardware, recipe, variant, profile, file, set_)
+    p = _resolve(plan_request(hardware, recipe, variant, profile, file, set_))
     capacity_view.run(p, context, sequences, plot, json)
 
 
@@ -205,7 +198,9 @@ def render(
             "--check and -o/--output exclude each other", hint="--check DIR compares; -o DIR writes"
         )
     renderer = get_target(target)
-    artifacts = renderer(_resolve(hardware, recipe, variant, profile, file, set_, not no_validate))
+    artifacts = renderer(
+        _resolve(plan_request(hardware, recipe, variant, profile, file, set_), not no_validate)
+    )
     if check is not None:
         drift = files.diff(check, artifacts)
         sys.stdout.write(drift)
@@ -233,7 +228,7 @@ def validate(
     from m31ctl.cli.views import print_validation
     from m31ctl.engine.validate import validate_plan
 
-    report = validate_plan(_resolve(hardware, recipe, variant, profile, file, set_, False))
+    report = validate_plan(_resolve(plan_request(hardware, recipe, variant, profile, file, set_), False))
     print_validation(report, json)
     return int(ExitCode.OK if report.ok else ExitCode.BAD_INPUT)
 
@@ -312,7 +307,7 @@ def launch(
         sets.append(f"runtime.container_name={jsonlib.dumps(name)}")
     if port is not None:
         sets.append(f"runtime.port={port}")
-    p = _resolve(hardware, recipe, variant, profile, file, sets, not no_validate)
+    p = _resolve(plan_request(hardware, recipe, variant, profile, file, sets), not no_validate)
     if dry_run:
         launch_views.print_dry_run(p, deploy.dry_run(p, runtime), json)
         return 0
