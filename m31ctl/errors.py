@@ -100,3 +100,10 @@ class CheckFailed(M31Error):
     """A check ran and found drift or failures; not a usage error."""
 
     exit_code = ExitCode.CHECK_FAILED
+
+
+def close_matches(word: str, candidates: list[str], n: int = 1, cutoff: float = 0.6) -> list[str]:
+    """The 'did you mean' candidates for a misspelt name (difflib loads only on this error path)."""
+    import difflib
+
+    return difflib.get_close_matches(word, candidates, n=n, cutoff=cutoff)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
-from m31ctl.errors import InputError
+from m31ctl.errors import InputError, close_matches
 
 MIB = 1024 * 1024
 
@@ -230,10 +230,8 @@ def simulated(spec: str) -> Hardware:
     match = _HW_SPEC.match(spec.strip().lower())
     product = PRODUCTS.get(match.group("product")) if match else None
     if match is None or product is None:
-        import difflib
-
         names = [f"{p}x4" for p in PRODUCTS]
-        close = difflib.get_close_matches(spec.lower(), names, n=1)
+        close = close_matches(spec.lower(), names, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         raise InputError(
             f"unknown --hardware {spec!r}",

@@ -8,7 +8,6 @@ milliseconds.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from m31ctl.engine.adapter import EngineInvocation, build_invocation
-from m31ctl.errors import InputError
+from m31ctl.errors import InputError, close_matches
 from m31ctl.plan import Plan
 
 # Environment variables vLLM removed, and what replaced them (vllm-engine-facts.md). vLLM only
@@ -95,7 +94,7 @@ def schema_from_data(data: dict[str, Any], image: str) -> EngineSchema:
 
 
 def _closest(name: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    close = close_matches(name, candidates, n=1, cutoff=0.6)
     return f"did you mean {close[0]}?" if close else ""
 
 

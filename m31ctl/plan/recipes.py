@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import functools
 from dataclasses import dataclass
 from functools import cache
@@ -14,7 +13,7 @@ if TYPE_CHECKING:
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from m31ctl.errors import InputError, UnsupportedHardware
+from m31ctl.errors import InputError, UnsupportedHardware, close_matches
 from m31ctl.hardware import Hardware, describe_arch
 from m31ctl.inputs import decode, read_bytes
 from m31ctl.plan.layers import Layer, Source, layer_from_data, layer_to_data
@@ -116,7 +115,7 @@ class Recipe(_Frozen):
     def _pick(self, options: dict[str, Option], name: str, kind: str) -> Option:
         if name in options:
             return options[name]
-        close = difflib.get_close_matches(name, list(options), n=1)
+        close = close_matches(name, list(options), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise InputError(
             f"the {self.recipe} recipe has no {kind} {name!r}",
@@ -182,7 +181,7 @@ def _parse_recipe(raw: bytes, *, path: Path) -> dict[str, Any]:
     fields: dict[str, Any] = {"path": file, "layer": {}}
     for key, value_node, line in mapping_items(node, file):
         if key not in _TOP_KEYS:
-            close = difflib.get_close_matches(key, sorted(_TOP_KEYS), n=1)
+            close = close_matches(key, sorted(_TOP_KEYS), n=1)
             raise InputError(
                 f"unknown recipe key {key!r}",
                 where=f"{file}:{line}",
@@ -240,7 +239,7 @@ def get_recipe(name: str) -> Recipe:
     recipes = builtin_recipes()
     if name in recipes:
         return recipes[name]
-    close = difflib.get_close_matches(name, list(recipes), n=1)
+    close = close_matches(name, list(recipes), n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise InputError(f"unknown recipe {name!r}", hint=f"{hint}choose one of: {', '.join(recipes)}")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 from collections.abc import Mapping
@@ -13,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from m31ctl.errors import HostPreconditionError, InputError, RuleViolation
+from m31ctl.errors import HostPreconditionError, InputError, RuleViolation, close_matches
 from m31ctl.hardware import PRODUCTS, SERVED_ARCHS, Hardware, cpu_host, simulated
 from m31ctl.plan.layers import Layer, Setting, Source, merge, parse_set, unflatten
 from m31ctl.plan.recipes import (
@@ -123,7 +122,7 @@ def _validation_error(exc: ValidationError, merged: Layer) -> InputError:
     where = str(setting.source) if setting else None
     if err["type"] == "extra_forbidden":
         parent, leaf = loc[:-1], loc[-1]
-        close = difflib.get_close_matches(leaf, _model_fields_at(parent), n=1)
+        close = close_matches(leaf, _model_fields_at(parent), n=1)
         hint = (
             f"did you mean {'.'.join((*parent, close[0]))!r}?"
             if close
