@@ -20,8 +20,6 @@ from m31ctl.plan.layers import Layer, Source, layer_from_data, layer_to_data
 from m31ctl.plan.parsed import parsed
 from m31ctl.resources import recipes_dir
 
-_NOT_SET = object()
-
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)

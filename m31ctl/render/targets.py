@@ -6,7 +6,7 @@ import math
 import shlex
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Literal
+from typing import Any
 
 import jinja2
 
@@ -21,8 +21,6 @@ from m31ctl.render.escape import compose_literal, k8s_literal, shell_word, syste
 from m31ctl.resources import templates_dir
 from m31ctl.units import k8s_quantity
 
-Target = Literal["script", "compose", "k8s", "systemd"]
-TARGETS: tuple[Target, ...] = ("script", "compose", "k8s", "systemd")
 ENV_FILE = "/etc/m31ctl/minimax-m31-flash.env"
 K8S_SECRET = "minimax-m31-flash-secrets"
 K8S_HF_CACHE_CLAIM = "minimax-m31-flash-hf-cache"
@@ -375,11 +373,6 @@ def render_k8s(plan: Plan) -> list[Artifact]:
 
 # The registry: a new target is a function above and one line here.
 RENDERERS = {"script": render_script, "compose": render_compose, "k8s": render_k8s, "systemd": render_systemd}
+TARGETS = tuple(RENDERERS)
 # Targets that run on one host (Kubernetes spans nodes with a LeaderWorkerSet).
 SINGLE_HOST = ("script", "compose", "systemd")
-
-
-def render(plan: Plan, target: Target) -> list[Artifact]:
-    if target in SINGLE_HOST:
-        single_host_only(plan, target)
-    return RENDERERS[target](plan)

@@ -31,8 +31,8 @@ from m31ctl.runtime.base import (
 )
 from m31ctl.runtime.converge import Action, Decision, Existing, decide
 from m31ctl.runtime.exits import diagnose
-from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, wait_for
-from m31ctl.runtime.readiness import ProcessState, health, models
+from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free
+from m31ctl.runtime.readiness import ProcessState, health, models, wait_ready
 
 # What `docker stop` waits for when the container does not say (vLLM's drain + margin).
 DEFAULT_STOP_TIMEOUT_S = 60
@@ -198,7 +198,7 @@ class DockerRuntime:
                 container.start()
             if options.detach:
                 return result(Action.ADOPT, False)
-            timings, phases = wait_for(
+            timings, phases = wait_ready(
                 ContainerHandle(container), endpoint(spec), served, timeout, options.report, api_key
             )
             return result(Action.ADOPT, True, timings, phases)
@@ -212,7 +212,7 @@ class DockerRuntime:
         options.report(f"started {spec.name} ({created.short_id}) from {spec.image}")
         if options.detach:
             return result(decision.action, False)
-        timings, phases = wait_for(
+        timings, phases = wait_ready(
             ContainerHandle(created), endpoint(spec), served, timeout, options.report, api_key
         )
         timings["total_since_create"] = time.monotonic() - started

@@ -8,9 +8,8 @@ from collections.abc import Mapping
 from m31ctl.errors import ConflictError, HostPreconditionError
 from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
-from m31ctl.runtime.base import LaunchOptions, Reporter
+from m31ctl.runtime.base import LaunchOptions
 from m31ctl.runtime.converge import Action, Decision
-from m31ctl.runtime.readiness import ServerHandle, wait_ready
 
 API_KEY_ENV = "VLLM_API_KEY"
 
@@ -46,10 +45,3 @@ def confirm_or_refuse(decision: Decision, name: str, plan_hash: str, options: La
             raise ConflictError(
                 f"{name} {decision.reason}; not replaced", hint="pass --yes to recreate it with this plan"
             )
-
-
-def wait_for(
-    handle: ServerHandle, base: str, served: str, timeout: float, report: Reporter, api_key: str | None
-) -> tuple[dict[str, float], tuple[str, ...]]:
-    timings, phases = wait_ready(handle, base, served, timeout, report, api_key)
-    return timings, tuple(phases)

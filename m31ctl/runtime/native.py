@@ -25,8 +25,8 @@ from m31ctl.netaddr import local_url
 from m31ctl.plan import Plan
 from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Reporter, ServerStatus
 from m31ctl.runtime.converge import Action, Existing, decide
-from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, wait_for
-from m31ctl.runtime.readiness import ProcessState, health, models
+from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free
+from m31ctl.runtime.readiness import ProcessState, health, models, wait_ready
 
 # After SIGKILL, how long the kernel may take to reap the process group before stop gives up.
 KILL_GRACE_S = 5.0
@@ -181,7 +181,7 @@ class NativeRuntime:
             options.report(f"{name} (pid {existing.pid}) runs this plan already; waiting for it")
             if options.detach:
                 return LaunchResult(Action.ADOPT.value, name, self.name, existing.base, plan.hash, False)
-            timings, phases = wait_for(
+            timings, phases = wait_ready(
                 ProcessHandle(existing), existing.base, served, timeout, options.report, api_key
             )
             return LaunchResult(
@@ -223,7 +223,7 @@ class NativeRuntime:
         if options.detach:
             return LaunchResult(decision.action.value, name, self.name, server.base, plan.hash, False)
         started = time.monotonic()
-        timings, phases = wait_for(
+        timings, phases = wait_ready(
             ProcessHandle(server, child), server.base, served, timeout, options.report, api_key
         )
         timings["total_since_create"] = time.monotonic() - started

@@ -66,7 +66,7 @@ def health(base: str, timeout: float = 2.0) -> int | None:
 
 def wait_ready(
     handle: ServerHandle, base: str, served_name: str, timeout: float, report: Reporter, api_key: str | None
-) -> tuple[dict[str, float], list[str]]:
+) -> tuple[dict[str, float], tuple[str, ...]]:
     """Poll until /v1/models lists `served_name` (ready), the server dies (NotReadyError with its
     last log lines and a diagnosis), or `timeout` seconds pass (NotReadyError saying how far it
     got). Returns the timings of each milestone and the startup phases seen in the log."""
@@ -94,7 +94,7 @@ def wait_ready(
                     timings.setdefault("models_first_answer", time.monotonic() - start)
                     if served_name in listed:
                         timings["ready"] = time.monotonic() - start
-                        return timings, seen
+                        return timings, tuple(seen)
         if time.monotonic() - start > timeout:
             case = (
                 "unhealthy: /health answers but /v1/models does not list the model"
