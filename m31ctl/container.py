@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from m31ctl import __version__
 from m31ctl.engine.adapter import build_invocation
@@ -39,15 +39,13 @@ class Label:
 OWNER = "m31ctl"
 
 
-@dataclass(frozen=True)
-class Mount:
+class Mount(NamedTuple):
     source: str
     target: str
     read_only: bool = False
 
 
-@dataclass(frozen=True)
-class ContainerSpec:
+class ContainerSpec(NamedTuple):
     name: str
     image: str
     args: tuple[str, ...]
@@ -80,6 +78,10 @@ class ContainerSpec:
     @property
     def label_dict(self) -> dict[str, str]:
         return dict(self.labels)
+
+    def to_data(self) -> dict[str, Any]:
+        """The JSON form (`launch --dry-run --json`): mounts as objects, not arrays."""
+        return {**self._asdict(), "mounts": [mount._asdict() for mount in self.mounts]}
 
 
 def labels_for(plan: Plan) -> tuple[tuple[str, str], ...]:

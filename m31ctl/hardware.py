@@ -8,7 +8,7 @@ Sources: ../shared/fixtures/gpu/public-samples.md (identifier facts) and the rea
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -17,8 +17,7 @@ from m31ctl.errors import InputError, close_matches
 MIB = 1024 * 1024
 
 
-@dataclass(frozen=True)
-class Family:
+class Family(NamedTuple):
     id: str
     vendor: str
     description: str
@@ -34,8 +33,7 @@ SERVED_ARCHS: dict[str, Family] = {
 }
 
 
-@dataclass(frozen=True)
-class VendorFacts:
+class VendorFacts(NamedTuple):
     """What every later stage needs to know about a GPU vendor: one row per vendor, so a new
     vendor is one entry here rather than a branch in the probe, the container and each target."""
 
@@ -95,8 +93,7 @@ KNOWN_UNSERVED: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
-class Product:
+class Product(NamedTuple):
     """A GPU product, for `--hardware NAMExCOUNT` simulation and name matching."""
 
     id: str

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -30,9 +31,15 @@ DEFAULT = {
 }
 
 
+# An installed wheel runs from byte-compiled modules (pip compiles them at install); a
+# PYTHONDONTWRITEBYTECODE inherited from the shell would make every m31ctl module compile from
+# source on every run, a cost the floor (one file) never pays and no user sees.
+_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def _once(argv: list[str]) -> tuple[float, int]:
     start = time.perf_counter()
-    code = subprocess.run(argv, capture_output=True, check=False).returncode
+    code = subprocess.run(argv, capture_output=True, check=False, env=_ENV).returncode
     return time.perf_counter() - start, code
 
 

@@ -208,7 +208,7 @@ def test_installed_wheel_finds_its_recipes_outside_the_repo(tmp_path):
         capture_output=True,
     )
     assert (target / "m31ctl" / "_data" / "recipes" / "blackwell.yaml").is_file()
-    assert (target / "m31ctl" / "_data" / "templates" / "k8s.yaml.j2").is_file()
+    assert (target / "m31ctl" / "_data" / "templates" / "systemd.service.j2").is_file()
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}

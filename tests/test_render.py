@@ -108,9 +108,8 @@ def test_script_passes_exactly_the_planned_argv(hw, tmp_path):
     (artifact,) = render(plan, "script")
     got = run_with_stub(artifact.content, tmp_path, {"M31CTL_ENV_FILE": str(tmp_path / "absent.env")})
     spec = container_spec(plan, expand_home=False)
-    from dataclasses import replace
 
-    expected = docker_run_argv(replace(spec, secret_env=()), "detached")
+    expected = docker_run_argv(spec._replace(secret_env=()), "detached")
     expected = [
         a.replace("~/", str(tmp_path / "home") + "/", 1) if a.startswith("~/") else a for a in expected
     ]
@@ -345,3 +344,28 @@ def test_probed_host_pins_its_visible_gpus_by_uuid(tmp_path):
         capture["gpus"][1]["uuid"]
     ]
     assert container_spec(plan_for("h200x8")).gpu_device_ids == ()  # simulated: by count
+
+
+def test_libyaml_and_pure_python_emitters_write_the_same_bytes(monkeypatch):
+    """Renders use libyaml's emitter when PyYAML has it; a host without it must get the same files."""
+    from m31ctl.render import escape
+
+    hostile = {
+        "name": "x: y # not a comment",
+        "multi": "line one\nline two\n",
+        "unicode": "Ünïcødé — ✓",
+        "dollar": "${HF_TOKEN} $(id)",
+        "quoted": "'single' \"double\"",
+        "values": ["yes", "no", "on", "null", "~", "0o17", "1e3", "", " lead", "trail "],
+        "numbers": [0, -1, 3.5, True, None],
+        "nested": [{"a": {"b": ["c"]}}],
+    }
+    with_c = escape.yaml_file(["# c"], [hostile], explicit_start=True)
+    escape._dumper.cache_clear()
+    monkeypatch.delattr(yaml, "CSafeDumper")
+    try:
+        pure = escape.yaml_file(["# c"], [hostile], explicit_start=True)
+    finally:
+        escape._dumper.cache_clear()
+    assert with_c == pure
+    assert list(yaml.safe_load_all(pure)) == [hostile]

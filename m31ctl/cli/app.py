@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -253,7 +252,7 @@ def doctor(
     if hardware is not None or recipe or variant or file or set_ or profile != "latency":
         request = plan_request(hardware, recipe, variant, profile, file, set_)
         if hardware is None:
-            request = replace(request, hardware=probe.hardware)
+            request = request._replace(hardware=probe.hardware)
     report = diagnose(request, probe)
     if json:
         from m31ctl.cli.output import emit_json

@@ -7,8 +7,7 @@ environment the engine needs. Secrets are never part of it: they travel by refer
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from m31ctl.plan import Plan
 
@@ -24,8 +23,7 @@ _AITER_MOE_ENV = {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1"}
 AITER_DEFAULT_ON = ("custom all-reduce", "linear", "MoE", "RMSNorm", "MLA", "MHA", "Triton GEMM")
 
 
-@dataclass(frozen=True)
-class EngineInvocation:
+class EngineInvocation(NamedTuple):
     image: str
     args: tuple[str, ...]  # after `vllm serve`; the model comes first
     env: tuple[tuple[str, str], ...]  # sorted, no secrets

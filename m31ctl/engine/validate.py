@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from m31ctl.engine.adapter import EngineInvocation, build_invocation
 from m31ctl.errors import InputError, close_matches
@@ -33,8 +33,7 @@ _HUMAN_INT = re.compile(r"^(auto|-1|\d+(\.\d+)?[kKmMgG]?)$")
 _BACKEND_KEYS = {("--speculative-config", "attention_backend"), ("--attention-config", "backend")}
 
 
-@dataclass(frozen=True)
-class Finding:
+class Finding(NamedTuple):
     token: str
     message: str
     hint: str = ""
@@ -277,8 +276,7 @@ def check_plan_engine(
         )
 
 
-@dataclass(frozen=True)
-class PlanValidation:
+class PlanValidation(NamedTuple):
     """`m31ctl validate`'s answer: every finding for the plan's argv and environment."""
 
     schema: EngineSchema
@@ -296,7 +294,7 @@ class PlanValidation:
             "image": self.invocation.image,
             "extension": self.schema.extension.get("attention_backends", []),
             "ok": self.ok,
-            "findings": [f.__dict__ for f in self.findings],
+            "findings": [f._asdict() for f in self.findings],
         }
 
 

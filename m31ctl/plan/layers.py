@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from m31ctl.errors import InputError
 
 
-@dataclass(frozen=True)
-class Source:
+class Source(NamedTuple):
     """Where a value came from: a layer name and, for files, the file and line."""
 
     layer: str  # "defaults", "recipe", "variant", "profile", "file", "--set", "hardware"
@@ -34,8 +32,7 @@ class Source:
         return f"{label} ({where})" if where else label
 
 
-@dataclass(frozen=True)
-class Setting:
+class Setting(NamedTuple):
     value: Any
     source: Source
 

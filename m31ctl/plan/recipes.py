@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:
     import yaml
@@ -90,7 +89,7 @@ class Recipe(_Frozen):
     description: str
     status: Literal["stable", "preview", "rehearsal"]
     match: Match
-    recommended: Recommended = Recommended()
+    recommended: Recommended = Field(default_factory=Recommended)  # not built at import
     rules: tuple[Rule, ...] = ()
     default_variant: str
     path: str
@@ -318,8 +317,7 @@ def select_recipe(hw: Hardware) -> Recipe:
     )
 
 
-@dataclass(frozen=True)
-class RecipeMatch:
+class RecipeMatch(NamedTuple):
     """`probe`'s answer about recipes: the one that serves this hardware, or why none does."""
 
     recipe: Recipe | None

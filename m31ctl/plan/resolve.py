@@ -5,10 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
@@ -29,8 +28,7 @@ from m31ctl.plan.settings import PlanSettings
 DEFAULT_PROFILE = "latency"
 
 
-@dataclass(frozen=True)
-class PlanRequest:
+class PlanRequest(NamedTuple):
     """What the user asked for: everything `plan`, `render`, `launch` and `doctor` share."""
 
     hardware: Hardware
@@ -41,8 +39,7 @@ class PlanRequest:
     sets: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     recipe: Recipe
     variant: str
     profile: str
@@ -50,7 +47,7 @@ class Plan:
     model: ModelFacts
     settings: PlanSettings
     provenance: Mapping[str, Source]
-    warnings: tuple[str, ...] = field(default=())
+    warnings: tuple[str, ...] = ()
 
     @property
     def gpus_needed(self) -> int:

@@ -179,14 +179,16 @@ class CapacityAssumptions(_Frozen):
 
 
 class PlanSettings(_Frozen):
+    # default_factory, not an instance: an instance built at import would build that model's
+    # validator at start-up, which every command would pay (issue 12's start-up goal).
     model: ModelSettings
     engine: EngineSettings
-    parallelism: Parallelism = Parallelism()
+    parallelism: Parallelism = Field(default_factory=Parallelism)
     attention_backend: str | None = None
-    cache: CacheSettings = CacheSettings()
-    speculative: SpeculativeSettings = SpeculativeSettings()
-    moe: MoESettings = MoESettings()
-    multimodal: Multimodal = Multimodal()
-    serving: Serving = Serving()
-    runtime: Runtime = Runtime()
-    capacity: CapacityAssumptions = CapacityAssumptions()
+    cache: CacheSettings = Field(default_factory=CacheSettings)
+    speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)
+    moe: MoESettings = Field(default_factory=MoESettings)
+    multimodal: Multimodal = Field(default_factory=Multimodal)
+    serving: Serving = Field(default_factory=Serving)
+    runtime: Runtime = Field(default_factory=Runtime)
+    capacity: CapacityAssumptions = Field(default_factory=CapacityAssumptions)

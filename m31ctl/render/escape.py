@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
+from functools import cache
 from typing import Any
-
-import yaml
 
 HOME_PREFIX = "~/"
 
@@ -37,25 +37,44 @@ def systemd_word(value: object) -> str:
     return f"%h/{word}" if home else word
 
 
-class _Dumper(yaml.SafeDumper):
-    """Block style, no aliases, stable order: diffs stay readable and renders byte-identical."""
+@cache
+def _dumper() -> type:
+    """libyaml's emitter where PyYAML was built with it (the pure-Python one is ten times slower;
+    both write the same bytes for these documents). PyYAML is imported here, on first use, so
+    the targets that write no YAML never load it."""
+    import yaml
 
-    def ignore_aliases(self, data: Any) -> bool:
-        return True
+    base = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
+    class Dumper(base):  # type: ignore[misc,valid-type]
+        """Block style, no aliases, stable order: diffs stay readable and renders byte-identical."""
 
-def _str_representer(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
-    style = "|" if "\n" in data else None
-    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
 
+    def represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+        style = "|" if "\n" in data else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
 
-_Dumper.add_representer(str, _str_representer)
+    Dumper.add_representer(str, represent_str)
+    return Dumper
 
 
 def to_yaml(document: Any) -> str:
+    import yaml
+
     return yaml.dump(
-        document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=4096
+        document, Dumper=_dumper(), sort_keys=False, default_flow_style=False, allow_unicode=True, width=4096
     ).rstrip("\n")
+
+
+def yaml_file(comment_lines: Sequence[str], documents: Sequence[Any], explicit_start: bool) -> str:
+    """A YAML file: `#` comment lines, then each document (after `---` when explicit_start).
+
+    The documents are built as data and only serialized here: YAML is never templated as text."""
+    head = "".join(f"{line}\n" for line in comment_lines)
+    marker = "---\n" if explicit_start else ""
+    return head + "".join(f"{marker}{to_yaml(document)}\n" for document in documents)
 
 
 def compose_literal(value: str) -> str:

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import dataclass
 from functools import cache
-from typing import Any
-
-import jinja2
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from m31ctl import __version__
 from m31ctl.container import API_KEY, HF_CACHE_IN_CONTAINER, HF_TOKEN, ContainerSpec, container_spec
@@ -17,9 +14,12 @@ from m31ctl.hardware import vendor_facts
 from m31ctl.netaddr import local_url
 from m31ctl.plan import Plan
 from m31ctl.render.dockercli import docker_run_argv
-from m31ctl.render.escape import compose_literal, k8s_literal, shell_word, systemd_word, to_yaml
+from m31ctl.render.escape import compose_literal, k8s_literal, shell_word, systemd_word, yaml_file
 from m31ctl.resources import templates_dir
 from m31ctl.units import k8s_quantity
+
+if TYPE_CHECKING:
+    import jinja2
 
 ENV_FILE = "/etc/m31ctl/minimax-m31-flash.env"
 K8S_SECRET = "minimax-m31-flash-secrets"
@@ -27,8 +27,7 @@ K8S_HF_CACHE_CLAIM = "minimax-m31-flash-hf-cache"
 PROBE_PERIOD_S = 10
 
 
-@dataclass(frozen=True)
-class Artifact:
+class Artifact(NamedTuple):
     name: str
     content: str
     mode: int = 0o644
@@ -36,6 +35,10 @@ class Artifact:
 
 @cache
 def _environment() -> jinja2.Environment:
+    """The text targets' templates (shell script, systemd unit). jinja2 is imported here, on first
+    use: the YAML targets serialize data and do not need it."""
+    import jinja2
+
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,
@@ -45,7 +48,6 @@ def _environment() -> jinja2.Environment:
     )
     env.filters["sh"] = shell_word
     env.filters["systemd"] = systemd_word
-    env.filters["to_yaml"] = to_yaml
     return env
 
 
@@ -94,9 +96,7 @@ def _paired(argv: list[str]) -> list[list[str]]:
 
 
 def _without_secrets(spec: ContainerSpec) -> ContainerSpec:
-    from dataclasses import replace
-
-    return replace(spec, secret_env=())
+    return spec._replace(secret_env=())
 
 
 def render_systemd(plan: Plan) -> list[Artifact]:
@@ -184,9 +184,11 @@ def _compose_volume(source: str, target: str, read_only: bool) -> str:
 
 
 def render_compose(plan: Plan) -> list[Artifact]:
-    content = _render(
-        "compose.yaml.j2", header_comment=header(plan, "compose"), document=compose_document(plan)
-    )
+    comments = [
+        *header(plan, "compose").splitlines(),
+        "# Secrets: HF_TOKEN and VLLM_API_KEY are taken from the environment of `docker compose` by name.",
+    ]
+    content = yaml_file(comments, [compose_document(plan)], explicit_start=False)
     return [Artifact("compose.yaml", content)]
 
 
@@ -362,12 +364,11 @@ def single_host_only(plan: Plan, target: str) -> None:
 
 
 def render_k8s(plan: Plan) -> list[Artifact]:
-    content = _render(
-        "k8s.yaml.j2",
-        header_comment=header(plan, "k8s"),
-        documents=k8s_documents(plan),
-        secret_name=K8S_SECRET,
-    )
+    comments = [
+        *header(plan, "k8s").splitlines(),
+        f"# Secrets: create them first, e.g. kubectl create secret generic {K8S_SECRET} --from-env-file=FILE",
+    ]
+    content = yaml_file(comments, k8s_documents(plan), explicit_start=True)
     return [Artifact("k8s.yaml", content)]
 
 

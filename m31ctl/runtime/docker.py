@@ -9,7 +9,6 @@ exit codes.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -165,7 +164,7 @@ class DockerRuntime:
         return DryRun(
             "container",
             ("docker", *docker_run_argv(spec, "detached")),
-            {"container": dataclasses.asdict(spec)},
+            {"container": spec.to_data()},
         )
 
     def launch(self, plan: Plan, options: LaunchOptions) -> LaunchResult:
