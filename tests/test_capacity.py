@@ -1,17 +1,21 @@
-"""The memory model reproduces the published comparison from one set of assumptions."""
+"""The memory model: what each rank allocates (as vLLM 0.32 does), and the launch post's
+published-basis figures, which it still reproduces (76 and 28 on 4x B300, DEP4, 256K)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from m31ctl.capacity.fit import memory_inputs, plan_fit
-from m31ctl.capacity.model import Layout, parse_context, resident_sequences
+from m31ctl.capacity.model import Layout, parse_context, resident_sequences, token_bytes
 from m31ctl.errors import InputError
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.recipes import get_model
 
 CTX_256K = 262144
+DEP4 = Layout(tensor=1, data=4, expert=True)
 
 
 def plan_for(hw: str, **kw):  # type: ignore[no-untyped-def]
@@ -20,23 +24,126 @@ def plan_for(hw: str, **kw):  # type: ignore[no-untyped-def]
 
 def test_published_figures_on_4x_b300_dep4():
     plan = plan_for("b300x4", profile="throughput")
-    assert plan_fit(plan, CTX_256K).sequences == 76
-    m3 = memory_inputs(plan, get_model("minimax-m3-mxfp8"), "fp8")
-    assert resident_sequences(m3, Layout(tensor=1, data=4, expert=True), CTX_256K).sequences == 28
+    fit = plan_fit(plan, CTX_256K)
+    assert fit.sequences_published_basis == 76
+    m3 = resident_sequences(memory_inputs(plan, get_model("minimax-m3-mxfp8"), "fp8"), DEP4, CTX_256K)
+    assert m3.sequences_published_basis == 28
+    # What the engine holds is at or below the published basis: the indexer cache comes on top.
+    assert fit.sequences <= 76 and m3.sequences <= 28
+    assert fit.kv_bytes_per_token.main_attention == 34560  # DEP: every rank holds all 4 KV heads
+    assert fit.kv_bytes_per_token.indexer == 57 * 128 * 0.5625  # NVFP4 indexer keys, 57 sparse layers
+    assert fit.sequences == 4 * int(fit.kv_budget_per_gpu_bytes // (CTX_256K * (34560 + 4104)))
 
 
 @pytest.mark.parametrize("reserve", [8, 10, 14])
 def test_published_figures_hold_across_the_documented_reserve_band(reserve):
     plan = plan_for("b300x4", profile="throughput", sets=(f"capacity.runtime_reserve_gib={reserve}",))
-    assert plan_fit(plan, CTX_256K).sequences == 76
+    assert plan_fit(plan, CTX_256K).sequences_published_basis == 76
     m3 = memory_inputs(plan, get_model("minimax-m3-mxfp8"), "fp8")
-    assert resident_sequences(m3, Layout(tensor=1, data=4, expert=True), CTX_256K).sequences == 28
+    assert resident_sequences(m3, DEP4, CTX_256K).sequences_published_basis == 28
 
 
-def test_kv_bytes():
+def test_sensitivity_band_brackets_the_answer():
+    plan = plan_for("b300x4", profile="throughput")
+    fit = plan_fit(plan, CTX_256K)
+    band = fit.sensitivity_published_basis.utilization
+    assert band.low < 0.92 < band.high  # the recipe's 0.92
+    for util, expected in [
+        (band.low + 1e-4, 76),
+        (band.high - 1e-4, 76),
+        (band.low - 1e-3, 72),
+        (band.high + 1e-3, 80),
+    ]:
+        moved = plan_for("b300x4", profile="throughput", sets=(f"serving.gpu_memory_utilization={util}",))
+        assert plan_fit(moved, CTX_256K).sequences_published_basis == expected, util
+    engine = fit.sensitivity
+    for reserve, expected in [
+        (engine.reserve_gib.low + 0.01, fit.sequences),
+        (engine.reserve_gib.high + 0.01, engine.reserve_gib.above),
+    ]:
+        moved = plan_for("b300x4", profile="throughput", sets=(f"capacity.runtime_reserve_gib={reserve}",))
+        assert plan_fit(moved, CTX_256K).sequences == expected, reserve
+
+
+def test_tp8_replicates_kv_heads_on_hopper():
+    """4 KV heads over 8 ranks: vLLM keeps max(1, 4 // 8) = 1 head per rank, so every head lives
+    on two ranks; the indexer's single key vector lives on all eight."""
+    fit = plan_fit(plan_for("h200x8"), CTX_256K)
+    assert fit.layout == "TP8"
+    assert fit.kv_bytes_per_token.main_attention == 60 * 2 * 1 * 128 * 1  # FP8, one head a rank
+    assert fit.kv_bytes_per_token.indexer == 57 * 128 * 1
+    assert fit.sequences <= 0.6 * fit.sequences_published_basis
+
+
+def test_aiter_requantization_weighs_more():
+    quick = plan_fit(plan_for("mi355xx8"), CTX_256K)
+    aiter = plan_fit(plan_for("mi355xx8", variant="aiter"), CTX_256K)
+    assert aiter.weights_per_gpu_bytes >= 1.3 * quick.weights_per_gpu_bytes
+    assert aiter.sequences < quick.sequences
+
+
+def test_decode_context_parallelism_splits_only_replicated_caches():
+    plan = plan_for("b300x4", profile="long-context")
+    inputs = memory_inputs(plan)
+    tp4 = token_bytes(inputs, Layout(tensor=4))
+    dcp4 = token_bytes(inputs, Layout(tensor=4, decode_context=4))
+    assert dcp4.main_attention == tp4.main_attention  # one distinct head a rank: nothing to split
+    assert dcp4.indexer == tp4.indexer / 4  # four copies of the indexer keys become four quarters
+
+
+def test_published_kv_bytes_are_main_attention_only():
     facts = get_model("minimax-m3.1-flash")
-    assert facts.kv_bytes_per_token == {"nvfp4": 34560, "fp8": 61440}
+    assert facts.published_kv_bytes_per_token == {"nvfp4": 34560, "fp8": 61440}
+    g = facts.geometry
+    assert (
+        60 * 2 * 4 * 128
+        == facts.published_kv_bytes_per_token["fp8"]
+        == (g.layers.value * 2 * g.kv_heads.value * g.head_dim.value)
+    )
     assert pytest.approx(1 - 0.4375) == 34560 / 61440
+
+
+def test_every_geometry_number_has_a_source():
+    for model_id in ("minimax-m3.1-flash", "minimax-m3-mxfp8", "rehearsal-tiny"):
+        geometry = get_model(model_id).geometry
+        for name, fact in geometry:
+            if fact is not None:
+                assert len(fact.source) >= 8, (model_id, name)
+
+
+def test_local_model_is_sized_from_its_config(tmp_path):
+    """model.path holding a config.json: the geometry vLLM will see, not models.yaml's."""
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 3,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 512,
+                "torch_dtype": "float16",
+            }
+        )
+    )
+    plan = plan_for("cpu", sets=(f"model.path={tmp_path}",))
+    fit = plan_fit(plan, 2048)
+    assert fit.kv_bytes_per_token.main_attention == 3 * 2 * 2 * 64 * 2
+    # VLLM_CPU_KVCACHE_SPACE=1 (the rehearsal recipe): 1 GiB / 1,536 bytes, in 128-token blocks.
+    assert fit.kv_cache_tokens == (2**30 // (128 * 1536)) * 128
+    assert fit.sequences_published_basis is None and fit.sensitivity is None
+
+
+def test_rehearsal_prediction_matches_what_vllm_printed():
+    """vLLM 0.32's CPU build printed "CPU KV cache size: 524,288 tokens, Maximum concurrency for
+    2,048 tokens per request: 256.00x" for the rehearsal model with 1 GiB (vllm-engine-facts.md);
+    tests/test_rehearsal.py checks the same against a live engine."""
+    fit = plan_fit(plan_for("cpu"))
+    assert (fit.kv_cache_tokens, fit.sequences, fit.context) == (524288, 256, 2048)
+
+
+def test_bad_cpu_kv_space_is_refused():
+    plan = plan_for("cpu", sets=("runtime.env.VLLM_CPU_KVCACHE_SPACE=lots",))
+    with pytest.raises(InputError, match="VLLM_CPU_KVCACHE_SPACE"):
+        plan_fit(plan)
 
 
 def test_more_memory_never_fits_fewer():
@@ -76,10 +183,11 @@ def test_longest_context_inverts_resident_sequences():
     from m31ctl.capacity.fit import plan_longest_context
 
     plan = plan_for("b300x4", profile="throughput")
-    longest = plan_longest_context(plan, 76)
+    held = plan_fit(plan, CTX_256K).sequences
+    longest = plan_longest_context(plan, held)
     assert longest >= CTX_256K
-    assert plan_fit(plan, longest).sequences >= 76
-    assert plan_fit(plan, longest + 4096).sequences < 76
+    assert plan_fit(plan, longest).sequences >= held
+    assert plan_fit(plan, longest + 128).sequences < held
 
 
 def test_comparison_respects_recipe_rules_and_lists_m3():
@@ -111,9 +219,13 @@ def test_capacity_cli_and_plot(cli, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["fit"]["sequences"] == 76 and data["layout"] == "DEP4"
-    pairs = {(r["model"], r["layout"]): r["sequences"] for r in data["comparison"]}
-    assert pairs[("MiniMax-M3 (MXFP8)", "throughput (DEP4)")] == 28
+    assert data["fit"]["sequences_published_basis"] == 76 and data["layout"] == "DEP4"
+    assert data["fit"]["sequences"] <= 76 and data["fit"]["kv_cache_tokens"] > 0
+    assert set(data["fit"]["kv_bytes_per_token"]) >= {"main_attention", "indexer", "total"}
+    assert data["fit"]["sensitivity"]["gpu_memory_utilization"]["low"] < 0.92
+    pairs = {(r["model"], r["layout"]): r for r in data["comparison"]}
+    m3 = pairs[("MiniMax-M3 (MXFP8)", "throughput (DEP4)")]
+    assert m3["sequences_published_basis"] == 28 and m3["sequences"] <= 28 and m3["kv_cache_tokens"] > 0
     assert (tmp_path / "cap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -133,7 +245,12 @@ def test_plot_draws_only_what_the_recipe_allows(tmp_path):
     original = plt.close
 
     def capture(fig):  # type: ignore[no-untyped-def]
-        labels.extend(line.get_label() for ax in fig.axes for line in ax.get_lines())
+        labels.extend(
+            line.get_label()
+            for ax in fig.axes
+            for line in ax.get_lines()
+            if not line.get_label().startswith("_")
+        )
         original(fig)
 
     plt.close = capture

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -38,6 +41,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+KV_LINE = re.compile(
+    r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"
+)
+
+
+def engine_kv_line(log: str) -> tuple[int, int, float]:
+    """vLLM's own account of its KV cache (v1/core/kv_cache_utils.py update_kv_cache_capacity)."""
+    found = KV_LINE.search(log)
+    assert found, "vLLM printed no 'KV cache size' line"
+    tokens, length, concurrency = found.groups()
+    return int(tokens.replace(",", "")), int(length.replace(",", "")), float(concurrency)
+
+
+def assert_capacity_matches_engine(log: str, model_dir: Path, *sets: str) -> None:
+    """m31ctl's capacity model, given the same model directory and KV space, predicts exactly
+    the tokens and the concurrency the engine printed."""
+    tokens, length, concurrency = engine_kv_line(log)
+    args = ["capacity", "--hardware", "cpu", "--set", f"model.path={model_dir}", "--context", str(length)]
+    for item in sets:
+        args += ["--set", item]
+    predicted = json.loads(run_cli(*args, "--json").stdout)["fit"]
+    print(
+        f"engine: {tokens:,} KV tokens, {concurrency}x; m31ctl: {predicted['kv_cache_tokens']:,}, {predicted['sequences']}"
+    )
+    assert predicted["kv_cache_tokens"] == tokens
+    assert predicted["sequences"] == int(concurrency)
 
 
 def test_native_launch_smoke_stop(vllm_py, tiny_model, tmp_path):
@@ -78,8 +109,9 @@ def test_native_launch_smoke_stop(vllm_py, tiny_model, tmp_path):
         assert smoke.returncode == 0 and report["ok"], report
         assert report["completion_tokens"] == 16 and report["ttft_s"] > 0
         print(f"native smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
-        logs = run_cli("logs", "--runtime", "native", "--tail", "200", env=env)
+        logs = run_cli("logs", "--runtime", "native", "--tail", "5000", env=env)
         assert "POST /v1/chat/completions" in logs.stdout
+        assert_capacity_matches_engine(logs.stdout, tiny_model)
         pid = status[0]["pid"]
     finally:
         stopped = run_cli("stop", "--runtime", "native", "--json", env=env)
@@ -125,6 +157,7 @@ def test_container_launch_smoke_stop(tiny_model):
         report = json.loads(smoke.stdout)
         assert smoke.returncode == 0 and report["ok"], report
         print(f"container smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
+        assert_capacity_matches_engine(run_cli("logs", "--name", name, "--tail", "5000").stdout, tiny_model)
     finally:
         stopped = run_cli("stop", "--name", name)
     assert stopped.returncode == 0
@@ -165,3 +198,47 @@ def test_doctor_asks_the_image_own_vllm(tiny_model, tmp_path):
     absent = run_cli(*base, "--set", "engine.image=m31ctl-test/absent:1", env=env)
     checks = {c["id"]: c for c in json.loads(absent.stdout)["checks"]}
     assert checks["engine"]["status"] == "skip" and "not present locally" in checks["engine"]["message"]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM's CPU build binds one core to each TP rank")
+def test_capacity_predicts_tp2_with_replicated_kv_heads(vllm_py, tmp_path):
+    """One KV head over two tensor-parallel ranks: vLLM keeps max(1, 1 // 2) = 1 head on each
+    rank, so TP2 holds no more tokens than TP1. A model that spread KV over the group (the
+    launch post's accounting) would predict twice as many."""
+    model = tmp_path / "one-kv-head"
+    subprocess.run(
+        [vllm_py, str(ROOT / "m31ctl" / "rehearsal" / "make_tiny_model.py"), str(model), "--kv-heads", "1"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # Both ranks share one NUMA node here: bind one core each, as vLLM's error asks.
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    }
+    argv = [
+        vllm_py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--tensor-parallel-size", "2", "--max-model-len", "2048", "--enforce-eager", "-O0",
+        "--port", str(free_port()),
+    ]  # fmt: skip
+    log = tmp_path / "engine.log"
+    with log.open("w") as out:
+        engine = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline and not KV_LINE.search(log.read_text(errors="replace")):
+                assert engine.poll() is None, log.read_text(errors="replace")[-3000:]
+                time.sleep(1)
+        finally:
+            os.killpg(engine.pid, signal.SIGTERM)
+            try:
+                engine.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(engine.pid, signal.SIGKILL)
+                engine.wait()
+    text = log.read_text(errors="replace")
+    tokens, _length, _concurrency = engine_kv_line(text)
+    assert tokens == 2**30 // (2 * 2 * 1 * 64 * 2)  # 1 GiB / 512 bytes a token on each rank
+    assert_capacity_matches_engine(text, model, "parallelism.tensor=2")

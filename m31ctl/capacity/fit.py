@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
+from m31ctl.capacity.geometry import checkpoint_bytes, config_geometry, facts_geometry, local_config
 from m31ctl.capacity.model import (
+    GIB,
+    INDEXER_AUTO_DTYPE,
     Fit,
     Layout,
     MemoryInputs,
-    dense_weight_bytes,
+    Weights,
     longest_context,
     resident_sequences,
+    split_weights,
 )
 from m31ctl.errors import InputError
 from m31ctl.plan import Plan
 from m31ctl.plan.recipes import ModelFacts, get_model
 
 REFERENCE_MODEL = "minimax-m3.1-flash"
+# vLLM's block sizes when the plan leaves it to the engine: the CPU platform picks 128
+# (vllm/platforms/cpu.py), CacheConfig's default elsewhere is 16.
+DEFAULT_BLOCK_SIZE = {"cpu": 128}
+ENGINE_DEFAULT_BLOCK_SIZE = 16
+CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB; vLLM's CPU backend (vllm/platforms/cpu.py)
 
 
 def profile_layouts(plan: Plan) -> dict[str, Layout]:
@@ -31,8 +40,9 @@ def profile_layouts(plan: Plan) -> dict[str, Layout]:
             tensor=values.get("parallelism.tensor", base["parallelism.tensor"].value),
             data=values.get("parallelism.data", 1),
             expert=values.get("parallelism.expert", False),
+            decode_context=values.get("parallelism.decode_context", 1),
         )
-        # Profiles that share a memory layout (long-context is TP4 too) would repeat a row.
+        # Profiles that share a memory layout would repeat a row.
         if layout not in layouts.values():
             layouts[name] = layout
     return layouts
@@ -40,27 +50,77 @@ def profile_layouts(plan: Plan) -> dict[str, Layout]:
 
 def plan_layout(plan: Plan) -> Layout:
     p = plan.settings.parallelism
-    return Layout(tensor=p.tensor, data=p.data, expert=p.expert)
+    return Layout(tensor=p.tensor, data=p.data, expert=p.expert, decode_context=p.decode_context)
+
+
+def _weights(plan: Plan, model: ModelFacts) -> Weights:
+    requantized = plan.settings.moe.expert_requantization
+    reference = get_model(REFERENCE_MODEL)
+    reference_dense = None
+    if model.id != reference.id:
+        reference_dense = split_weights(
+            reference.checkpoint_gb,
+            reference.params_total_b,
+            reference.expert_weights,
+            reference.dense_weights,
+        ).dense_bytes
+    return split_weights(
+        model.checkpoint_gb,
+        model.params_total_b,
+        model.expert_weights,
+        model.dense_weights,
+        loaded_expert_format=None if requantized == "none" else requantized,
+        reference_dense_bytes=reference_dense,
+    )
 
 
 def memory_inputs(plan: Plan, model: ModelFacts | None = None, kv_dtype: str | None = None) -> MemoryInputs:
+    """The model's inputs for this plan. `model`/`kv_dtype` replace the plan's for a comparison
+    row; a comparison row's indexer cache takes the row's dtype (the launch post compares
+    "NVFP4 attention and indexer caches" with FP8 ones)."""
+    settings = plan.settings
+    own = model is None or model.id == plan.model.id
     model = model or plan.model
-    dtype = kv_dtype or plan.settings.cache.kv_dtype
+    config = local_config(settings.model.path) if own else None
+    if config is not None:
+        geometry = config_geometry(config)
+        weights = Weights(float(checkpoint_bytes(config.parent)), 0.0)
+    else:
+        geometry = facts_geometry(model)
+        weights = _weights(plan, model)
+    dtype = kv_dtype or settings.cache.kv_dtype
     if dtype == "auto":  # vLLM's auto stores the KV cache in the model's dtype
-        dtype = "bf16" if "bf16" in model.kv_bytes_per_token else next(iter(model.kv_bytes_per_token))
-    if dtype not in model.kv_bytes_per_token:
-        raise InputError(
-            f"no KV size is known for {model.display_name} with a {dtype} cache",
-            hint=f"known: {', '.join(model.kv_bytes_per_token)}",
-        )
+        dtype = geometry.dtype
+    indexer = kv_dtype or settings.cache.indexer_dtype
+    if indexer == "auto":
+        indexer = INDEXER_AUTO_DTYPE
+    vendor = plan.hardware.vendor
+    block_size = settings.cache.block_size or DEFAULT_BLOCK_SIZE.get(vendor, ENGINE_DEFAULT_BLOCK_SIZE)
     return MemoryInputs(
         memory_per_gpu_bytes=plan.hardware.memory_per_gpu_bytes,
-        gpu_memory_utilization=plan.settings.serving.gpu_memory_utilization,
-        runtime_reserve_gib=plan.settings.capacity.runtime_reserve_gib,
-        checkpoint_bytes=model.checkpoint_gb * 1e9,
-        dense_bytes=dense_weight_bytes(model, get_model(REFERENCE_MODEL)),
-        kv_bytes_per_token=model.kv_bytes_per_token[dtype],
+        gpu_memory_utilization=settings.serving.gpu_memory_utilization,
+        runtime_reserve_gib=settings.capacity.runtime_reserve_gib,
+        weights=weights,
+        geometry=geometry,
+        kv_dtype=dtype,
+        indexer_dtype=indexer,
+        block_size=block_size,
+        kv_space_bytes=_cpu_kv_space(plan) if vendor == "cpu" else None,
+        published_kv_bytes_per_token=None if config else model.published_kv_bytes_per_token.get(dtype),
     )
+
+
+def _cpu_kv_space(plan: Plan) -> int | None:
+    raw = plan.settings.runtime.env.get(CPU_KV_SPACE_ENV)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw) * GIB
+    except ValueError:
+        raise InputError(
+            f"runtime.env.{CPU_KV_SPACE_ENV}={raw!r} is not a whole number of GiB",
+            where=str(plan.provenance.get(f"runtime.env.{CPU_KV_SPACE_ENV}") or "runtime.env"),
+        ) from None
 
 
 def plan_fit(plan: Plan, context: int | None = None) -> Fit:
@@ -73,8 +133,7 @@ def plan_longest_context(plan: Plan, sequences: int) -> int:
     return longest_context(memory_inputs(plan), plan_layout(plan), sequences)
 
 
-@dataclass(frozen=True)
-class ComparisonRow:
+class ComparisonRow(NamedTuple):
     model: str
     kv_dtype: str
     layout: str
@@ -86,7 +145,10 @@ def comparison(plan: Plan, context: int, layouts: dict[str, Layout]) -> list[Com
     the recipe allows, in every layout, on this hardware."""
     rows = []
     for model in [plan.model, *(get_model(m) for m in plan.model.compare_with)]:
-        for dtype in model.kv_bytes_per_token:
+        planned = memory_inputs(plan).kv_dtype
+        # The plan's own cache dtype first, then the others the launch post compares.
+        dtypes = sorted(model.published_kv_bytes_per_token or [planned], key=lambda d: (d != planned, d))
+        for dtype in dtypes:
             if not _recipe_allows_kv(plan, dtype):
                 continue
             for name, layout in layouts.items():

@@ -7,7 +7,7 @@ from pathlib import Path
 from m31ctl.capacity.fit import comparison, plan_fit, plan_layout, plan_longest_context, profile_layouts
 from m31ctl.capacity.model import parse_context
 from m31ctl.cli.output import console, emit_json, table
-from m31ctl.cli.views import fit_json
+from m31ctl.cli.views import capacity_line, fit_json, sensitivity_line
 from m31ctl.plan import Plan
 
 
@@ -19,7 +19,7 @@ def run(plan: Plan, context_text: str, sequences: int | None, plot: Path | None,
     if plot is not None:
         from m31ctl.cli.plot import draw
 
-        draw(plan, profile_layouts(plan), plot)
+        draw(plan, profile_layouts(plan), plot, sensitivity_line(fit))
     if as_json:
         emit_json(
             {
@@ -43,19 +43,27 @@ def run(plan: Plan, context_text: str, sequences: int | None, plot: Path | None,
         f"{hw.count}x {hw.product}, recipe {plan.recipe.recipe}, profile {plan.profile} ({fit.layout}), "
         f"{plan.model.display_name}, {plan.settings.cache.kv_dtype} KV cache"
     )
+    out.print(capacity_line(fit))
     if fit.fits:
+        per_token = fit.kv_bytes_per_token
         out.print(
-            f"[bold]{fit.sequences}[/bold] sequences of {context} tokens stay resident "
-            f"(weights {fit.weights_per_gpu_bytes / 1e9:.1f} GB/GPU, KV budget "
-            f"{fit.kv_budget_per_gpu_bytes / 1e9:.1f} GB/GPU, {fit.kv_bytes_per_sequence / 1e9:.2f} GB/sequence)"
+            f"per GPU: weights {fit.weights_per_gpu_bytes / 1e9:.1f} GB, KV budget "
+            f"{fit.kv_budget_per_gpu_bytes / 1e9:.1f} GB; per token {per_token.total:,.0f} bytes "
+            f"(main attention {per_token.main_attention:,.0f} + indexer {per_token.indexer:,.0f}), "
+            f"{fit.kv_bytes_per_sequence / 1e9:.2f} GB a sequence"
         )
-    else:
-        out.print(f"[red]does not fit[/red]: not one {context}-token sequence fits ({fit.layout})")
+    for band in (sensitivity_line(fit), sensitivity_line(fit, published=True)):
+        if band:
+            out.print(band)
     if longest is not None:
         out.print(f"longest context for {sequences} sequences: {longest} tokens")
-    t = table(f"Resident sequences at {context} tokens", ["model", "KV cache", "layout", "sequences"])
+    t = table(
+        f"Resident sequences at {context} tokens",
+        ["model", "KV cache", "layout", "sequences", "published basis"],
+    )
     for r in rows:
-        t.add_row(r.model, r.kv_dtype, r.layout, str(r.fit.sequences))
+        basis = r.fit.sequences_published_basis
+        t.add_row(r.model, r.kv_dtype, r.layout, str(r.fit.sequences), "-" if basis is None else str(basis))
     out.print(t)
     if plot:
         out.print(f"plot written to {plot}")

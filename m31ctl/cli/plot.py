@@ -12,7 +12,8 @@ from m31ctl.plan import Plan
 CONTEXTS = [2**k for k in range(13, 21)]  # 8K .. 1M
 
 
-def draw(plan: Plan, layouts: dict[str, Layout], path: Path) -> None:
+def draw(plan: Plan, layouts: dict[str, Layout], path: Path, note: str | None = None) -> None:
+    """`note`: the sensitivity line of the plan's own figure, printed under the plot."""
     try:
         import matplotlib
 
@@ -30,18 +31,31 @@ def draw(plan: Plan, layouts: dict[str, Layout], path: Path) -> None:
     for (model, dtype, layout), rows in series.items():
         style = "-" if model == plan.model.display_name else "--"
         counts = [r.fit.sequences for r in rows]
-        ax.plot(CONTEXTS, counts, style, marker="o", label=f"{model}, {dtype} KV, {layout}")
+        line = ax.plot(CONTEXTS, counts, style, marker="o", label=f"{model}, {dtype} KV, {layout}")[0]
+        basis = [r.fit.sequences_published_basis for r in rows]
+        if all(b is not None for b in basis):
+            ax.plot(
+                CONTEXTS,
+                [b or 0 for b in basis],
+                ":",
+                color=line.get_color(),
+                linewidth=1,
+                label=f"_basis {model} {dtype} {layout}",
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_ylim(bottom=0.8)  # 0 (does not fit) falls below the axis
     ax.set_xticks(CONTEXTS, [f"{c // 1024}K" for c in CONTEXTS])
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("resident sequences")
     hw = plan.hardware
     ax.set_title(f"{hw.count}x {hw.product}: resident sequences by context")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
+    ax.set_ylabel("resident sequences")
     fig.tight_layout()
+    legend = "Markers: what the engine holds; dotted: the launch post's basis (main attention only)."
+    fig.subplots_adjust(bottom=0.18)
+    fig.text(0.01, 0.01, f"{legend}\n{note}" if note else legend, fontsize=7, ha="left", va="bottom")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)

@@ -14,7 +14,7 @@ from m31ctl.plan import Plan
 from m31ctl.plan.recipes import match_recipe
 
 if TYPE_CHECKING:
-    from m31ctl.capacity.model import Fit
+    from m31ctl.capacity.model import Band, Fit, Sensitivity
     from m31ctl.doctor import DoctorReport
     from m31ctl.engine.validate import PlanValidation
     from m31ctl.probe import ProbeReport
@@ -29,15 +29,77 @@ def hardware_json(hw: Hardware) -> dict[str, Any]:
     return data
 
 
+def _band_json(band: Band) -> dict[str, Any]:
+    return {"low": band.low, "high": band.high, "below": band.below, "above": band.above}
+
+
+def _sensitivity_json(sensitivity: Sensitivity | None) -> dict[str, Any] | None:
+    if sensitivity is None:
+        return None
+    return {
+        "gpu_memory_utilization": _band_json(sensitivity.utilization),
+        "runtime_reserve_gib": _band_json(sensitivity.reserve_gib),
+    }
+
+
 def fit_json(fit: Fit) -> dict[str, Any]:
+    per_token = fit.kv_bytes_per_token
     return {
         "layout": fit.layout,
         "context": fit.context,
         "sequences": fit.sequences,
+        "sequences_published_basis": fit.sequences_published_basis,
+        "kv_cache_tokens": fit.kv_cache_tokens,
+        "kv_blocks_per_gpu": fit.kv_blocks,
+        "kv_bytes_per_token": {
+            "per_gpu": True,
+            "main_attention": round(per_token.main_attention, 2),
+            "indexer": round(per_token.indexer, 2),
+            "total": round(per_token.total, 2),
+        },
         "weights_per_gpu_gb": round(fit.weights_per_gpu_bytes / GB, 2),
         "kv_budget_per_gpu_gb": round(fit.kv_budget_per_gpu_bytes / GB, 2),
         "kv_per_sequence_gb": round(fit.kv_bytes_per_sequence / GB, 3),
+        "sensitivity": _sensitivity_json(fit.sensitivity),
+        "sensitivity_published_basis": _sensitivity_json(fit.sensitivity_published_basis),
     }
+
+
+def capacity_line(fit: Fit) -> str:
+    """One line: what the engine holds, and the launch post's figure beside it."""
+    if not fit.fits:
+        line = f"does not fit: not one {fit.context}-token sequence fits ({fit.layout})"
+    else:
+        line = (
+            f"{fit.sequences} sequences of {fit.context} tokens stay resident ({fit.layout}; "
+            f"{fit.kv_cache_tokens:,} KV tokens per engine)"
+        )
+    if fit.sequences_published_basis is not None:
+        line += f"; {fit.sequences_published_basis} on the launch post's basis (main attention only)"
+    return line
+
+
+def sensitivity_line(fit: Fit, published: bool = False) -> str | None:
+    """'68 holds for gpu_memory_utilization 0.905-0.940 (lower: 64, higher: 72) and a runtime
+    reserve of ...': the band of each input (the other fixed) that keeps the answer."""
+    s = fit.sensitivity_published_basis if published else fit.sensitivity
+    answer = fit.sequences_published_basis if published else fit.sequences
+    if s is None:
+        return None
+
+    def edges(band: Band, lower: str, higher: str) -> str:
+        parts = [f"{lower}: {band.below}" if band.below is not None else None]
+        parts.append(f"{higher}: {band.above}" if band.above is not None else None)
+        shown = [p for p in parts if p]
+        return f" ({', '.join(shown)})" if shown else ""
+
+    u, r = s.utilization, s.reserve_gib
+    label = f"{answer} (launch post's basis)" if published else str(answer)
+    return (
+        f"{label} holds for gpu_memory_utilization {u.low:.3f}-{u.high:.3f}"
+        f"{edges(u, 'lower', 'higher')} and a runtime reserve of {r.low:.1f}-{r.high:.1f} GiB"
+        f"{edges(r, 'less', 'more')}"
+    )
 
 
 def plan_json(plan: Plan, fit: Fit | None) -> dict[str, Any]:
@@ -98,12 +160,7 @@ def print_plan(plan: Plan, fit: Fit | None, explain: bool) -> None:
         t.add_row(*row)
     out.print(t)
     if fit:
-        line = (
-            f"{fit.sequences} sequences of {fit.context} tokens stay resident ({fit.layout})"
-            if fit.fits
-            else f"does not fit: not one {fit.context}-token sequence fits ({fit.layout})"
-        )
-        out.print(Text(f"Capacity: {line}"))
+        out.print(Text(f"Capacity: {capacity_line(fit)}"))
     inv = build_invocation(plan)
     requirements = plan.recipe.recommended
     if requirements.cuda_driver:

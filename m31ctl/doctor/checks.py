@@ -364,7 +364,13 @@ def capacity(ctx: Context) -> Outcome:
     if warning:
         return Outcome("warn", warning, "lower serving.max_model_len / max_num_seqs or add GPUs")
     fit = plan_fit(plan)
-    return Outcome("ok", f"{fit.sequences} sequences of {fit.context} tokens fit ({fit.layout})")
+    basis = fit.sequences_published_basis
+    published = "" if basis is None else f"; {basis} on the launch post's basis (main attention only)"
+    return Outcome(
+        "ok",
+        f"{fit.sequences} sequences of {fit.context} tokens fit ({fit.layout}, "
+        f"{fit.kv_cache_tokens:,} KV tokens per engine){published}",
+    )
 
 
 def all_checks() -> list[Check]:

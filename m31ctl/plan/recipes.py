@@ -260,6 +260,25 @@ def defaults_layer() -> Layer:
     return layer_from_data(data)
 
 
+class Sourced(_Frozen):
+    """A model fact with where it comes from: a number nobody can trace is a guess."""
+
+    value: int | str
+    source: str = Field(min_length=8)
+
+
+class ModelGeometry(_Frozen):
+    """What sizes the KV cache (docs/capacity.md): per layer, per token."""
+
+    layers: Sourced
+    kv_heads: Sourced
+    head_dim: Sourced
+    dtype: Sourced  # what an "auto" cache dtype stores
+    # MSA sparse attention: layers with an indexer key cache, and its vector size.
+    sparse_layers: Sourced | None = None
+    indexer_dim: Sourced | None = None
+
+
 class ModelFacts(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
     id: str
@@ -270,7 +289,9 @@ class ModelFacts(BaseModel):
     checkpoint_gb: float
     expert_weights: str
     dense_weights: str
-    kv_bytes_per_token: dict[str, int]
+    # The launch post's KV bytes per token (main attention only): the published basis.
+    published_kv_bytes_per_token: dict[str, int] = Field(default_factory=dict)
+    geometry: ModelGeometry
     max_context: int
     modalities: tuple[str, ...]
     draft: dict[str, str] | None = None

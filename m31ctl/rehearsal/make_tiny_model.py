@@ -10,7 +10,6 @@ environment or inside the rehearsal image:
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 # head_dim 64: vLLM's CPU attention kernel rejects 16 (vllm-engine-facts.md).
@@ -73,7 +72,9 @@ def corpus() -> list[str]:
     return [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 4
 
 
-def make(directory: Path) -> None:
+def make(directory: Path, kv_heads: int = 4) -> None:
+    """kv_heads below the tensor-parallel size makes vLLM replicate KV heads across ranks (the
+    capacity model's replication case); the default matches the rehearsal recipe."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -95,8 +96,9 @@ def make(directory: Path) -> None:
     fast.save_pretrained(directory)
 
     torch.manual_seed(0)
+    geometry = {**CONFIG, "num_key_value_heads": kv_heads}
     config = LlamaConfig(
-        **CONFIG,
+        **geometry,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id,
@@ -105,12 +107,16 @@ def make(directory: Path) -> None:
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
     (directory / "m31ctl-rehearsal.json").write_text(
-        json.dumps({"made_by": "m31ctl", **CONFIG}, indent=1) + "\n"
+        json.dumps({"made_by": "m31ctl", **geometry}, indent=1) + "\n"
     )
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: make_tiny_model.py DIR")
-    make(Path(sys.argv[1]))
-    print(f"tiny model written to {sys.argv[1]}")
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Make the CPU rehearsal's tiny model.")
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--kv-heads", type=int, default=4, choices=(1, 2, 4))
+    ns = parser.parse_args()
+    make(ns.directory, ns.kv_heads)
+    print(f"tiny model written to {ns.directory}")
