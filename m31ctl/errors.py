@@ -96,6 +96,10 @@ class NotReadyError(M31Error):
     exit_code = ExitCode.NOT_READY
 
 
+class ServerDied(NotReadyError):
+    """The server exited (or was restarted) while loading."""
+
+
 class CheckFailed(M31Error):
     """A check ran and found drift or failures; not a usage error."""
 

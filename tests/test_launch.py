@@ -153,12 +153,27 @@ def test_port_in_use(deployment):
     assert result.returncode == 4 and f"port 127.0.0.1:{deployment.port} is in use" in result.stderr
 
 
-def test_crash_while_loading_is_diagnosed(deployment, images):
+def test_crash_while_loading_is_diagnosed(deployment, images, docker_client):
     result = run_cli(*deployment.args("--timeout", "60", image=images["oom"]))
     assert result.returncode == 5
     assert "out of GPU memory" in result.stderr
     assert "CUDA out of memory" in result.stderr  # the last log lines are shown
     assert "Traceback" not in result.stderr
+    # Left stopped with its logs, not crash-looping under the restart policy; the message says how
+    # to retry.
+    assert (
+        f"m31ctl logs --name {deployment.name}" in result.stderr
+        and "m31ctl launch replaces it" in result.stderr
+    )
+    time.sleep(3)
+    container = docker_client.containers.get(deployment.name)
+    assert container.status == "exited"
+    assert container.attrs["HostConfig"]["RestartPolicy"]["Name"] == "no"
+    restarts = container.attrs["RestartCount"]
+    time.sleep(3)
+    container.reload()
+    assert container.status == "exited" and container.attrs["RestartCount"] == restarts
+    assert "CUDA out of memory" in run_cli("logs", "--name", deployment.name).stdout
 
 
 def test_timeout_says_still_loading(deployment, images):
@@ -235,3 +250,23 @@ def test_container_removed_while_waiting_is_a_dead_server(deployment, docker_cli
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 5, err
     assert "removed while starting" in err and "internal error" not in err and "Traceback" not in err
+
+
+def test_concurrent_launches_of_one_plan_make_one_container(deployment, docker_client):
+    """Four launches of the same plan at once (same name, same port): exactly one container; every
+    launch ends converged on it (exit 0) or reports the conflict (exit 4); none removes another's
+    container, none ends in an internal error."""
+    argv = [sys.executable, "-m", "m31ctl", *deployment.args("--json", delay=3)]
+    procs = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)
+    ]
+    results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    codes = [code for code, _out, _err in results]
+    assert set(codes) <= {0, 4}, [(c, e[-500:]) for c, _o, e in results]
+    assert 0 in codes
+    ours = [c for c in docker_client.containers.list(all=True) if c.name == deployment.name]
+    assert len(ours) == 1 and ours[0].status == "running"
+    for code, out, err in results:
+        assert "Traceback" not in err and "internal error" not in err
+        if code == 0:
+            assert json.loads(out)["action"] in ("created", "adopted", "unchanged")

@@ -71,14 +71,27 @@ def _fail(exc: M31Error, as_json: bool) -> int:
         from m31ctl.cli.output import emit_json
 
         emit_json(exc.to_json())
+    from m31ctl.redact import redact
+
     for line in exc.details:
-        sys.stderr.write(f"m31ctl: {line}\n")
+        _stderr(f"m31ctl: {redact(line)}\n")
     return _say(exc.one_line(), exc.exit_code)
 
 
 def _say(message: str, code: int) -> int:
-    sys.stderr.write(f"m31ctl: error: {message}\n")
+    from m31ctl.redact import redact
+
+    _stderr(f"m31ctl: error: {redact(message)}\n")
     return int(code)
+
+
+def _stderr(text: str) -> None:
+    """Write to stderr if there is one: a closed stderr (`2>&-`) must not change the exit code."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 def _silence_stdout() -> None:

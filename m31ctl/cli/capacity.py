@@ -13,8 +13,12 @@ from m31ctl.plan import Plan
 
 def run(plan: Plan, context_text: str, sequences: int | None, plot: Path | None, as_json: bool) -> None:
     context = parse_context(context_text)
+    if plot is not None:
+        from m31ctl.cli.plot import check_path
+
+        check_path(plot)
     fit = plan_fit(plan, context)
-    longest = plan_longest_context(plan, sequences) if sequences else None
+    longest = plan_longest_context(plan, sequences) if sequences is not None else None
     rows = comparison(plan, context, profile_layouts(plan))
     if plot is not None:
         from m31ctl.cli.plot import draw
@@ -28,7 +32,9 @@ def run(plan: Plan, context_text: str, sequences: int | None, plot: Path | None,
                 "profile": plan.profile,
                 "layout": plan_layout(plan).label(),
                 "fit": fit_json(fit),
-                "longest_context": {"sequences": sequences, "tokens": longest} if sequences else None,
+                "longest_context": {"sequences": sequences, "tokens": longest}
+                if sequences is not None
+                else None,
                 "comparison": [
                     {**fit_json(r.fit), "model": r.model, "kv_dtype": r.kv_dtype, "layout": r.layout}
                     for r in rows

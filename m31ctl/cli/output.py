@@ -8,7 +8,9 @@ from typing import Any
 
 
 def emit_json(payload: Any) -> None:
-    sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    from m31ctl.redact import redact_data
+
+    sys.stdout.write(json.dumps(redact_data(payload), indent=2, sort_keys=True) + "\n")
 
 
 def console(stderr: bool = False) -> Any:
@@ -16,9 +18,16 @@ def console(stderr: bool = False) -> Any:
 
     from rich.console import Console
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            # rich exits 1 here; a reader that stopped early (`| head`) is not a failed check, and
+            # cli.main maps a closed pipe to exit 0, as for JSON output.
+            self.quiet = True
+            raise BrokenPipeError
+
     # Pipes and CI logs get a wide page rather than rich's 80-column guess.
     width = shutil.get_terminal_size((140, 24)).columns
-    return Console(stderr=stderr, highlight=False, width=max(width, 100))
+    return _Console(stderr=stderr, highlight=False, width=max(width, 100))
 
 
 def table(title: str | None, columns: list[str]) -> Any:

@@ -10,6 +10,13 @@ from m31ctl.errors import InputError
 from m31ctl.plan import Plan
 
 CONTEXTS = [2**k for k in range(13, 21)]  # 8K .. 1M
+FORMATS = (".png", ".svg", ".pdf")
+
+
+def check_path(path: Path) -> None:
+    """Refuse before any work: a name matplotlib would change (no suffix gets .png) or cannot write."""
+    if path.suffix.lower() not in FORMATS:
+        raise InputError(f"--plot {path}: use a file name ending in {', '.join(FORMATS)}")
 
 
 def draw(plan: Plan, layouts: dict[str, Layout], path: Path, note: str | None = None) -> None:
@@ -56,6 +63,10 @@ def draw(plan: Plan, layouts: dict[str, Layout], path: Path, note: str | None = 
     legend = "Markers: what the engine holds; dotted: the launch post's basis (main attention only)."
     fig.subplots_adjust(bottom=0.18)
     fig.text(0.01, 0.01, f"{legend}\n{note}" if note else legend, fontsize=7, ha="left", va="bottom")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    except OSError as exc:
+        raise InputError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)

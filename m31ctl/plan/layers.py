@@ -67,6 +67,12 @@ def parse_set(expr: str, index: int) -> Layer:
                 hint="quote the whole argument for the shell, e.g. --set 'engine.extra_args=[\"--x\"]'",
             ) from None
         value = raw
+    except (ValueError, RecursionError):
+        # json's own limits: integers over 4,300 digits, arrays nested past the recursion limit.
+        raise InputError(
+            f"--set {key}: the value is too large or too deeply nested",
+            hint="settings are small numbers, strings and short lists",
+        ) from None
     source = Source("--set", detail=f"--set #{index}")
     return flatten_value(value, source, key)
 

@@ -113,6 +113,15 @@ def _validation_error(exc: ValidationError, merged: Layer) -> InputError:
     loc = tuple(str(p) for p in err["loc"])
     dotted = ".".join(loc)
     setting = merged.get(dotted)
+    for cut in range(len(loc) - 1, 0, -1):  # an item inside a list setting: name the setting
+        if setting is not None:
+            break
+        owner = ".".join(loc[:cut])
+        if owner in merged:
+            setting = merged[owner]
+            item = "".join(f"[{part}]" for part in loc[cut:])
+            message = str(err["msg"]).removeprefix("Value error, ")
+            return InputError(f"{owner}{item}: {message}", where=str(setting.source))
     if setting is None:  # an error on a whole section: blame the last layer that touched it
         touching = [s for k, s in merged.items() if k.startswith(dotted + ".") or not dotted]
         setting = touching[-1] if touching else None

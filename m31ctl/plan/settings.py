@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from m31ctl.names import name_problem
 from m31ctl.units import Size
 
 
+# Counts are StrictInt: lax mode would read `tensor: true` as 1 and `"8"` as 8.
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
@@ -39,10 +41,10 @@ _POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Parallelism(_Frozen):
-    tensor: int = Field(1, ge=1, le=64)
-    data: int = Field(1, ge=1, le=1024)
+    tensor: StrictInt = Field(1, ge=1, le=64)
+    data: StrictInt = Field(1, ge=1, le=1024)
     expert: bool = False
-    decode_context: int = Field(1, ge=1)
+    decode_context: StrictInt = Field(1, ge=1)
     # Fill the host: replicate the layout with data parallelism over every GPU of the host
     # (TP4 on 8 GPUs becomes DP2 x TP4 in one server); resolved against the hardware.
     fill_host: bool = False
@@ -68,12 +70,12 @@ class Parallelism(_Frozen):
 class CacheSettings(_Frozen):
     kv_dtype: CacheDtype = "auto"
     indexer_dtype: CacheDtype = "auto"
-    block_size: int | None = Field(None, ge=1)
+    block_size: StrictInt | None = Field(None, ge=1)
 
 
 class SpeculativeSettings(_Frozen):
     method: Literal["none", "dspark"] = "none"
-    tokens: int | None = Field(None, ge=1, le=16)
+    tokens: StrictInt | None = Field(None, ge=1, le=16)
     draft_attention_backend: str | None = None
     draft_sampling: Literal["greedy", "probabilistic"] | None = None
 
@@ -128,20 +130,22 @@ class Multimodal(_Frozen):
 
 
 class Serving(_Frozen):
-    max_model_len: int = Field(262144, ge=1)
-    max_num_seqs: int | None = Field(None, ge=1)
+    max_model_len: StrictInt = Field(262144, ge=1)
+    max_num_seqs: StrictInt | None = Field(None, ge=1)
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     trust_remote_code: bool = False
-    shutdown_timeout: int = Field(30, ge=0, description="seconds vLLM drains in-flight requests on SIGTERM")
+    shutdown_timeout: StrictInt = Field(
+        30, ge=0, description="seconds vLLM drains in-flight requests on SIGTERM"
+    )
 
 
 class Runtime(_Frozen):
     # --set runtime.env.X=1 parses 1 as JSON; environment values are strings all the same.
     model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True, defer_build=True)
 
-    port: int = Field(8000, ge=1, le=65535)
+    port: StrictInt = Field(8000, ge=1, le=65535)
     # Loopback by default: an open port on all interfaces is a deliberate choice with a key.
     bind: str = "127.0.0.1"
     # Serve with an API key read from VLLM_API_KEY at start (by reference; never in argv).
@@ -153,11 +157,21 @@ class Runtime(_Frozen):
     seccomp_unconfined: bool = False
     # Container ulimits (soft = hard; -1 = unlimited). Unlimited locked memory serves pinned host
     # buffers and RDMA; NVIDIA's container guide asks for a 64 MB stack.
-    ulimits: dict[str, int] = Field(default_factory=lambda: {"memlock": -1, "stack": 67108864})
-    startup_timeout: int = Field(3600, ge=1, description="seconds allowed for download, load and compile")
+    ulimits: dict[str, StrictInt] = Field(default_factory=lambda: {"memlock": -1, "stack": 67108864})
+    startup_timeout: StrictInt = Field(
+        3600, ge=1, description="seconds allowed for download, load and compile"
+    )
     env: dict[str, str] = Field(default_factory=dict)
     # `launch --runtime native`: the Python that has vLLM (default: the one running m31ctl).
     native_python: str | None = None
+
+    @field_validator("container_name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        problem = name_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _exposed_needs_key(self) -> Runtime:

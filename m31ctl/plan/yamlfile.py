@@ -38,6 +38,8 @@ def compose_yaml(text: str, file: str) -> yaml.Node | None:
         ) from None
     except yaml.YAMLError as exc:
         raise InputError(f"invalid YAML: {exc}", where=file) from None
+    except RecursionError:
+        raise InputError("the YAML is nested too deeply", where=file) from None
     if node is not None:
         _refuse_aliases(node, file)
     return node
@@ -77,6 +79,13 @@ def construct(node: yaml.Node, file: str = "<yaml>") -> Any:
             f"unsupported YAML: {exc.problem}",
             where=f"{file}:{mark.line + 1}",
             hint="plain scalars, lists and mappings only (no !!python or other tags)",
+        ) from None
+    except (ValueError, RecursionError):
+        # Python's limits: integers over 4,300 digits, structures nested past the recursion limit.
+        raise InputError(
+            "a value is too large or too deeply nested",
+            where=f"{file}:{node.start_mark.line + 1}",
+            hint="settings are small numbers, strings and short lists",
         ) from None
 
 

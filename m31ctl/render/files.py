@@ -21,6 +21,9 @@ def write(directory: Path, artifacts: Sequence[Artifact], force: bool) -> list[t
     """Write every artifact or none: conflicts are found before the first write."""
     plan: list[tuple[Path, Artifact, str]] = []
     for artifact in artifacts:
+        if Path(artifact.name).name != artifact.name or artifact.name in ("", ".", ".."):
+            # Names come from validated settings; a path here would write outside DIR.
+            raise InputError(f"refusing to write {artifact.name!r}: not a plain file name")
         path = directory / artifact.name
         current = _existing(path)
         if current == artifact.content:
@@ -38,7 +41,10 @@ def write(directory: Path, artifacts: Sequence[Artifact], force: bool) -> list[t
         raise InputError(f"cannot create {directory}: {exc.strerror}") from None
     for path, artifact, state in plan:
         if state != "unchanged":
-            _write_atomic(path, artifact.content, artifact.mode)
+            try:
+                _write_atomic(path, artifact.content, artifact.mode)
+            except OSError as exc:  # a read-only or full file system: nothing half-written stays
+                raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
     return [(path, state) for path, _artifact, state in plan]
 
 

@@ -22,6 +22,7 @@ from m31ctl.errors import (
     InputError,
     M31Error,
 )
+from m31ctl.names import check_name
 from m31ctl.runtime.base import Reporter, Runtime, ServerStatus
 
 # name -> (module, class): imported on use, so the Docker SDK loads only when Docker is asked.
@@ -69,6 +70,8 @@ def survey(runtime: str | None = None) -> Survey:
 
 def select(name: str | None, runtime: str | None) -> tuple[list[ServerStatus], Survey]:
     """The servers a command acts on: the named one wherever it runs, or all of ours."""
+    if name is not None:
+        check_name(name, "--name")
     found = survey(runtime)
     chosen = [s for s in found.servers if name is None or s.name == name]
     if name is not None and not chosen:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from m31ctl.container import OWNER, ContainerSpec, Label, container_spec
-from m31ctl.errors import ConflictError, HostPreconditionError, M31Error
+from m31ctl.errors import ConflictError, HostPreconditionError, M31Error, ServerDied
 from m31ctl.netaddr import local_url
 from m31ctl.plan import Plan
 from m31ctl.render.dockercli import docker_run_argv
@@ -192,30 +192,73 @@ class DockerRuntime:
         if decision.action is Action.UNCHANGED:
             return result(Action.UNCHANGED, True)
         if decision.action is Action.ADOPT and container is not None:
-            options.report(f"{spec.name} runs this plan already; waiting for it")
-            if container.status == "created":
-                container.start()
-            if options.detach:
-                return result(Action.ADOPT, False)
-            timings, phases = wait_ready(
-                ContainerHandle(container), endpoint(spec), served, timeout, options.report, api_key
-            )
-            return result(Action.ADOPT, True, timings, phases)
+            return self._adopt(container, spec, served, timeout, api_key, options, result)
         if decision.action is Action.RECREATE and container is not None:
             options.report(f"removing {spec.name} ({decision.reason})")
-            container.remove(force=True)
-        ensure_port_free(spec.bind, spec.host_port)
-        _ensure_image(client, spec.image, options.report, options.pull_progress)
-        started = time.monotonic()
-        created = _create_and_start(client, spec, environ)
+            engine_api.remove_if_present(container)
+        try:
+            ensure_port_free(spec.bind, spec.host_port)
+            _ensure_image(client, spec.image, options.report, options.pull_progress)
+            started = time.monotonic()
+            created = _create_and_start(client, spec, environ)
+        except ConflictError:
+            # Another launch of this name won the race (the engine's create-by-name is atomic; the
+            # port check sees its container once it starts): join it when it runs this plan.
+            winner = engine_api.find_container(client, spec.name)
+            joined = decide(_existing(winner, spec, api_key, served), plan.hash)
+            if winner is None or joined.action not in (Action.ADOPT, Action.UNCHANGED):
+                raise
+            if joined.action is Action.UNCHANGED:
+                return result(Action.UNCHANGED, True)
+            return self._adopt(winner, spec, served, timeout, api_key, options, result)
         options.report(f"started {spec.name} ({created.short_id}) from {spec.image}")
         if options.detach:
             return result(decision.action, False)
-        timings, phases = wait_ready(
-            ContainerHandle(created), endpoint(spec), served, timeout, options.report, api_key
-        )
+        timings, phases = self._wait(created, spec, served, timeout, options, api_key)
         timings["total_since_create"] = time.monotonic() - started
         return result(decision.action, True, timings, phases)
+
+    def _adopt(
+        self,
+        container: Any,
+        spec: ContainerSpec,
+        served: str,
+        timeout: float,
+        api_key: str | None,
+        options: LaunchOptions,
+        result: Callable[..., LaunchResult],
+    ) -> LaunchResult:
+        options.report(f"{spec.name} runs this plan already; waiting for it")
+        if container.status == "created":
+            container.start()  # a second start of a started container is a no-op (304)
+        if options.detach:
+            return result(Action.ADOPT, False)
+        timings, phases = self._wait(container, spec, served, timeout, options, api_key)
+        return result(Action.ADOPT, True, timings, phases)
+
+    def _wait(
+        self,
+        container: Any,
+        spec: ContainerSpec,
+        served: str,
+        timeout: float,
+        options: LaunchOptions,
+        api_key: str | None,
+    ) -> tuple[dict[str, float], tuple[str, ...]]:
+        try:
+            return wait_ready(
+                ContainerHandle(container), endpoint(spec), served, timeout, options.report, api_key
+            )
+        except ServerDied as exc:
+            # Leave a server that died while loading stopped, with its logs: under a restart policy
+            # it would load (and die) again and again, each time re-reading the checkpoint.
+            engine_api.stop_for_good(container)
+            retry = (
+                f"it is stopped, with its logs (m31ctl logs --name {spec.name}); m31ctl launch replaces it"
+            )
+            raise ServerDied(
+                exc.message, hint=f"{exc.hint}; {retry}" if exc.hint else retry, details=exc.details
+            ) from None
 
     def servers(self) -> list[ServerStatus]:
         with engine_api.engine_boundary("listing containers"):
@@ -297,21 +340,33 @@ def _status(container: Any) -> ServerStatus:
 
 
 def _create_and_start(client: Any, spec: ContainerSpec, environ: dict[str, str]) -> Any:
+    """Create then start. A name taken meanwhile is a ConflictError (the caller may join the
+    winner); a container of ours that fails to start is removed by its id, never by name, so a
+    concurrent launch's container is never touched."""
     try:
         container = create_container(client, spec, environ)
-        container.start()
-        return container
     except Exception as exc:
-        text = engine_api.api_error_text(exc)
-        if text is None:
-            raise
-        d = diagnose(text, None, False)
-        leftover = engine_api.find_container(client, spec.name)
-        if leftover is not None and leftover.status == "created" and _ours(leftover):
-            leftover.remove(force=True)  # a container that never started is no state to keep
-        raise HostPreconditionError(
-            f"Docker could not start {spec.name}: {d.cause} ({text[:200]})", hint=d.remedy
-        ) from None
+        if engine_api.is_conflict(exc):
+            raise ConflictError(
+                f"a container named {spec.name} was created meanwhile", hint="pass --name to use another name"
+            ) from None
+        raise _start_error(exc, spec) from None
+    try:
+        container.start()
+    except Exception as exc:
+        engine_api.remove_if_present(container)  # ours, by id: it never started, no state to keep
+        raise _start_error(exc, spec) from None
+    return container
+
+
+def _start_error(exc: Exception, spec: ContainerSpec) -> Exception:
+    text = engine_api.api_error_text(exc)
+    if text is None:
+        return exc
+    d = diagnose(text, None, False)
+    return HostPreconditionError(
+        f"Docker could not start {spec.name}: {d.cause} ({text[:200]})", hint=d.remedy
+    )
 
 
 def _ensure_image(client: Any, image: str, report: Reporter, progress: PullProgress) -> None:

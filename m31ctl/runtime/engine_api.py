@@ -95,6 +95,32 @@ def is_not_found(exc: BaseException) -> bool:
     return isinstance(exc, NotFound)
 
 
+def is_conflict(exc: BaseException) -> bool:
+    """The engine refused because the name is taken (HTTP 409): its create-by-name is atomic."""
+    from docker.errors import APIError
+
+    return isinstance(exc, APIError) and exc.status_code == 409
+
+
+def remove_if_present(container: Any) -> None:
+    """Force-remove this container (by id); one removed meanwhile is removed all the same."""
+    from docker.errors import NotFound
+
+    with contextlib.suppress(NotFound):
+        container.remove(force=True)
+
+
+def stop_for_good(container: Any) -> None:
+    """Stop a container and take its restart policy away, keeping it and its logs."""
+    from docker.errors import APIError
+
+    try:
+        container.update(restart_policy={"Name": "no"})
+        container.stop(timeout=10)
+    except APIError:
+        pass  # gone meanwhile, or stopped already: nothing is restarting it
+
+
 def local_image(client: Any, name: str) -> Any | None:
     from docker.errors import ImageNotFound
 

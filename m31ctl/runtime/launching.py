@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from m31ctl.errors import ConflictError, HostPreconditionError
+from m31ctl.errors import ConflictError, HostPreconditionError, InputError
 from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
 from m31ctl.runtime.base import LaunchOptions
@@ -23,6 +23,11 @@ def api_key_for(plan: Plan, environ: Mapping[str, str]) -> str | None:
         raise HostPreconditionError(
             f"runtime.api_key is set but {API_KEY_ENV} is not in the environment",
             hint=f"export {API_KEY_ENV} before launching",
+        )
+    if "\r" in key or "\n" in key:
+        raise InputError(
+            f"{API_KEY_ENV} holds a line break, which no HTTP header can carry",
+            hint="fix the variable's value",
         )
     return key
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from m31ctl.engine.adapter import build_invocation, native_command
 from m31ctl.errors import CheckFailed, HostPreconditionError
+from m31ctl.names import check_name, name_problem
 from m31ctl.netaddr import local_url
 from m31ctl.plan import Plan
 from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Reporter, ServerStatus
@@ -53,12 +54,18 @@ class NativeServer:
     argv: tuple[str, ...]
     started_at: float
     stop_timeout: int
+    # Which process the pid meant when we started it (boot id and kernel start time): after a
+    # crash or a reboot the pid may belong to someone else, whom status must not show and stop
+    # must never signal. None on a system without /proc (the pid alone is trusted there).
+    identity: str | None = None
 
     @property
     def base(self) -> str:
         return local_url(self.bind, self.port)
 
     def alive(self) -> bool:
+        if self.identity is not None and process_identity(self.pid) != self.identity:
+            return False  # gone, or the pid was reused by another process
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -66,6 +73,18 @@ class NativeServer:
         except PermissionError:
             return True
         return _not_zombie(self.pid)
+
+
+def process_identity(pid: int) -> str | None:
+    """'BOOT_ID:STARTTIME' of a live process: the kernel's start time (in clock ticks since boot,
+    field 22 of /proc/PID/stat) is fixed for the life of a process and differs for a reused pid."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
 
 
 def _not_zombie(pid: int) -> bool:
@@ -77,7 +96,8 @@ def _not_zombie(pid: int) -> bool:
 
 
 def _path(name: str) -> Path:
-    return state_dir() / f"{name}.json"
+    # Names are checked at plan time; checked again here because this one becomes a file path.
+    return state_dir() / f"{check_name(name, 'server name')}.json"
 
 
 def load(name: str) -> NativeServer | None:
@@ -94,7 +114,7 @@ def recorded() -> list[NativeServer]:
     directory = state_dir()
     if not directory.is_dir():
         return []
-    found = [load(p.stem) for p in sorted(directory.glob("*.json"))]
+    found = [load(p.stem) for p in sorted(directory.glob("*.json")) if name_problem(p.stem) is None]
     return [s for s in found if s is not None]
 
 
@@ -217,6 +237,7 @@ class NativeRuntime:
             argv=tuple(argv),
             started_at=time.time(),
             stop_timeout=plan.settings.serving.shutdown_timeout + 30,
+            identity=process_identity(child.pid),
         )
         _save(server)
         options.report(f"started {name} (pid {child.pid}): {' '.join(argv[:3])}; log {log_path}")

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from m31ctl.errors import NotReadyError
+from m31ctl.errors import NotReadyError, ServerDied
 from m31ctl.runtime.base import Reporter
 from m31ctl.runtime.exits import diagnose, phase
 
@@ -118,7 +118,7 @@ def died(handle: ServerHandle, state: ProcessState) -> None:
     d = diagnose(tail, state.exit_code, state.oom_killed)
     lines = tuple(tail.rstrip().splitlines()[-LOG_TAIL_ON_FAILURE:])
     how = "restarted" if state.restarted else f"exited (code {state.exit_code})"
-    raise NotReadyError(
+    raise ServerDied(
         f"{handle.name} {how} while starting: {d.cause}",
         hint=d.remedy,
         details=(f"the {handle.kind} {how} while starting; last log lines:", *("    " + ln for ln in lines)),

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from m31ctl.errors import CheckFailed, HostPreconditionError
+from m31ctl.errors import CheckFailed, HostPreconditionError, InputError
 
 PROMPT = "Say hello to the platform team in one short sentence."
 
@@ -62,20 +62,37 @@ def run(base: str, model: str | None, max_tokens: int = 16, timeout: float = 120
     import httpx
 
     key = os.environ.get("VLLM_API_KEY")
+    if key and ("\r" in key or "\n" in key):
+        raise InputError(
+            "VLLM_API_KEY holds a line break, which no HTTP header can carry", hint="fix the variable's value"
+        )
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    with httpx.Client(base_url=base, headers=headers, timeout=timeout) as client:
-        try:
-            listed = client.get("/v1/models")
-        except httpx.HTTPError as exc:
-            raise HostPreconditionError(
-                f"{base} does not answer ({exc})", hint="is the server up? `m31ctl status`"
-            ) from None
+    try:
+        client = httpx.Client(base_url=base, headers=headers, timeout=timeout)
+    except httpx.InvalidURL as exc:
+        raise InputError(f"bad server URL {base!r}: {exc}", hint="e.g. --url http://127.0.0.1:8000") from None
+    try:
+        listed = client.get("/v1/models")
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+        client.close()
+        raise InputError(f"bad server URL {base!r}: {exc}", hint="e.g. --url http://127.0.0.1:8000") from None
+    except httpx.HTTPError as exc:
+        client.close()
+        raise HostPreconditionError(
+            f"{base} does not answer ({exc})", hint="is the server up? `m31ctl status`"
+        ) from None
+    try:
         if listed.status_code != 200:
             raise CheckFailed(
                 f"{base}/v1/models answered {listed.status_code}",
                 hint="set VLLM_API_KEY if the server has a key",
             )
-        ids = [m["id"] for m in listed.json().get("data", [])]
+        served = _object(listed).get("data")
+        if not isinstance(served, list):
+            raise CheckFailed(
+                f"{base}/v1/models did not answer an OpenAI model list", hint="is it a vLLM server?"
+            )
+        ids = [str(m.get("id")) for m in served if isinstance(m, dict)]
         model = model or (ids[0] if ids else "")
         report = SmokeReport(base, model)
         report.check("models", model in ids, f"served: {', '.join(ids) or 'none'}")
@@ -86,11 +103,17 @@ def run(base: str, model: str | None, max_tokens: int = 16, timeout: float = 120
             "temperature": 0,
         }
         start = time.perf_counter()
-        response = client.post("/v1/chat/completions", json=body)
+        try:
+            response = client.post("/v1/chat/completions", json=body)
+        except httpx.HTTPError as exc:
+            report.check("chat", False, f"no answer: {exc}")
+            return report
         report.latency_s = time.perf_counter() - start
-        data = response.json() if response.status_code == 200 else {}
-        choice = (data.get("choices") or [{}])[0]
-        message = choice.get("message") or {}
+        data = _object(response) if response.status_code == 200 else {}
+        choices = data.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        found = choice.get("message")
+        message: dict[str, Any] = found if isinstance(found, dict) else {}
         report.check(
             "chat",
             response.status_code == 200
@@ -102,10 +125,30 @@ def run(base: str, model: str | None, max_tokens: int = 16, timeout: float = 120
         ok, detail = _usage_ok(data.get("usage"))
         report.check("chat-usage", ok, detail)
         _stream(client, {**body, "stream": True, "stream_options": {"include_usage": True}}, report)
+    finally:
+        client.close()
     return report
 
 
+def _object(response: Any) -> dict[str, Any]:
+    """The response's JSON object, or {} for a body that is not one (an HTML error page, a proxy)."""
+    try:
+        data = response.json()
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _stream(client: Any, body: dict[str, Any], report: SmokeReport) -> None:
+    import httpx
+
+    try:
+        _read_stream(client, body, report)
+    except (httpx.HTTPError, ValueError) as exc:  # a stream cut short, or a line that is not JSON
+        report.check("stream", False, f"the stream broke: {type(exc).__name__}: {exc}")
+
+
+def _read_stream(client: Any, body: dict[str, Any], report: SmokeReport) -> None:
     start = time.perf_counter()
     first: float | None = None
     last: float | None = None
@@ -122,6 +165,8 @@ def _stream(client: Any, body: dict[str, Any], report: SmokeReport) -> None:
                 done = True
                 break
             event = json.loads(payload)
+            if not isinstance(event, dict):
+                raise ValueError(f"a stream event is not a JSON object: {payload[:80]}")
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event.get("choices") or []:
