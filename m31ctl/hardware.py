@@ -217,6 +217,9 @@ def cpu_host() -> Hardware:
     )
 
 
+# A simulated host holds at most this many GPUs (the largest single systems have 8-16; an NVL72
+# rack is several hosts): a bound, so `--hardware b300x99999999999` cannot allocate without end.
+MAX_GPUS_PER_HOST = 64
 _HW_SPEC = re.compile(r"^(?P<product>[a-z0-9]+?)x(?P<count>[0-9]+)$")
 
 
@@ -234,9 +237,12 @@ def simulated(spec: str) -> Hardware:
             f"unknown --hardware {spec!r}",
             hint=f"{hint}use PRODUCTxCOUNT with PRODUCT one of {', '.join(PRODUCTS)}",
         )
-    count = int(match.group("count"))
-    if count < 1:
-        raise InputError(f"--hardware {spec!r}: the GPU count must be at least 1")
+    count = int(match.group("count")[:6])  # the digits past a sane count are never converted
+    if not 1 <= count <= MAX_GPUS_PER_HOST or len(match.group("count")) > 6:
+        raise InputError(
+            f"--hardware {spec!r}: the GPU count must be from 1 to {MAX_GPUS_PER_HOST}",
+            hint="a host, not a cluster: e.g. b300x4 or h200x8 (multi-node layouts render to --target k8s)",
+        )
     fam = family_for(product.arch)
     vendor = "amd" if product.arch.startswith("gfx") else "nvidia"
     memory = product.memory_mib * MIB

@@ -339,3 +339,50 @@ def _writable(directory: Path) -> bool:
         return False
     (directory / ".probe").unlink()
     return True
+
+
+def test_huge_gpu_count_is_refused_without_allocating():
+    start = time.monotonic()
+    result = run_cli("plan", "--hardware", "b300x99999999999999999999")
+    assert result.returncode == 2 and time.monotonic() - start < 10, result.stderr
+
+
+def test_schema_version_holding_a_path_is_bad_input():
+    result = run_cli("plan", "--hardware", "b300x4", "--set", "engine.schema_version=../../../etc/passwd")
+    assert result.returncode == 2 and "internal" not in result.stderr, result.stderr
+
+
+def test_corrupt_native_state_file_is_ignored(tmp_path):
+    directory = tmp_path / "state" / "native"
+    directory.mkdir(parents=True)
+    (directory / "m31ctl-broken.json").write_bytes(b"\xff\xfe{not json")
+    (directory / "..evil.json").write_text("{}")
+    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
+    result = run_cli("status", "--runtime", "native", "--json", env=env)
+    assert result.returncode == 0 and json.loads(result.stdout)["containers"] == [], result.stderr
+
+
+def test_render_check_refuses_an_output_directory_too(tmp_path):
+    result = run_cli(
+        "render", "--target", "k8s", "--hardware", "b300x4", "--check", str(tmp_path), "-o", str(tmp_path)
+    )
+    assert result.returncode == 2 and "internal" not in result.stderr
+
+
+def test_ipv6_loopback_port_check():
+    """runtime.bind=::1: the free-port check uses an IPv6 socket (an IPv4 one always said busy)."""
+    import socket
+
+    from m31ctl.netaddr import port_free
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    with socket.socket(socket.AF_INET6) as s:
+        try:
+            s.bind(("::1", 0))
+        except OSError:
+            pytest.skip("no ::1 here")
+        port = s.getsockname()[1]
+        s.listen()
+        assert not port_free("::1", port)
+    assert port_free("::1", port)

@@ -270,3 +270,23 @@ def test_concurrent_launches_of_one_plan_make_one_container(deployment, docker_c
         assert "Traceback" not in err and "internal error" not in err
         if code == 0:
             assert json.loads(out)["action"] in ("created", "adopted", "unchanged")
+
+
+def test_status_survives_odd_containers_carrying_our_label(images, docker_client):
+    """Labels and container state are untrusted input: a container with our owner label that
+    publishes an ephemeral port, or carries nonsense labels, must not break `status`."""
+    name = f"m31ctl-odd-{uuid.uuid4().hex[:6]}"
+    container = docker_client.containers.run(
+        images["ready"],
+        name=name,
+        detach=True,
+        labels={"io.m31ctl.owner": "m31ctl", "io.m31ctl.plan-hash": "", "io.m31ctl.version": "\x00?"},
+        ports={"8000/tcp": None},  # an ephemeral host port
+        environment={"FAKE_ENGINE_DELAY": "1"},
+    )
+    try:
+        result = run_cli("status", "--runtime", "docker", "--json")
+        assert result.returncode == 0, result.stderr
+        assert name in [s["name"] for s in json.loads(result.stdout)["containers"]]
+    finally:
+        container.remove(force=True)
