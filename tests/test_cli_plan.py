@@ -140,7 +140,7 @@ def test_bad_file_one_line_exit_2(case, tmp_path, cli):
         (["--set", "serving.max_model_len"], "key.path=value"),
         (["--set", 'engine.extra_args=["--x",'], "broken JSON"),
         (["--set", "cache.block_size=64"], "blackwell-block-size"),
-        (["--hardware", "b300x0"], "at least 1"),
+        (["--hardware", "b300x0"], "from 1 to 64"),
         (["--hardware", "b30x4"], "did you mean b300x4"),
         (["--recipe", "blackwel"], "did you mean 'blackwell'"),
         (["--hardware", "mi300xx8"], "not supported by any recipe"),
