@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -100,6 +101,11 @@ def labels_for(plan: Plan) -> tuple[tuple[str, str], ...]:
     )
 
 
+def is_local_model(path: str) -> bool:
+    """A checkpoint directory rather than a Hugging Face repo id."""
+    return os.path.isabs(path) or path.startswith("~/")
+
+
 def _probed_gpu_ids(plan: Plan) -> tuple[str, ...]:
     hw = plan.hardware
     if hw.vendor != "nvidia" or hw.source.startswith("simulated"):
@@ -107,6 +113,40 @@ def _probed_gpu_ids(plan: Plan) -> tuple[str, ...]:
     chosen = hw.gpus[: plan.gpus_needed]
     ids = tuple(g.uuid for g in chosen if g.uuid)
     return ids if len(ids) == plan.gpus_needed else ()
+
+
+def _probed_devices(plan: Plan, nodes: tuple[str, ...]) -> tuple[str, ...]:
+    """AMD: exactly the chosen GPUs' render nodes (with /dev/kfd) when the probe found them, so
+    the container gets the plan's GPUs as the NVIDIA path gets its UUIDs (ROCm's docs,
+    "restricting GPU access"); all of /dev/dri for a simulated host or an unknown node."""
+    hw = plan.hardware
+    chosen = hw.gpus[: plan.gpus_needed]
+    render = tuple(g.render_node for g in chosen if g.render_node)
+    if hw.vendor != "amd" or not chosen or len(render) != plan.gpus_needed:
+        return nodes
+    return tuple(n for n in nodes if n != "/dev/dri") + render
+
+
+def _host_render_gid(vendor_nodes: tuple[str, ...]) -> tuple[str, ...]:
+    """The numeric GID of this host's `render` group: the image may not know the name."""
+    if not vendor_nodes:
+        return ()
+    import grp
+
+    try:
+        return (str(grp.getgrnam("render").gr_gid),)
+    except KeyError:
+        return ()
+
+
+def startup_budget_s(plan: Plan) -> int:
+    """Seconds from start to ready: the download at the plan's bandwidth plus load and compile
+    (a 250.1 GB checkpoint at 1 Gbit/s is 2,001 s; below about 560 Mbit/s it alone passes an hour)."""
+    runtime = plan.settings.runtime
+    if runtime.startup_timeout is not None:
+        return runtime.startup_timeout
+    download = plan.model.checkpoint_gb * 8000 / runtime.download_mbps
+    return math.ceil(download) + runtime.load_and_compile_s
 
 
 def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
@@ -118,8 +158,11 @@ def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
     vendor = vendor_facts(plan.hardware.vendor)
     hf_cache = os.path.expanduser(runtime.hf_cache) if expand_home else runtime.hf_cache
     mounts = [Mount(hf_cache, HF_CACHE_IN_CONTAINER)]
-    if os.path.isabs(s.model.path) and expand_home:
-        mounts.append(Mount(s.model.path, s.model.path, read_only=True))  # a local checkpoint
+    if is_local_model(s.model.path):
+        # A local checkpoint, at the same path inside: the argv names it. Rendered files mount it
+        # too (the path must exist on the target host).
+        source = os.path.expanduser(s.model.path) if expand_home else s.model.path
+        mounts.append(Mount(source, os.path.expanduser(s.model.path), read_only=True))
     secrets = [HF_TOKEN] + ([API_KEY] if runtime.api_key else [])
     return ContainerSpec(
         name=runtime.container_name,
@@ -132,8 +175,9 @@ def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
         device_request=vendor.device_request,
         gpu_count=plan.gpus_needed,
         gpu_device_ids=_probed_gpu_ids(plan),
-        devices=vendor.device_nodes,
-        group_add=vendor.group_add,
+        devices=_probed_devices(plan, vendor.device_nodes),
+        # Launch (expand_home) runs here: this host's render GID; rendered files keep the names.
+        group_add=vendor.group_add + (_host_render_gid(vendor.device_nodes) if expand_home else ()),
         security_opt=("seccomp=unconfined",) if runtime.seccomp_unconfined else (),
         cap_add=vendor.cap_add,
         ipc_host=runtime.ipc_host,
@@ -145,5 +189,5 @@ def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
         container_port=CONTAINER_PORT,
         restart="unless-stopped",
         stop_timeout=s.serving.shutdown_timeout + STOP_MARGIN_S,
-        startup_timeout=runtime.startup_timeout,
+        startup_timeout=startup_budget_s(plan),
     )

@@ -48,6 +48,9 @@ class VendorFacts(NamedTuple):
     cap_add: tuple[str, ...]
     # Kubernetes: the device plugin's extended resource.
     k8s_resource: str | None
+    # Kubernetes: the node label that names the GPU product, published by NVIDIA's GPU feature
+    # discovery (the product name, spaces as '-') or AMD's node labeller (-device-id: the PCI id).
+    k8s_product_label: str | None = None
 
 
 VENDORS: dict[str, VendorFacts] = {
@@ -58,14 +61,19 @@ VENDORS: dict[str, VendorFacts] = {
         group_add=(),
         cap_add=(),
         k8s_resource="nvidia.com/gpu",
+        k8s_product_label="nvidia.com/gpu.product",
     ),
     "amd": VendorFacts(
         visibility_vars=("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
         device_request=False,
         device_nodes=("/dev/kfd", "/dev/dri"),
-        group_add=("video", "render"),
+        # `video` exists in every Debian/Ubuntu image; `render` may not, and `--group-add render`
+        # then aborts `docker run` ("Unable to find group render"): launch adds the host's
+        # numeric render GID instead, as ROCm's container docs do.
+        group_add=("video",),
         cap_add=("SYS_PTRACE",),
         k8s_resource="amd.com/gpu",
+        k8s_product_label="amd.com/gpu.device-id",
     ),
 }
 NO_VENDOR = VendorFacts((), False, (), (), (), None)
@@ -145,6 +153,8 @@ class GPU(BaseModel):
     pci_device_id: str | None = None
     bus_id: str | None = None
     mig_enabled: bool | None = None
+    # AMD: the DRM render node (/dev/dri/renderD128) that gives a container this GPU alone.
+    render_node: str | None = None
 
 
 class Hardware(BaseModel):
@@ -171,6 +181,18 @@ class Hardware(BaseModel):
     @property
     def memory_per_gpu_gib(self) -> float:
         return self.memory_per_gpu_bytes / (1024**3)
+
+
+def k8s_product_selector(hw: Hardware) -> dict[str, str]:
+    """The node label and value that pin pods to nodes with this GPU product ({} when unknown)."""
+    label = vendor_facts(hw.vendor).k8s_product_label
+    if label is None or not hw.product:
+        return {}
+    if hw.vendor == "nvidia":
+        return {label: hw.product.replace(" ", "-")}
+    known = next((p.pci_device_id for p in PRODUCTS.values() if p.name == hw.product), None)
+    device = known or next((g.pci_device_id for g in hw.gpus if g.pci_device_id), None)
+    return {label: device.lower().removeprefix("0x")} if device else {}
 
 
 def normalize_arch(arch: str) -> str:

@@ -290,3 +290,40 @@ def test_status_survives_odd_containers_carrying_our_label(images, docker_client
         assert name in [s["name"] for s in json.loads(result.stdout)["containers"]]
     finally:
         container.remove(force=True)
+
+
+def test_amd_group_add_works_where_the_image_lacks_a_render_group(images, docker_client, tmp_path):
+    """`--group-add render` aborts `docker run` when the image's /etc/group lacks the name (seen
+    with stand-in images; base images lack it too). Launch adds `video` (in every Debian and
+    Ubuntu image) and the host's numeric render GID, as ROCm's container docs do."""
+    import io
+
+    from docker.errors import APIError
+
+    from m31ctl.container import container_spec
+    from m31ctl.hardware import simulated
+    from m31ctl.plan import PlanRequest, resolve
+
+    if os.geteuid() != 0:
+        pytest.skip("creating the host's render group needs root")
+    created = subprocess.run(["getent", "group", "render"], capture_output=True).returncode != 0
+    if created:
+        subprocess.run(["groupadd", "--system", "render"], check=True)
+    try:
+        tag = "m31ctl-test/engine:no-render-group"
+        dockerfile = f'FROM {images["ready"]}\nRUN ["/bin/sh", "-c", "printf \'root:x:0:\\\\nvideo:x:44:\\\\n\' > /etc/group"]\n'
+        docker_client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True)
+        with pytest.raises(APIError, match="render"):
+            docker_client.containers.run(tag, entrypoint=["/bin/true"], group_add=["render"], remove=True)
+        spec = container_spec(resolve(PlanRequest(hardware=simulated("mi355xx8"))))
+        render_gid = subprocess.run(
+            ["getent", "group", "render"], capture_output=True, text=True
+        ).stdout.split(":")[2]
+        assert spec.group_add == ("video", render_gid)
+        out = docker_client.containers.run(
+            tag, entrypoint=["/bin/id", "-G"], group_add=list(spec.group_add), remove=True
+        )
+        assert {"44", render_gid} <= set(out.decode().split())
+    finally:
+        if created:
+            subprocess.run(["groupdel", "render"], check=False)

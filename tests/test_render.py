@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -44,7 +45,8 @@ def plan_for(hw: str, **kw):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("hw", GOLDEN_HOSTS)
-def test_golden(hw, target):
+def test_golden(hw, target, monkeypatch):
+    monkeypatch.setenv("HOME", "/home/operator")  # systemd names the rendering user's cache
     (artifact,) = render(plan_for(hw), target)
     golden = REFERENCE / f"{hw}" / artifact.name
     if os.environ.get("M31CTL_UPDATE_GOLDEN"):
@@ -194,15 +196,27 @@ def test_k8s_validates_against_kubernetes_schemas(hw, tmp_path):
         [tool("kubernetes-validate"), "--strict", str(path)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    kinds = [d["kind"] for d in yaml.safe_load_all(artifact.content)]
-    assert kinds == ["Deployment", "Service"]
-    assert result.stdout.count("passed") == 2
-    deployment = next(yaml.safe_load_all(artifact.content))
+    documents = list(yaml.safe_load_all(artifact.content))
+    assert [d["kind"] for d in documents] == ["PersistentVolumeClaim", "Deployment", "Service"]
+    assert result.stdout.count("passed") == 3
+    claim, deployment = documents[0], documents[1]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]  # one pod: one node mounts it
+    assert claim["spec"]["resources"]["requests"]["storage"] == "600Gi"
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     gpu_key = "amd.com/gpu" if hw.startswith("mi") else "nvidia.com/gpu"
     assert container["resources"]["limits"][gpu_key] == (8 if hw == "h200x8" else 4)
-    assert container["startupProbe"]["failureThreshold"] * container["startupProbe"]["periodSeconds"] >= 3600
+    # Sized from the plan: 250.1 GB at 1 Gbit/s (2,001 s) plus 1,200 s of load and compile.
+    probe = container["startupProbe"]
+    assert probe["failureThreshold"] * probe["periodSeconds"] >= 2001 + 1200
+    assert container["resources"]["requests"]["cpu"] == "16"
+    assert container["resources"]["requests"]["memory"] == "256Gi"
+    product = {"b300x4": ("nvidia.com/gpu.product", "NVIDIA-B300-SXM6-AC"),
+               "h200x8": ("nvidia.com/gpu.product", "NVIDIA-H200"),
+               "mi355xx8": ("amd.com/gpu.device-id", "75a3")}[hw]  # fmt: skip
+    assert pod["nodeSelector"] == dict([product])
+    if hw.startswith("mi"):
+        assert container["securityContext"]["seccompProfile"] == {"type": "Unconfined"}
     assert "/v1/models" in " ".join(container["readinessProbe"]["exec"]["command"])
     assert pod["terminationGracePeriodSeconds"] >= 30
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
@@ -235,7 +249,11 @@ def test_exposing_requires_api_key():
     plan = plan_for("b300x4", sets=("runtime.bind=0.0.0.0", "runtime.api_key=true"))
     (artifact,) = render(plan, "compose")
     service = yaml.safe_load(artifact.content)["services"]["vllm"]
-    assert service["ports"] == ["0.0.0.0:8000:8000"] and "VLLM_API_KEY" in service["environment"]
+    assert service["ports"] == ["0.0.0.0:8000:8000"]
+    assert (
+        "VLLM_API_KEY=${VLLM_API_KEY:?the plan requires VLLM_API_KEY: export it before docker compose up}"
+        in (service["environment"])
+    )
     assert "--api-key" not in service["command"]
 
 
@@ -272,34 +290,30 @@ def test_bad_target(cli):
     assert result.returncode == 2 and "choose one of" in result.stderr
 
 
-def test_multi_node_layout_renders_a_leader_worker_set(tmp_path):
-    import shlex
-
-    plan = plan_for("h100x4", sets=(f"model.served_name={HOSTILE}",))  # hopper TP8 on 4-GPU nodes
-    (artifact,) = render(plan, "k8s")
-    lws, service = yaml.safe_load_all(artifact.content)
-    assert lws["kind"] == "LeaderWorkerSet" and lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
-    template = lws["spec"]["leaderWorkerTemplate"]
-    assert template["size"] == 2 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
-    leader = template["leaderTemplate"]["spec"]["containers"][0]
-    worker = template["workerTemplate"]["spec"]["containers"][0]
-    assert (
-        leader["resources"]["limits"]["nvidia.com/gpu"]
-        == 4
-        == worker["resources"]["limits"]["nvidia.com/gpu"]
+def _run_pod_script(script: str, tmp_path, env: dict[str, str]) -> list[list[str]]:  # type: ignore[no-untyped-def]
+    """What a pod's `/bin/sh -c SCRIPT` runs, after Kubernetes' own expansion ($$ -> $): stub
+    `vllm` and `ray` record their argv, one call a line."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool_name in ("vllm", "ray"):
+        stub = bin_dir / tool_name
+        # argv NUL-separated, calls ended by an ASCII record separator (a value may hold newlines).
+        stub.write_text(
+            f'#!/bin/sh\nprintf "%s\\0" {tool_name} "$@" >> "$CALLS"\nprintf "\\036" >> "$CALLS"\n'
+        )
+        stub.chmod(0o755)
+    calls = tmp_path / f"calls-{len(list(tmp_path.glob('calls-*')))}"
+    calls.write_text("")
+    subprocess.run(
+        ["/bin/sh", "-c", script.replace("$$", "$")],
+        check=True,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), **env},
     )
-    assert "$(LWS_LEADER_ADDRESS):6379" in worker["command"][2]
-    script = leader["command"][2]
-    assert script.startswith("ray start --head --port=6379 && exec vllm serve ")
-    # Kubernetes unescapes $$( to $(; the shell then sees the hostile name as one quoted word
-    words = shlex.split(script.replace("$$(", "$(").split("&& exec ", 1)[1])
-    assert words[words.index("--served-model-name") + 1] == HOSTILE
-    assert words[-2:] == ["--distributed-executor-backend", "ray"]
-    assert service["spec"]["selector"] == {
-        "leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"],
-        "role": "leader",
-    }
-    # The pod templates are plain pods: validate them against the Kubernetes schemas.
+    return [record.split("\0")[:-1] for record in calls.read_text().split("\x1e") if record]
+
+
+def _validate_pod_templates(template, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The pod templates are plain pods: validate them against the Kubernetes schemas."""
     for role, tpl in (("leader", template["leaderTemplate"]), ("worker", template["workerTemplate"])):
         pod = {
             "apiVersion": "v1",
@@ -313,6 +327,77 @@ def test_multi_node_layout_renders_a_leader_worker_set(tmp_path):
             [tool("kubernetes-validate"), "--strict", str(path)], capture_output=True, text=True
         )
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+LWS_ENV = {"LWS_LEADER_ADDRESS": "leader.lws.svc", "LWS_GROUP_SIZE": "2"}
+
+
+def test_tp8_on_4_gpu_nodes_is_tp4_within_and_pp2_across(tmp_path):
+    """Hopper's TP8 on nodes of four: tensor parallelism within a node, pipeline parallelism
+    across (vLLM's multi-node guide; the LWS example for vLLM), one engine over Ray."""
+    plan = plan_for("h100x4", sets=(f"model.served_name={HOSTILE}",))
+    assert (plan.settings.parallelism.tensor, plan.settings.parallelism.pipeline) == (4, 2)
+    assert "TP4 within a node, PP2 across nodes" in str(plan.provenance["parallelism.pipeline"])
+    (artifact,) = render(plan, "k8s")
+    claim, lws, service = yaml.safe_load_all(artifact.content)
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # two nodes share the checkpoint
+    assert lws["kind"] == "LeaderWorkerSet" and lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2 and template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader = template["leaderTemplate"]["spec"]["containers"][0]
+    worker = template["workerTemplate"]["spec"]["containers"][0]
+    assert (
+        leader["resources"]["limits"]["nvidia.com/gpu"]
+        == 4
+        == worker["resources"]["limits"]["nvidia.com/gpu"]
+    )
+    (ray_head, serve) = _run_pod_script(leader["command"][2], tmp_path, {**LWS_ENV, "LWS_WORKER_INDEX": "0"})
+    assert ray_head[:3] == ["ray", "start", "--head"]
+    assert serve[:2] == ["vllm", "serve"]
+    assert serve[serve.index("--served-model-name") + 1] == HOSTILE  # one literal word, unexpanded
+    assert serve[serve.index("--tensor-parallel-size") + 1] == "4"
+    assert serve[serve.index("--pipeline-parallel-size") + 1] == "2"
+    assert serve[-2:] == ["--distributed-executor-backend", "ray"]
+    (join,) = _run_pod_script(worker["command"][2], tmp_path, {**LWS_ENV, "LWS_WORKER_INDEX": "1"})
+    assert join == ["ray", "start", "--address=leader.lws.svc:6379", "--block"]
+    assert service["spec"]["selector"] == {
+        "leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"],
+        "role": "leader",
+    }
+    _validate_pod_templates(template, tmp_path)
+
+
+def test_dep_over_two_nodes_renders_vllm_multi_node_data_parallelism(tmp_path):
+    """DEP8 on two 4-GPU nodes: every pod runs `vllm serve` with four local ranks; the leader
+    serves the API, the worker runs headless from rank 4 (vLLM's data-parallel deployment);
+    without --data-parallel-size-local vLLM would start all eight ranks on the leader."""
+    plan = plan_for("h100x4", profile="throughput", sets=(f"model.served_name={HOSTILE}",
+                    "kubernetes.network_resources={\"rdma/ib\": 1}",
+                    "kubernetes.network_env={\"NCCL_IB_HCA\": \"mlx5\"}"))  # fmt: skip
+    (artifact,) = render(plan, "k8s")
+    _claim, lws, _service = yaml.safe_load_all(artifact.content)
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2
+    leader = template["leaderTemplate"]["spec"]["containers"][0]
+    worker = template["workerTemplate"]["spec"]["containers"][0]
+    for pod in (leader, worker):
+        assert pod["resources"]["limits"]["rdma/ib"] == 1
+        assert {"name": "NCCL_IB_HCA", "value": "mlx5"} in pod["env"]
+    (lead,) = _run_pod_script(leader["command"][2], tmp_path, {**LWS_ENV, "LWS_WORKER_INDEX": "0"})
+    (work,) = _run_pod_script(worker["command"][2], tmp_path, {**LWS_ENV, "LWS_WORKER_INDEX": "1"})
+
+    def flag(argv: list[str], name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    for argv in (lead, work):
+        assert flag(argv, "--data-parallel-size") == "8" and flag(argv, "--data-parallel-size-local") == "4"
+        assert flag(argv, "--data-parallel-address") == "leader.lws.svc"
+        assert flag(argv, "--data-parallel-rpc-port") == "29550"
+        assert "--enable-expert-parallel" in argv and "--distributed-executor-backend" not in argv
+    assert "--headless" not in lead and "--headless" in work
+    assert flag(work, "--data-parallel-start-rank") == "4"
+    assert "readinessProbe" in leader and "readinessProbe" not in worker
+    _validate_pod_templates(template, tmp_path)
 
 
 @pytest.mark.parametrize("target", ["script", "compose", "systemd"])
@@ -369,3 +454,192 @@ def test_libyaml_and_pure_python_emitters_write_the_same_bytes(monkeypatch):
         escape._dumper.cache_clear()
     assert with_c == pure
     assert list(yaml.safe_load_all(pure)) == [hostile]
+
+
+# Issue 15: artifacts an engineer can apply as they are.
+
+EXPOSED = ("runtime.bind=0.0.0.0", "runtime.api_key=true")
+
+
+@pytest.mark.parametrize("target", ["script", "compose", "systemd", "k8s"])
+def test_local_model_directory_is_mounted_by_every_target(target):
+    (artifact,) = render(plan_for("b300x4", sets=("model.path=/srv/models/m31",)), target)
+    text = artifact.content
+    if target == "k8s":
+        pod = list(yaml.safe_load_all(text))[1]["spec"]["template"]["spec"]
+        assert {"name": "model-0", "hostPath": {"path": "/srv/models/m31", "type": "Directory"}} in pod[
+            "volumes"
+        ]
+        mount = {"name": "model-0", "mountPath": "/srv/models/m31", "readOnly": True}
+        assert mount in pod["containers"][0]["volumeMounts"]
+    else:
+        assert "/srv/models/m31:/srv/models/m31:ro" in text
+
+
+def test_script_fails_closed_without_the_api_key(tmp_path):
+    (artifact,) = render(plan_for("b300x4", sets=EXPOSED), "script")
+    env = {"M31CTL_ENV_FILE": str(tmp_path / "absent.env")}
+    with pytest.raises(subprocess.CalledProcessError) as info:
+        run_with_stub(artifact.content, tmp_path, env)
+    assert info.value.returncode == 2 and "requires VLLM_API_KEY" in info.value.stderr
+    assert not (tmp_path / "argv").exists() or (tmp_path / "argv").read_bytes() == b""  # docker never ran
+    got = run_with_stub(artifact.content, tmp_path, {**env, "VLLM_API_KEY": "k"})
+    assert got[got.index("VLLM_API_KEY") - 1 : got.index("VLLM_API_KEY") + 1] == ["--env", "VLLM_API_KEY"]
+    env_file = tmp_path / "keys.env"
+    env_file.write_text("HF_TOKEN=x\n")
+    env_file.chmod(0o600)
+    with pytest.raises(subprocess.CalledProcessError) as info:
+        run_with_stub(artifact.content, tmp_path, {"M31CTL_ENV_FILE": str(env_file), "VLLM_API_KEY": "k"})
+    assert info.value.returncode == 2 and "does not set it" in info.value.stderr
+
+
+def test_systemd_fails_closed_without_the_api_key(tmp_path):
+    (artifact,) = render(plan_for("b300x4", sets=EXPOSED), "systemd")
+    unit = artifact.content
+    assert "EnvironmentFile=/etc/m31ctl/minimax-m31-flash.env" in unit  # not optional ("-")
+    check = next(line for line in unit.splitlines() if line.startswith("ExecStartPre=/bin/sh"))
+    path = tmp_path / artifact.name
+    path.write_text(unit)
+    verify = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
+    assert "Failed to parse" not in verify.stderr and "Invalid" not in verify.stderr, verify.stderr
+    # What systemd runs for that line: unescape ($$ -> $, \" -> "), then /bin/sh -c.
+    script = shlex_split_systemd(check.split("=", 1)[1])[2]
+    assert subprocess.run(["/bin/sh", "-c", script], env={}, capture_output=True).returncode == 1
+    assert subprocess.run(["/bin/sh", "-c", script], env={"VLLM_API_KEY": "k"}).returncode == 0
+    (plain,) = render(plan_for("b300x4"), "systemd")
+    assert "EnvironmentFile=-/etc/m31ctl/minimax-m31-flash.env" in plain.content  # HF_TOKEN is optional
+
+
+def shlex_split_systemd(line: str) -> list[str]:
+    import shlex
+
+    return shlex.split(line.replace("$$", "$"))
+
+
+def _compose_config(path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+    return subprocess.run(
+        [tool("docker-compose"), "-f", str(path), "config"],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"], "HOME": "/home/operator", **env},
+        cwd=path.parent,
+    )
+
+
+def test_compose_fails_closed_and_escapes_every_value(tmp_path):
+    plan = plan_for(
+        "b300x4",
+        sets=(*EXPOSED, "engine.image=registry.example/vllm:${HF_TOKEN}", "runtime.env.X=$(id) ${HF_TOKEN}"),
+    )
+    (artifact,) = render(plan, "compose")
+    path = tmp_path / "compose.yaml"
+    path.write_text(artifact.content)
+    refused = _compose_config(path, {"HF_TOKEN": "leak"})
+    assert refused.returncode != 0 and "the plan requires VLLM_API_KEY" in refused.stderr
+    resolved = _compose_config(path, {"HF_TOKEN": "leak", "VLLM_API_KEY": "k"})
+    assert resolved.returncode == 0, resolved.stderr
+    service = yaml.safe_load(resolved.stdout)["services"]["vllm"]
+    # `config` prints literals re-escaped ($$): the token's value is nowhere.
+    assert service["image"].replace("$$", "$") == "registry.example/vllm:${HF_TOKEN}"
+    assert service["environment"]["X"].replace("$$", "$") == "$(id) ${HF_TOKEN}"
+    assert service["environment"]["VLLM_API_KEY"] == "k"  # the one deliberate interpolation
+    assert "/home/operator/.cache/huggingface:/root/.cache/huggingface:rw" in service["volumes"]
+    assert "leak" not in json.dumps({k: v for k, v in service.items() if k != "environment"})
+
+
+def test_k8s_env_values_are_escaped_for_kubernetes_expansion():
+    (artifact,) = render(plan_for("b300x4", sets=("runtime.env.X=$(SECRET_NAME)",)), "k8s")
+    deployment = list(yaml.safe_load_all(artifact.content))[1]
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "X", "value": "$$(SECRET_NAME)"} in env
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "runtime.env.HF_TOKEN=hf_x",
+        "runtime.env.VLLM_API_KEY=abc",
+        "runtime.env.HUGGING_FACE_HUB_TOKEN=hf_x",
+        'engine.extra_args=["--api-key", "abc"]',
+        'engine.extra_args=["--api-key=abc"]',
+        'engine.extra_args=["--hf-token", "hf_x"]',
+    ],
+)
+def test_secrets_by_value_are_refused(setting, cli):
+    result = cli("plan", "--hardware", "b300x4", "--set", setting)
+    assert result.returncode == 2, result.stderr
+    assert "secret" in result.stderr and ("export" in result.stderr or "runtime.api_key" in result.stderr)
+    assert "abc" not in result.stderr.replace("abc'", "") or "***" in result.stderr
+
+
+def test_startup_budget_is_sized_from_the_plan():
+    from m31ctl.container import startup_budget_s
+
+    fast = plan_for("b300x4", sets=("runtime.download_mbps=10000",))
+    slow = plan_for("b300x4", sets=("runtime.download_mbps=500",))
+    assert startup_budget_s(slow) > 3600 > startup_budget_s(fast)  # 250.1 GB at 500 Mbit/s: 4,002 s
+    assert startup_budget_s(plan_for("b300x4", sets=("runtime.startup_timeout=99",))) == 99
+
+
+def test_systemd_names_the_rendering_users_cache(monkeypatch):
+    monkeypatch.setenv("HOME", "/home/ops")
+    (artifact,) = render(plan_for("b300x4"), "systemd")
+    assert "/home/ops/.cache/huggingface:/root/.cache/huggingface" in artifact.content
+    assert "%h" not in artifact.content
+
+
+def test_amd_containers_get_exactly_the_probed_gpus_and_a_video_group():
+    from m31ctl.hardware import GPU
+
+    hw = simulated("mi355xx8")
+    gpus = tuple(
+        GPU(index=i, name="AMD Instinct MI355X", arch="gfx950", memory_total_bytes=hw.memory_per_gpu_bytes,
+            pci_device_id="0x75a3", render_node=f"/dev/dri/renderD{128 + 8 * i}")
+        for i in range(8)
+    )  # fmt: skip
+    probed = hw.model_copy(update={"gpus": gpus, "source": "kfd-sysfs"})
+    spec = container_spec(resolve(PlanRequest(hardware=probed)), expand_home=False)
+    assert spec.devices == ("/dev/kfd", "/dev/dri/renderD128", "/dev/dri/renderD136",
+                            "/dev/dri/renderD144", "/dev/dri/renderD152")  # fmt: skip
+    assert spec.group_add == ("video",)
+    argv = docker_run_argv(container_spec(plan_for("mi355xx8"), expand_home=False), "detached")
+    assert "render" not in argv and argv[argv.index("/dev/dri") - 1 : argv.index("/dev/dri") + 1] == [
+        "--device",
+        "/dev/dri",
+    ]
+
+
+def test_script_wait_returns_when_ready_and_fails_when_the_container_dies(tmp_path):
+    (artifact,) = render(plan_for("b300x4", sets=("runtime.startup_timeout=30",)), "script")
+    script = tmp_path / "run.sh"
+    script.write_text(artifact.content.replace("sleep 10", "sleep 0.1"))
+    script.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    # A stub docker: `container inspect` finds nothing, `run` succeeds, `exec` answers on its
+    # third call (or never, with STUB_DEAD), `inspect` reports the container running or not.
+    (bin_dir / "docker").write_text(
+        "#!/bin/bash\n"
+        'case "$1" in\n'
+        "  container) exit 1 ;;\n"
+        "  run) exit 0 ;;\n"
+        '  exec) n=$(cat "$STUB_DIR/n" 2>/dev/null || echo 0); echo $((n+1)) > "$STUB_DIR/n"; '
+        '[ -z "$STUB_DEAD" ] && [ "$n" -ge 2 ] ;;\n'
+        '  inspect) [ -n "$STUB_DEAD" ] && echo false || echo true ;;\n'
+        "esac\n"
+    )
+    (bin_dir / "docker").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "STUB_DIR": str(tmp_path),
+        "M31CTL_ENV_FILE": str(tmp_path / "none"),
+    }
+    ready = subprocess.run([str(script), "--wait"], env=env, capture_output=True, text=True, timeout=60)
+    assert ready.returncode == 0 and "is ready" in ready.stderr + ready.stdout, ready.stderr
+    (tmp_path / "n").unlink()
+    dead = subprocess.run(
+        [str(script), "--wait"], env={**env, "STUB_DEAD": "1"}, capture_output=True, text=True, timeout=60
+    )
+    assert dead.returncode == 5 and "stopped while loading" in dead.stderr
+    assert subprocess.run([str(script), "--bogus"], env=env, capture_output=True).returncode == 2

@@ -45,16 +45,61 @@ def _json(value: Any) -> str:
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # Multi-node: vLLM's Ray executor spans the nodes of one engine (docs: serving/parallelism_scaling).
 RAY_EXECUTOR = ("--distributed-executor-backend", "ray")
+# The data-parallel coordinator's port on the leader (vLLM 0.32 ParallelConfig.data_parallel_rpc_port).
+DP_RPC_PORT = 29550
 
 
-def build_invocation(plan: Plan, *, ray_executor: bool = False) -> EngineInvocation:
-    """The argv after `vllm serve` and the environment for the plan. `ray_executor` adds the
-    flags of a layout that spans nodes (the Kubernetes LeaderWorkerSet's leader)."""
+class NodeRole(NamedTuple):
+    """One node's part in a layout that spans nodes (a LeaderWorkerSet pod).
+
+    `leader_address` and `start_rank` are shell words the pod's command expands (the target
+    supplies them, e.g. ${LWS_LEADER_ADDRESS}); the adapter only spells the flags."""
+
+    leader: bool
+    gpus_per_node: int
+    leader_address: str
+    start_rank: str
+
+
+def spans_with_ray(plan: Plan) -> bool:
+    """Pipeline stages across nodes run as one engine over Ray; data-parallel ranks across
+    nodes need no Ray (vLLM's multi-node data-parallel deployment)."""
+    return plan.settings.parallelism.pipeline > 1
+
+
+def multi_node_args(plan: Plan, role: NodeRole) -> list[str]:
+    """What a layout that spans nodes adds to `vllm serve` on one node.
+
+    TP within a node and PP across nodes: the leader runs the engine with the Ray executor; the
+    workers only join its Ray cluster (no vllm serve). Data parallelism across nodes (vLLM's
+    docs, serving/data_parallel_deployment): every node runs `vllm serve` with its local rank
+    count, the leader's address and the coordinator port; the others also `--headless` with
+    their first rank. Without the local count, vLLM starts all ranks on the leader."""
+    if spans_with_ray(plan):
+        return list(RAY_EXECUTOR) if role.leader else []
+    par = plan.settings.parallelism
+    local = max(1, role.gpus_per_node // (par.tensor * par.pipeline))
+    args = [
+        "--data-parallel-size-local", str(local),
+        "--data-parallel-address", role.leader_address,
+        "--data-parallel-rpc-port", str(DP_RPC_PORT),
+    ]  # fmt: skip
+    if not role.leader:
+        args += ["--headless", "--data-parallel-start-rank", role.start_rank]
+    return args
+
+
+def build_invocation(plan: Plan, *, node: NodeRole | None = None) -> EngineInvocation:
+    """The argv after `vllm serve` and the environment for the plan. `node`: this pod's part in
+    a layout that spans nodes (the Kubernetes LeaderWorkerSet), whose flags come before the
+    user's extra_args."""
     s = plan.settings
     args: list[str] = [s.model.path, "--served-model-name", s.model.served_name]
 
     par = s.parallelism
     args += ["--tensor-parallel-size", str(par.tensor)]
+    if par.pipeline > 1:
+        args += ["--pipeline-parallel-size", str(par.pipeline)]
     if par.data > 1:
         args += ["--data-parallel-size", str(par.data)]
     if par.expert:
@@ -114,8 +159,8 @@ def build_invocation(plan: Plan, *, ray_executor: bool = False) -> EngineInvocat
         args.append("--trust-remote-code")
     if serving.shutdown_timeout:
         args += ["--shutdown-timeout", str(serving.shutdown_timeout)]
-    if ray_executor:
-        args += RAY_EXECUTOR
+    if node is not None:
+        args += multi_node_args(plan, node)
     args += list(s.engine.extra_args)
 
     env: dict[str, str] = {}

@@ -173,6 +173,28 @@ def _fill_host(settings: PlanSettings, merged: Layer, hw: Hardware) -> tuple[Pla
     return filled, {**merged, "parallelism.data": Setting(data, source)}
 
 
+def _split_across_nodes(settings: PlanSettings, merged: Layer, hw: Hardware) -> tuple[PlanSettings, Layer]:
+    """Nodes with fewer GPUs than the tensor-parallel group: tensor parallelism within a node and
+    pipeline parallelism across nodes, as vLLM's multi-node guide and the LeaderWorkerSet example
+    for vLLM do (TP's all-reduces stay on NVLink; PP sends one activation per stage boundary)."""
+    par = settings.parallelism
+    per_node = hw.count
+    if hw.vendor == "cpu" or not 0 < per_node < par.tensor or par.tensor % per_node or par.pipeline > 1:
+        return settings, merged
+    stages = par.tensor // per_node
+    source = Source(
+        "hardware", detail=f"nodes of {per_node} GPUs: TP{per_node} within a node, PP{stages} across nodes"
+    )
+    split = settings.model_copy(
+        update={"parallelism": par.model_copy(update={"tensor": per_node, "pipeline": stages})}
+    )
+    return split, {
+        **merged,
+        "parallelism.tensor": Setting(per_node, source),
+        "parallelism.pipeline": Setting(stages, source),
+    }
+
+
 def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
     """Merge the layers and validate. `recipe` overrides request.recipe (used by `recipes validate`)."""
     if recipe is None:
@@ -192,6 +214,9 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
         raise _validation_error(exc, merged) from None
     settings, merged = _fill_host(settings, merged, request.hardware)
     _check_rules(recipe, settings, merged)
+    # After the rules: they constrain the layout the recipe asks for (TP8 on Hopper); the split
+    # only maps that layout onto nodes smaller than it.
+    settings, merged = _split_across_nodes(settings, merged, request.hardware)
     model = get_model(settings.model.id)
     return Plan(
         recipe=recipe,

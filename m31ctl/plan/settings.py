@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from m31ctl.names import name_problem
+from m31ctl.redact import SECRET_ENV
 from m31ctl.units import Size
 
 
@@ -35,6 +36,24 @@ class EngineSettings(_Frozen):
     # Escape hatch for `vllm serve` flags no recipe key covers; appended last, validated like the rest.
     extra_args: tuple[str, ...] = ()
 
+    @field_validator("extra_args")
+    @classmethod
+    def _no_secret_flags(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for arg in value:
+            flag = arg.split("=", 1)[0]
+            if flag in SECRET_FLAGS:
+                raise ValueError(
+                    f"{flag} would put a secret into argv (visible in ps, logs and rendered files): "
+                    f"{SECRET_FLAGS[flag]}"
+                )
+        return value
+
+
+# vLLM flags that carry a secret by value, and the by-reference way instead.
+SECRET_FLAGS = {
+    "--api-key": "set runtime.api_key=true and export VLLM_API_KEY",
+    "--hf-token": "export HF_TOKEN (passed to the engine by name)",
+}
 
 # Attention and KV head counts are powers of two and vLLM needs tensor parallelism to divide them.
 _POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)
@@ -42,6 +61,9 @@ _POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)
 
 class Parallelism(_Frozen):
     tensor: StrictInt = Field(1, ge=1, le=64)
+    # Pipeline stages: only where a node has fewer GPUs than the tensor-parallel group (TP within
+    # a node, PP across nodes, as vLLM's multi-node guide does); resolved against the hardware.
+    pipeline: StrictInt = Field(1, ge=1, le=16)
     data: StrictInt = Field(1, ge=1, le=1024)
     expert: bool = False
     decode_context: StrictInt = Field(1, ge=1)
@@ -51,7 +73,7 @@ class Parallelism(_Frozen):
 
     @property
     def gpus(self) -> int:
-        return self.tensor * self.data
+        return self.tensor * self.pipeline * self.data
 
     @model_validator(mode="after")
     def _dcp_divides_tp(self) -> Parallelism:
@@ -158,12 +180,28 @@ class Runtime(_Frozen):
     # Container ulimits (soft = hard; -1 = unlimited). Unlimited locked memory serves pinned host
     # buffers and RDMA; NVIDIA's container guide asks for a 64 MB stack.
     ulimits: dict[str, StrictInt] = Field(default_factory=lambda: {"memlock": -1, "stack": 67108864})
-    startup_timeout: StrictInt = Field(
-        3600, ge=1, description="seconds allowed for download, load and compile"
+    # Seconds allowed from start to ready (download, load, compile). Unset: sized from the plan,
+    # checkpoint bytes at download_mbps plus load_and_compile_s (container.startup_budget_s).
+    startup_timeout: StrictInt | None = Field(None, ge=1)
+    download_mbps: float = Field(1000.0, gt=0, description="checkpoint download bandwidth, Mbit/s")
+    load_and_compile_s: StrictInt = Field(
+        1200, ge=0, description="weight loading, compilation, graph capture"
     )
     env: dict[str, str] = Field(default_factory=dict)
     # `launch --runtime native`: the Python that has vLLM (default: the one running m31ctl).
     native_python: str | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets_by_value(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if name in SECRET_ENV:
+                raise ValueError(
+                    f"{name} is a secret and is never written into a plan: export {name} where m31ctl, "
+                    "docker or systemd runs (launch and the rendered files pass it by name), or put it in "
+                    "the Kubernetes Secret"
+                )
+        return value
 
     @field_validator("container_name")
     @classmethod
@@ -192,6 +230,24 @@ class CapacityAssumptions(_Frozen):
     runtime_reserve_gib: float = Field(10.0, ge=0)
 
 
+class KubernetesSettings(_Frozen):
+    """What `render --target k8s` needs beyond the container: scheduling and multi-node network."""
+
+    # Extra node labels to select on (the GPU product label is added from the plan's hardware).
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    # e.g. [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    tolerations: tuple[dict[str, str], ...] = ()
+    cpu: str = "16"  # requested per pod
+    memory: Size = "256g"  # requested per pod (page cache for the checkpoint comes on top)
+    # The Hugging Face cache claim the manifest creates: the checkpoint lives here.
+    hf_cache_size: Size = "600g"
+    hf_cache_storage_class: str | None = None
+    # Multi-node only: extra resources per pod (an RDMA device plugin's, e.g. {"rdma/ib": 1}) and
+    # NCCL variables (e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA) for the collective network.
+    network_resources: dict[str, StrictInt] = Field(default_factory=dict)
+    network_env: dict[str, str] = Field(default_factory=dict)
+
+
 class PlanSettings(_Frozen):
     # default_factory, not an instance: an instance built at import would build that model's
     # validator at start-up, which every command would pay (issue 12's start-up goal).
@@ -206,3 +262,4 @@ class PlanSettings(_Frozen):
     serving: Serving = Field(default_factory=Serving)
     runtime: Runtime = Field(default_factory=Runtime)
     capacity: CapacityAssumptions = Field(default_factory=CapacityAssumptions)
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)

@@ -117,6 +117,7 @@ class KfdSysfsProbe:
                     continue  # CPU node
                 arch = gfx_from_target_version(target)
                 device_id = f"0x{int(props.get('device_id', '0')):04x}"
+                minor = props.get("drm_render_minor")  # kfd_topology.c publishes it per GPU node
                 size = 0
                 for bank in sorted((node / "mem_banks").glob("*/properties")):
                     size += int(_properties(bank).get("size_in_bytes", "0"))
@@ -127,6 +128,7 @@ class KfdSysfsProbe:
                         arch=arch,
                         memory_total_bytes=size,
                         pci_device_id=device_id,
+                        render_node=f"/dev/dri/renderD{minor}" if minor and minor.isdigit() else None,
                     )
                 )
         except PermissionError as exc:

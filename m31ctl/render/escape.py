@@ -82,6 +82,24 @@ def compose_literal(value: str) -> str:
     return value.replace("$", "$$")
 
 
+class Interpolation(str):
+    """A Compose string m31ctl means to be interpolated (${HOME}, ${VLLM_API_KEY:?...})."""
+
+
+def compose_escape(data: Any) -> Any:
+    """Every string of a Compose document made literal, keys included, except the
+    Interpolations m31ctl put there on purpose (returned as plain strings for the emitter)."""
+    if isinstance(data, Interpolation):
+        return str(data)
+    if isinstance(data, str):
+        return compose_literal(data)
+    if isinstance(data, dict):
+        return {compose_escape(k): compose_escape(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [compose_escape(v) for v in data]
+    return data
+
+
 def k8s_literal(value: str) -> str:
     """Kubernetes expands $(VAR) in command and args; $$( keeps it literal."""
     return value.replace("$(", "$$(")

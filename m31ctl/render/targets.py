@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import math
+import os
 import shlex
 from functools import cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from m31ctl import __version__
 from m31ctl.container import API_KEY, HF_CACHE_IN_CONTAINER, HF_TOKEN, ContainerSpec, container_spec
-from m31ctl.engine.adapter import build_invocation
-from m31ctl.hardware import vendor_facts
+from m31ctl.engine.adapter import NodeRole, build_invocation, spans_with_ray
+from m31ctl.hardware import k8s_product_selector, vendor_facts
 from m31ctl.netaddr import local_url
 from m31ctl.plan import Plan
 from m31ctl.render.dockercli import docker_run_argv
-from m31ctl.render.escape import compose_literal, k8s_literal, shell_word, systemd_word, yaml_file
+from m31ctl.render.escape import (
+    Interpolation,
+    compose_escape,
+    compose_literal,
+    k8s_literal,
+    shell_word,
+    systemd_word,
+    yaml_file,
+)
 from m31ctl.resources import templates_dir
 from m31ctl.units import k8s_quantity
 
@@ -74,11 +83,20 @@ def render_script(plan: Plan) -> list[Artifact]:
         env_file=ENV_FILE,
         name=spec.name,
         secret_names=list(spec.secret_env),
+        required_names=_required_secrets(spec),
         run_lines=_paired(argv[:split]),
         engine_lines=_paired(argv[split:]),
         url=local_url(spec.bind, spec.host_port),
+        startup_timeout=spec.startup_timeout,
+        health_argv=_health_command(spec, "/v1/models"),
     )
     return [Artifact("m31ctl-run.sh", content, 0o755)]
+
+
+def _required_secrets(spec: ContainerSpec) -> list[str]:
+    """Secrets the server cannot start without (the API key when the plan asks for one); the
+    rendered files fail closed without them. HF_TOKEN stays optional (public checkpoints)."""
+    return [name for name in spec.secret_env if name == API_KEY]
 
 
 def _paired(argv: list[str]) -> list[list[str]]:
@@ -101,6 +119,9 @@ def _without_secrets(spec: ContainerSpec) -> ContainerSpec:
 
 def render_systemd(plan: Plan) -> list[Artifact]:
     spec = container_spec(plan, expand_home=False)
+    # A system unit runs as root, whose %h is /root: name the cache of the user who renders it,
+    # as the script ($HOME at run time), Compose and doctor do.
+    spec = spec._replace(mounts=tuple(m._replace(source=os.path.expanduser(m.source)) for m in spec.mounts))
     unit = f"{spec.name}.service"
     content = _render(
         "systemd.service.j2",
@@ -111,6 +132,7 @@ def render_systemd(plan: Plan) -> list[Artifact]:
         name=spec.name,
         run_argv=docker_run_argv(spec, "foreground"),
         stop_timeout=spec.stop_timeout,
+        required_names=_required_secrets(spec),
     )
     return [Artifact(unit, content)]
 
@@ -128,16 +150,27 @@ def _health_command(spec: ContainerSpec, path: str) -> list[str]:
 
 
 def compose_document(plan: Plan) -> dict[str, Any]:
+    """Built from raw values, then escaped as a whole (compose_escape): Compose interpolates `$`
+    in every string, so only the Interpolations below stay live."""
     spec = container_spec(plan, expand_home=False)
+    required = _required_secrets(spec)
+    environment: list[str] = [f"{k}={v}" for k, v in spec.env]
+    for name in spec.secret_env:
+        # A bare NAME takes the value from the environment of `docker compose`: by reference.
+        # A required one fails closed: Compose refuses to start without it.
+        environment.append(
+            Interpolation(f"{name}=${{{name}:?the plan requires {name}: export it before docker compose up}}")
+            if name in required
+            else name
+        )
     service: dict[str, Any] = {
         "image": spec.image,
         "container_name": spec.name,
-        "command": [compose_literal(a) for a in spec.args],
-        "labels": {k: compose_literal(v) for k, v in spec.labels},
+        "command": list(spec.args),
+        "labels": dict(spec.labels),
         "ports": [f"{spec.bind}:{spec.host_port}:{spec.container_port}"],
         "volumes": [_compose_volume(m.source, m.target, m.read_only) for m in spec.mounts],
-        # A bare NAME takes the value from the environment of `docker compose`: by reference.
-        "environment": [f"{k}={compose_literal(v)}" for k, v in spec.env] + list(spec.secret_env),
+        "environment": environment,
     }
     if spec.ipc_host:
         service["ipc"] = "host"
@@ -175,12 +208,17 @@ def compose_document(plan: Plan) -> dict[str, Any]:
         "retries": 3,
         "start_period": f"{spec.startup_timeout}s",
     }
-    return {"name": "m31ctl", "services": {"vllm": service}}
+    # No top-level `name`: Debian's docker-compose 1.29 refuses it; the project name comes from
+    # the directory or `-p`, and the container is named by container_name either way.
+    document: dict[str, Any] = compose_escape({"services": {"vllm": service}})
+    return document
 
 
 def _compose_volume(source: str, target: str, read_only: bool) -> str:
-    source = "${HOME}/" + compose_literal(source[2:]) if source.startswith("~/") else compose_literal(source)
-    return f"{source}:{target}{':ro' if read_only else ''}"
+    suffix = f":{target}{':ro' if read_only else ''}"
+    if source.startswith("~/"):
+        return Interpolation("${HOME}/" + compose_literal(source[2:]) + compose_literal(suffix))
+    return source + suffix
 
 
 def render_compose(plan: Plan) -> list[Artifact]:
@@ -192,30 +230,58 @@ def render_compose(plan: Plan) -> list[Artifact]:
     return [Artifact("compose.yaml", content)]
 
 
-def _k8s_name(spec: ContainerSpec) -> str:
-    return spec.name.lower().replace("_", "-")[:63]
+def _env_entries(spec: ContainerSpec, extra: dict[str, str]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": k, "value": k8s_literal(v)} for k, v in (*spec.env, *sorted(extra.items()))
+    ]
+    for secret in spec.secret_env:
+        # Fail closed: a required key missing from the Secret keeps the pod from starting.
+        optional = secret == HF_TOKEN
+        env.append(
+            {
+                "name": secret,
+                "valueFrom": {"secretKeyRef": {"name": K8S_SECRET, "key": secret, "optional": optional}},
+            }
+        )
+    return env
+
+
+def _hf_cache_claim(plan: Plan, name: str, labels: dict[str, str], shared: bool) -> dict[str, Any]:
+    """The claim the checkpoint is downloaded into. Pods of one group on several nodes share it,
+    so it must then be ReadWriteMany (a file system every node mounts)."""
+    k8s = plan.settings.kubernetes
+    spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteMany" if shared else "ReadWriteOnce"],
+        "resources": {"requests": {"storage": k8s_quantity(k8s.hf_cache_size)}},
+    }
+    if k8s.hf_cache_storage_class:
+        spec["storageClassName"] = k8s.hf_cache_storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": K8S_HF_CACHE_CLAIM, "labels": labels},
+        "spec": spec,
+    }
 
 
 def k8s_documents(plan: Plan) -> list[dict[str, Any]]:
     spec = container_spec(plan, expand_home=False)
-    name = _k8s_name(spec)
+    k8s = plan.settings.kubernetes
+    name = spec.name  # a DNS-1123 label already (m31ctl/names.py)
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "m31ctl"}
     annotations = {k: v for k, v in spec.labels}
     gpu_resource = vendor_facts(spec.vendor).k8s_resource or "nvidia.com/gpu"
-    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in spec.env]
-    for secret in spec.secret_env:
-        env.append(
-            {
-                "name": secret,
-                "valueFrom": {
-                    "secretKeyRef": {"name": K8S_SECRET, "key": secret, "optional": secret == HF_TOKEN}
-                },
-            }
-        )
+    per_node = plan.hardware.count
+    spans_nodes = 0 < per_node < spec.gpu_count
+    gpus_per_pod = per_node if spans_nodes else spec.gpu_count
     volumes: list[dict[str, Any]] = [
         {"name": "hf-cache", "persistentVolumeClaim": {"claimName": K8S_HF_CACHE_CLAIM}},
     ]
     mounts: list[dict[str, Any]] = [{"name": "hf-cache", "mountPath": HF_CACHE_IN_CONTAINER}]
+    for index, mount in enumerate(m for m in spec.mounts if m.target != HF_CACHE_IN_CONTAINER):
+        # A local checkpoint: the directory on the node (every node, when the group spans nodes).
+        volumes.append({"name": f"model-{index}", "hostPath": {"path": mount.source, "type": "Directory"}})
+        mounts.append({"name": f"model-{index}", "mountPath": mount.target, "readOnly": True})
     if not spec.ipc_host:
         volumes.append(
             {
@@ -224,20 +290,24 @@ def k8s_documents(plan: Plan) -> list[dict[str, Any]]:
             }
         )
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    startup_failures = math.ceil(spec.startup_timeout / PROBE_PERIOD_S)
+    resources = {gpu_resource: gpus_per_pod, **(k8s.network_resources if spans_nodes else {})}
     container: dict[str, Any] = {
         "name": "vllm",
         "image": spec.image,
         "args": [k8s_literal(a) for a in spec.args],
-        "env": env,
+        "env": _env_entries(spec, k8s.network_env if spans_nodes else {}),
         "ports": [{"name": "http", "containerPort": spec.container_port, "protocol": "TCP"}],
-        "resources": {"limits": {gpu_resource: spec.gpu_count}, "requests": {gpu_resource: spec.gpu_count}},
+        "resources": {
+            "limits": dict(resources),
+            "requests": {**resources, "cpu": k8s.cpu, "memory": k8s_quantity(k8s.memory)},
+        },
         "volumeMounts": mounts,
-        # Loading a 250 GB checkpoint takes long: the startup probe allows the plan's startup timeout.
+        # Download, load and compile, sized from the plan (checkpoint at runtime.download_mbps
+        # plus runtime.load_and_compile_s; container.startup_budget_s).
         "startupProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": PROBE_PERIOD_S,
-            "failureThreshold": startup_failures,
+            "failureThreshold": math.ceil(spec.startup_timeout / PROBE_PERIOD_S),
         },
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
@@ -251,18 +321,28 @@ def k8s_documents(plan: Plan) -> list[dict[str, Any]]:
             "timeoutSeconds": 10,
         },
     }
+    security: dict[str, Any] = {}
     if spec.cap_add:
-        container["securityContext"] = {"capabilities": {"add": list(spec.cap_add)}}
+        security["capabilities"] = {"add": list(spec.cap_add)}
+    if "seccomp=unconfined" in spec.security_opt:
+        security["seccompProfile"] = {"type": "Unconfined"}  # as the Docker targets' security_opt
+    if security:
+        container["securityContext"] = security
     pod_spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": spec.stop_timeout,
+        "nodeSelector": {**k8s_product_selector(plan.hardware), **k8s.node_selector},
         "containers": [container],
         "volumes": volumes,
     }
+    if not pod_spec["nodeSelector"]:
+        del pod_spec["nodeSelector"]
+    if k8s.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in k8s.tolerations]
     if spec.ipc_host:
         pod_spec["hostIPC"] = True
-    per_node = plan.hardware.count
-    if 0 < per_node < spec.gpu_count:
-        return _leader_worker_set(plan, spec, name, labels, annotations, container, pod_spec, gpu_resource)
+    claim = _hf_cache_claim(plan, name, labels, shared=spans_nodes)
+    if spans_nodes:
+        return [claim, *_leader_worker_set(plan, spec, name, labels, annotations, container, pod_spec)]
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -276,10 +356,13 @@ def k8s_documents(plan: Plan) -> list[dict[str, Any]]:
         },
     }
     service = _service(name, labels, {"app.kubernetes.io/name": name}, spec.host_port)
-    return [deployment, service]
+    return [claim, deployment, service]
 
 
 RAY_PORT = 6379
+# LeaderWorkerSet puts these into every pod of a group (the LWS API reference).
+LWS_LEADER = "${LWS_LEADER_ADDRESS}"
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 
 
 def _service(name: str, labels: dict[str, str], selector: dict[str, str], port: int) -> dict[str, Any]:
@@ -295,6 +378,15 @@ def _service(name: str, labels: dict[str, str], selector: dict[str, str], port: 
     }
 
 
+def _serve_script(plan: Plan, role: NodeRole) -> str:
+    """`exec vllm serve ...` for one pod, as a shell command. Every word is quoted except the
+    LWS expansions the adapter was given; the whole script is escaped for Kubernetes' own
+    $(VAR) expansion, which must not touch it."""
+    words = ["vllm", "serve", *build_invocation(plan, node=role).args]
+    live = {role.leader_address, role.start_rank}
+    return "exec " + " ".join(w if w in live else shlex.quote(w) for w in words)
+
+
 def _leader_worker_set(
     plan: Plan,
     spec: ContainerSpec,
@@ -303,25 +395,35 @@ def _leader_worker_set(
     annotations: dict[str, str],
     container: dict[str, Any],
     pod_spec: dict[str, Any],
-    gpu_resource: str,
 ) -> list[dict[str, Any]]:
-    """A layout wider than one node: a LeaderWorkerSet whose leader runs the Ray head and
-    `vllm serve`, and whose workers join its Ray cluster (vLLM's multi-node recipe)."""
+    """A layout wider than one node, as a LeaderWorkerSet (kubernetes-sigs/lws), one node a pod.
+
+    Data parallelism across nodes (DEP): every pod runs `vllm serve` with its local DP ranks;
+    the leader serves the API, the workers run --headless from their first rank (vLLM's
+    data-parallel deployment). TP within a node and PP across nodes: the leader starts the Ray
+    head and `vllm serve` with the Ray executor; workers join the Ray cluster (LWS's vLLM example).
+    docs/decisions.md names the source of each flag."""
     per_node = plan.hardware.count
     size = math.ceil(spec.gpu_count / per_node)
-    serve = shlex.join(["vllm", "serve", *build_invocation(plan, ray_executor=True).args])
-    # $(LWS_LEADER_ADDRESS) is for Kubernetes to expand; user values were escaped by k8s_literal.
-    leader_script = f"ray start --head --port={RAY_PORT} && exec {k8s_literal(serve)}"
-    worker_script = f"exec ray start --address=$(LWS_LEADER_ADDRESS):{RAY_PORT} --block"
-    resources = {"limits": {gpu_resource: per_node}, "requests": {gpu_resource: per_node}}
-    leader = {**container, "command": ["/bin/sh", "-c", leader_script], "resources": resources}
+    par = plan.settings.parallelism
+    ranks_per_node = max(1, per_node // (par.tensor * par.pipeline))
+    start_rank = f"$(({LWS_WORKER_INDEX} * {ranks_per_node}))"
+    leader_role = NodeRole(True, per_node, LWS_LEADER, "0")
+    worker_role = NodeRole(False, per_node, LWS_LEADER, start_rank)
+    if spans_with_ray(plan):
+        leader_script = f"ray start --head --port={RAY_PORT} && {_serve_script(plan, leader_role)}"
+        worker_script = f"exec ray start --address={LWS_LEADER}:{RAY_PORT} --block"
+    else:
+        leader_script = _serve_script(plan, leader_role)
+        worker_script = _serve_script(plan, worker_role)
+    leader = {**container, "command": ["/bin/sh", "-c", k8s_literal(leader_script)]}
     leader.pop("args", None)
     worker = {
         k: v
         for k, v in container.items()
         if k not in ("args", "startupProbe", "livenessProbe", "readinessProbe", "ports")
     }
-    worker.update(name="vllm-worker", command=["/bin/sh", "-c", worker_script], resources=resources)
+    worker.update(name="vllm-worker", command=["/bin/sh", "-c", k8s_literal(worker_script)])
     leader_labels = {**labels, "role": "leader"}
     lws = {
         "apiVersion": "leaderworkerset.x-k8s.io/v1",
@@ -331,7 +433,7 @@ def _leader_worker_set(
             "replicas": 1,
             "leaderWorkerTemplate": {
                 "size": size,
-                # A lost pod breaks the Ray cluster: restart the whole group.
+                # One lost pod breaks the group's collectives: restart the whole group.
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "leaderTemplate": {
                     "metadata": {"labels": leader_labels, "annotations": annotations},

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from m31ctl.container import startup_budget_s
 from m31ctl.engine.adapter import build_invocation, native_command
 from m31ctl.errors import CheckFailed, HostPreconditionError
 from m31ctl.names import check_name, name_problem
@@ -190,7 +191,7 @@ class NativeRuntime:
                 "the native runtime runs on this host's own hardware",
                 hint="drop --hardware (or use --hardware cpu for the rehearsal)",
             )
-        timeout = float(options.timeout if options.timeout is not None else runtime.startup_timeout)
+        timeout = float(options.timeout if options.timeout is not None else startup_budget_s(plan))
         served = plan.settings.model.served_name
         existing = load(name)
         decision = decide(_existing(existing, served, api_key), plan.hash)
