@@ -50,7 +50,9 @@ def profile_layouts(plan: Plan) -> dict[str, Layout]:
 
 def plan_layout(plan: Plan) -> Layout:
     p = plan.settings.parallelism
-    return Layout(tensor=p.tensor, data=p.data, expert=p.expert, decode_context=p.decode_context)
+    return Layout(
+        tensor=p.tensor, data=p.data, expert=p.expert, decode_context=p.decode_context, pipeline=p.pipeline
+    )
 
 
 def _weights(plan: Plan, model: ModelFacts) -> Weights:

@@ -49,10 +49,11 @@ class Layout(NamedTuple):
     data: int = 1
     expert: bool = False
     decode_context: int = 1
+    pipeline: int = 1  # stages: each holds 1/pipeline of the layers (weights and KV)
 
     @property
     def gpus(self) -> int:
-        return self.tensor * self.data
+        return self.tensor * self.pipeline * self.data
 
     def label(self) -> str:
         if self.data > 1 and self.expert:
@@ -61,6 +62,8 @@ class Layout(NamedTuple):
             base = f"TP{self.tensor}xDP{self.data}"
         else:
             base = f"TP{self.tensor}"
+        if self.pipeline > 1:
+            base = base.replace(f"TP{self.tensor}", f"TP{self.tensor}xPP{self.pipeline}", 1)
         return f"{base}+DCP{self.decode_context}" if self.decode_context > 1 else base
 
 
@@ -172,9 +175,10 @@ def split_weights(
 def weights_per_gpu(weights: Weights, layout: Layout) -> float:
     """TP shards everything; data + expert parallelism replicates dense weights on every rank
     and shards the experts over TP x DP."""
+    shards = layout.tensor * layout.pipeline
     if layout.expert and layout.data > 1:
-        return (weights.dense_bytes + weights.expert_bytes / layout.data) / layout.tensor
-    return (weights.dense_bytes + weights.expert_bytes) / layout.tensor
+        return (weights.dense_bytes + weights.expert_bytes / layout.data) / shards
+    return (weights.dense_bytes + weights.expert_bytes) / shards
 
 
 def kv_budget_per_gpu(
@@ -204,8 +208,11 @@ def token_bytes(inputs: MemoryInputs, layout: Layout) -> TokenBytes:
     # Decode context parallelism removes copies: the ranks that hold the same cache split its
     # tokens (vLLM's DCP "eliminates KV cache redundancy"; its per-layer replica count,
     # v1/core/kv_cache_utils.py _layer_tp_replicas). A cache with no copies is not split.
-    main = g.layers * 2 * heads_per_rank * g.head_dim * CACHE_BYTES_PER_VALUE[inputs.kv_dtype]
-    indexer = g.sparse_layers * g.indexer_dim * CACHE_BYTES_PER_VALUE[inputs.indexer_dtype]
+    # Pipeline stages hold their own layers' caches: 1/pipeline of them each (even split).
+    main = (
+        g.layers / layout.pipeline * 2 * heads_per_rank * g.head_dim * CACHE_BYTES_PER_VALUE[inputs.kv_dtype]
+    )
+    indexer = g.sparse_layers / layout.pipeline * g.indexer_dim * CACHE_BYTES_PER_VALUE[inputs.indexer_dtype]
     return TokenBytes(main / min(dcp, main_copies), indexer / min(dcp, indexer_copies))
 
 
@@ -225,7 +232,7 @@ def resident_sequences(inputs: MemoryInputs, layout: Layout, context: int) -> Fi
     sequences = math.floor(concurrency) * layout.data
     given = inputs.kv_space_bytes is not None
     published_need = (
-        context * inputs.published_kv_bytes_per_token / layout.tensor
+        context * inputs.published_kv_bytes_per_token / (layout.tensor * layout.pipeline)
         if inputs.published_kv_bytes_per_token
         else None
     )
@@ -251,7 +258,7 @@ def published_basis(inputs: MemoryInputs, layout: Layout, context: int, budget: 
     its TP group (no replication, no indexer, no blocks)."""
     if inputs.published_kv_bytes_per_token is None:
         return None
-    group_budget = max(budget, 0.0) * layout.tensor
+    group_budget = max(budget, 0.0) * layout.tensor * layout.pipeline
     return math.floor(group_budget / (context * inputs.published_kv_bytes_per_token)) * layout.data
 
 
