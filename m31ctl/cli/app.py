@@ -15,11 +15,13 @@ from m31ctl.cli.options import (
     HardwareOpt,
     JsonOpt,
     LaunchRuntimeOpt,
+    LockedOpt,
     NameOpt,
     NoValidateOpt,
     ProfileOpt,
     RecipeOpt,
     SetOpt,
+    UpdateLockOpt,
     VariantOpt,
     plan_request,
 )
@@ -187,6 +189,8 @@ def render(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite files that differ.")] = False,
     no_validate: NoValidateOpt = False,
+    locked: LockedOpt = None,
+    update_lock: UpdateLockOpt = False,
 ) -> int:
     """Render deployment artifacts (bash script, Compose, Kubernetes, systemd) from the plan."""
     from m31ctl.errors import InputError
@@ -197,9 +201,14 @@ def render(
             "--check and -o/--output exclude each other", hint="--check DIR compares; -o DIR writes"
         )
     renderer = get_target(target)
-    artifacts = renderer(
-        _resolve(plan_request(hardware, recipe, variant, profile, file, set_), not no_validate)
-    )
+    request = plan_request(hardware, recipe, variant, profile, file, set_)
+    plan = _resolve(request, not no_validate)
+    if locked is not None:
+        from m31ctl.cli.locking import apply_lock
+
+        # Rendered files pin a registry digest only: a local image ID means nothing elsewhere.
+        plan = apply_lock(plan, request.files, locked, update_lock, by_id=False)
+    artifacts = renderer(plan)
     if check is not None:
         drift = files.diff(check, artifacts)
         sys.stdout.write(drift)
@@ -210,6 +219,52 @@ def render(
         return 0
     for path, state in files.write(output, artifacts, force):
         sys.stderr.write(f"{state}: {path}\n")
+    return 0
+
+
+@command
+def lock(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    output: Annotated[Path, typer.Option("-o", "--output", help="The lock file to write.")] = Path(
+        "m31ctl.lock"
+    ),
+    check: Annotated[
+        Path | None, typer.Option("--check", help="Exit 1 with the differences when FILE has drifted.")
+    ] = None,
+    json: JsonOpt = False,
+) -> int:
+    """Record the deployment (plan, input files, image digest, hardware) so CI deploys the same one."""
+    from m31ctl.cli.locking import current_lock, drift_lines, write_lock
+    from m31ctl.lock import drift, read
+
+    request = plan_request(hardware, recipe, variant, profile, file, set_)
+    plan = _resolve(request)
+    if check is not None:
+        found = drift(read(check), current_lock(plan, request.files, need_image=False), plan)
+        if json:
+            from m31ctl.cli.output import emit_json
+
+            emit_json({"lock": str(check), "drift": [d._asdict() for d in found], "ok": not found})
+        elif found:
+            sys.stdout.write("\n".join((f"drift from {check}:", *drift_lines(found))) + "\n")
+        else:
+            sys.stdout.write(f"{check}: no drift\n")
+        return int(ExitCode.CHECK_FAILED if found else ExitCode.OK)
+    lock_file = current_lock(plan, request.files, need_image=False)
+    write_lock(output, lock_file)
+    if json:
+        from m31ctl.cli.output import emit_json
+
+        emit_json({"lock": str(output), **lock_file.model_dump(mode="json")})
+    else:
+        image = lock_file.image
+        pinned = image.digest or image.id or "not recorded (no Docker Engine, or the image is not here)"
+        sys.stderr.write(f"wrote {output}: plan {lock_file.plan_hash}, image {image.reference} -> {pinned}\n")
     return 0
 
 
@@ -241,6 +296,7 @@ def doctor(
     file: FileOpt = None,
     set_: SetOpt = None,
     json: JsonOpt = False,
+    locked: LockedOpt = None,
 ) -> int:
     """Check that this host can run the plan: Docker, GPUs, drivers, disk, port, image."""
     from m31ctl.cli.views import print_doctor
@@ -254,6 +310,10 @@ def doctor(
         if hardware is None:
             request = request._replace(hardware=probe.hardware)
     report = diagnose(request, probe)
+    if locked is not None:
+        from m31ctl.cli.locking import lock_check
+
+        report = lock_check(report, request.files if request else (), locked)
     if json:
         from m31ctl.cli.output import emit_json
 
@@ -284,6 +344,8 @@ def launch(
     port: Annotated[int | None, typer.Option("--port", help="Host port.")] = None,
     runtime: LaunchRuntimeOpt = "docker",
     no_validate: NoValidateOpt = False,
+    locked: LockedOpt = None,
+    update_lock: UpdateLockOpt = False,
 ) -> int:
     """Resolve, check, pull, start the server and wait until the model answers."""
     import json as jsonlib
@@ -306,7 +368,12 @@ def launch(
         sets.append(f"runtime.container_name={jsonlib.dumps(name)}")
     if port is not None:
         sets.append(f"runtime.port={port}")
-    p = _resolve(plan_request(hardware, recipe, variant, profile, file, sets), not no_validate)
+    request = plan_request(hardware, recipe, variant, profile, file, sets)
+    p = _resolve(request, not no_validate)
+    if locked is not None:
+        from m31ctl.cli.locking import apply_lock
+
+        p = apply_lock(p, request.files, locked, update_lock, by_id=True)
     if dry_run:
         launch_views.print_dry_run(p, deploy.dry_run(p, runtime), json)
         return 0

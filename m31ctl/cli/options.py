@@ -40,6 +40,17 @@ AnyRuntimeOpt = Annotated[
 ]
 NameOpt = Annotated[str | None, typer.Option("--name", help="Which m31ctl server (default: all of ours).")]
 
+# --- lock files (m31ctl lock) -------------------------------------------------------------------
+LockedOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--locked", help="Compare with this lock file; drift refuses (exit 4) unless --update-lock."
+    ),
+]
+UpdateLockOpt = Annotated[
+    bool, typer.Option("--update-lock", help="With --locked: rewrite the lock to what resolves now.")
+]
+
 
 def plan_request(
     hardware: str | None,

@@ -6,7 +6,6 @@ import os
 import resource
 import shutil
 from pathlib import Path
-from typing import Any
 
 from m31ctl.doctor.base import Check, Context, Outcome
 from m31ctl.errors import M31Error
@@ -288,36 +287,6 @@ def image(ctx: Context) -> Outcome:
     return Outcome("ok", f"{name} not present locally; the registry has it (launch pulls it)")
 
 
-def _engine_schema_from_image(ctx: Context, image: Any) -> dict[str, Any]:
-    """Run the image's own Python on extract_schema.py; cached per image id (vLLM imports take ~8 s)."""
-    import json
-    from importlib import resources
-
-    cache = (
-        Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "m31ctl" / "engine-schemas"
-    )
-    cached = cache / f"{image.id.replace(':', '_')}.json"
-    if cached.is_file():
-        data: dict[str, Any] = json.loads(cached.read_text())
-        return data
-    script = resources.files("m31ctl.engine").joinpath("extract_schema.py")
-    with resources.as_file(script) as path:
-        output = ctx.engine().containers.run(
-            image.id,
-            entrypoint=["python3", "/m31ctl/extract_schema.py"],
-            command=[],
-            remove=True,
-            volumes={str(path.parent): {"bind": "/m31ctl", "mode": "ro"}},
-            network_mode="none",
-            stdout=True,
-            stderr=False,
-        )
-    data = json.loads(output.decode())
-    cache.mkdir(parents=True, exist_ok=True)
-    cached.write_text(json.dumps(data))
-    return data
-
-
 def engine(ctx: Context) -> Outcome:
     plan = ctx.require_plan()
     from m31ctl.engine.adapter import build_invocation
@@ -331,7 +300,9 @@ def engine(ctx: Context) -> Outcome:
             f"{name} is not present locally, so its own vLLM cannot be asked",
             "pull it, then run doctor again (plan-time validation used the vLLM 0.32 schema)",
         )
-    data = _engine_schema_from_image(ctx, image)
+    from m31ctl.runtime.images import engine_schema
+
+    data = engine_schema(ctx.engine(), image)
     findings = validate(build_invocation(plan), schema_from_data(data, name))
     if findings:
         return Outcome(

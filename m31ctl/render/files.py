@@ -48,6 +48,11 @@ def write(directory: Path, artifacts: Sequence[Artifact], force: bool) -> list[t
     return [(path, state) for path, _artifact, state in plan]
 
 
+def write_text_atomic(path: Path, content: str, mode: int = 0o644) -> None:
+    """One file, whole or not at all (a temporary file in the same directory, then rename)."""
+    _write_atomic(path, content, mode)
+
+
 def _write_atomic(path: Path, content: str, mode: int) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

@@ -1,0 +1,71 @@
+"""What the Docker Engine knows about an engine image: its ID, its registry digest, and the
+vLLM inside it (asked of the image's own Python, once per image ID). Used by doctor's engine
+check and by `m31ctl lock`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from m31ctl.runtime import engine_api
+
+
+class ImageFacts(NamedTuple):
+    reference: str
+    id: str | None  # the local image ID (content hash of its config); None when absent
+    digest: str | None  # the registry digest (repo@sha256:...) when the image came from one
+    vllm_version: str | None  # None when the image cannot tell (no vLLM, or not runnable here)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "m31ctl" / "engine-schemas"
+
+
+def engine_schema(client: Any, image: Any) -> dict[str, Any]:
+    """Run the image's own Python on extract_schema.py; cached per image id (vLLM imports take ~8 s)."""
+    from importlib import resources
+
+    cached = _cache_dir() / f"{image.id.replace(':', '_')}.json"
+    if cached.is_file():
+        data: dict[str, Any] = json.loads(cached.read_text())
+        return data
+    script = resources.files("m31ctl.engine").joinpath("extract_schema.py")
+    with resources.as_file(script) as path:
+        output = client.containers.run(
+            image.id,
+            entrypoint=["python3", "/m31ctl/extract_schema.py"],
+            command=[],
+            remove=True,
+            volumes={str(path.parent): {"bind": "/m31ctl", "mode": "ro"}},
+            network_mode="none",
+            stdout=True,
+            stderr=False,
+        )
+    data = json.loads(output.decode())
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text(json.dumps(data))
+    return data
+
+
+def image_facts(reference: str, ask_vllm: bool = True) -> ImageFacts:
+    """The engine's facts about `reference`. Raises DockerUnreachable when there is no engine."""
+    with engine_api.engine_boundary("inspecting the engine image"):
+        client = engine_api.connect()
+        image = engine_api.local_image(client, reference)
+        if image is None:
+            return ImageFacts(reference, None, None, None)
+        digests = image.attrs.get("RepoDigests") or []
+        repository = reference.rsplit(":", 1)[0] if ":" in reference.split("/")[-1] else reference
+        digest = next(
+            (d for d in digests if d.split("@", 1)[0] == repository), digests[0] if digests else None
+        )
+        version = None
+        if ask_vllm:
+            try:
+                version = str(engine_schema(client, image).get("version") or "") or None
+            except Exception:  # no python3 or no vLLM in the image: it cannot tell
+                version = None
+        return ImageFacts(reference, str(image.id), digest, version)
