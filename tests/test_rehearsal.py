@@ -43,6 +43,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _plan_options(launch_args: list[str]) -> list[str]:
+    """The plan options of a launch command line, with --name and --port as the settings they set."""
+    out, i = [], 1  # skip "launch"
+    while i < len(launch_args):
+        arg = launch_args[i]
+        if arg in ("--runtime", "--timeout"):
+            i += 2
+            continue
+        if arg in ("--json",):
+            i += 1
+            continue
+        if arg == "--name":
+            out += ["--set", f"runtime.container_name={launch_args[i + 1]}"]
+        elif arg == "--port":
+            out += ["--set", f"runtime.port={launch_args[i + 1]}"]
+        else:
+            out += [arg, launch_args[i + 1]] if arg in ("--hardware", "--set") else [arg]
+            i += 2 if arg in ("--hardware", "--set") else 1
+            continue
+        i += 2
+    return out
+
+
 KV_LINE = re.compile(
     r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"
 )
@@ -109,6 +132,28 @@ def test_native_launch_smoke_stop(vllm_py, tiny_model, tmp_path):
         assert smoke.returncode == 0 and report["ok"], report
         assert report["completion_tokens"] == 16 and report["ttft_s"] > 0
         print(f"native smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
+        plan_options = _plan_options(args)
+        report_path = tmp_path / "verify.json"
+        verified = run_cli("verify", *plan_options, "--json", "-o", str(report_path), env=env)
+        report = json.loads(verified.stdout)
+        assert verified.returncode == 0 and report["ok"], report
+        assert report["bench"]["completed"] == 4 and report["bench"]["p99_ttft_ms"] > 0
+        assert report["facts"]["kv_cache_tokens"] == report["facts"]["kv_cache_tokens_predicted"] == 524288
+        print(
+            f"native verify: p99 TTFT {report['bench']['p99_ttft_ms']:.1f} ms, {report['bench']['output_throughput']:.0f} tokens/s"
+        )
+        # A pass mark the CPU cannot meet, and a plan that says another KV dtype: exit 1, named.
+        slow = run_cli("verify", *plan_options, "--set", "verify.ttft_p99_ms=0.001", "--json", env=env)
+        assert slow.returncode == 1 and json.loads(slow.stdout)["failed"] == ["ttft-p99"]
+        wrong = run_cli(
+            "verify", *plan_options, "--set", "cache.kv_dtype=fp8", "--no-load", "--json", env=env
+        )
+        assert wrong.returncode == 1 and "kv-cache-dtype" in json.loads(wrong.stdout)["failed"]
+        again = run_cli(
+            "verify", *plan_options, "--baseline", str(report_path), "--tolerance", "10", "--json", env=env
+        )
+        checks = {c["check"]: c["status"] for c in json.loads(again.stdout)["checks"]}
+        assert again.returncode == 0 and checks["regression"] == "pass"
         logs = run_cli("logs", "--runtime", "native", "--tail", "5000", env=env)
         assert "POST /v1/chat/completions" in logs.stdout
         assert_capacity_matches_engine(logs.stdout, tiny_model)
@@ -135,6 +180,7 @@ def test_container_launch_smoke_stop(tiny_model):
             f"{IMAGE} is missing: scripts/build-rehearsal-image builds it (scripts/test runs it as root)"
         )
     name = f"m31ctl-rehearsal-{uuid.uuid4().hex[:6]}"
+    port = free_port()
     try:
         launched = run_cli(
             "launch",
@@ -143,7 +189,7 @@ def test_container_launch_smoke_stop(tiny_model):
             "--name",
             name,
             "--port",
-            str(free_port()),
+            str(port),
             "--set",
             f"model.path={tiny_model}",
             "--timeout",
@@ -157,6 +203,12 @@ def test_container_launch_smoke_stop(tiny_model):
         report = json.loads(smoke.stdout)
         assert smoke.returncode == 0 and report["ok"], report
         print(f"container smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
+        verified = run_cli("verify", "--hardware", "cpu", "--set", f"runtime.container_name={name}",
+                           "--set", f"runtime.port={port}", "--set", f"model.path={tiny_model}", "--json")  # fmt: skip
+        result = json.loads(verified.stdout)
+        assert verified.returncode == 0 and result["ok"], result
+        assert result["bench"]["completed"] == 4  # vllm bench serve from the image's own vLLM
+        print(f"container verify: p99 TTFT {result['bench']['p99_ttft_ms']:.1f} ms")
         assert_capacity_matches_engine(run_cli("logs", "--name", name, "--tail", "5000").stdout, tiny_model)
     finally:
         stopped = run_cli("stop", "--name", name)

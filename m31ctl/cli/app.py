@@ -476,6 +476,39 @@ def smoke(
     return int(ExitCode.OK if report.ok else ExitCode.CHECK_FAILED)
 
 
+@command
+def verify(
+    hardware: HardwareOpt = None,
+    recipe: RecipeOpt = None,
+    variant: VariantOpt = None,
+    profile: ProfileOpt = "latency",
+    file: FileOpt = None,
+    set_: SetOpt = None,
+    url: Annotated[
+        str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")
+    ] = None,
+    name: NameOpt = None,
+    runtime: AnyRuntimeOpt = None,
+    bench_python: Annotated[
+        str | None, typer.Option("--bench-python", help="A Python with vLLM for the load run (with --url).")
+    ] = None,
+    no_load: Annotated[bool, typer.Option("--no-load", help="Skip the vllm bench serve run.")] = False,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Save the JSON report here.")] = None,
+    baseline: Annotated[
+        Path | None, typer.Option("--baseline", help="Fail when worse than this earlier report.")
+    ] = None,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="Allowed regression (0.25 = 25%).")] = 0.25,
+    json: JsonOpt = False,
+) -> int:
+    """Prove the running server is the plan's: function, served facts, vllm bench serve load, regression."""
+    from m31ctl.cli.verifying import run_verify
+
+    request = plan_request(hardware, recipe, variant, profile, file, set_)
+    return run_verify(
+        _resolve(request, False), url, name, runtime, bench_python, no_load, output, baseline, tolerance, json
+    )
+
+
 def build_app(argv: list[str]) -> typer.Typer:
     """The typer app for this command line: the named command only, or every command."""
     app = typer.Typer(

@@ -30,11 +30,16 @@ def current_lock(plan: Plan, files: tuple[Path, ...], need_image: bool) -> LockF
 
 
 def write_lock(path: Path, lock: LockFile) -> None:
+    write_text(path, to_text(lock))
+
+
+def write_text(path: Path, text: str) -> None:
+    """A report or lock file, whole or not at all; an unwritable place is bad input (exit 2)."""
     from m31ctl.errors import InputError
     from m31ctl.render.files import write_text_atomic
 
     try:
-        write_text_atomic(path, to_text(lock))
+        write_text_atomic(path, text)
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
 

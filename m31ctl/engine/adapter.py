@@ -13,7 +13,7 @@ from m31ctl.plan import Plan
 
 # Domain cache dtype -> vLLM's spelling, per flag (--kv-cache-dtype says bfloat16, the
 # indexer config says bf16).
-_KV_CACHE_DTYPE = {"nvfp4": "nvfp4", "fp8": "fp8", "bf16": "bfloat16"}
+KV_CACHE_DTYPE = {"nvfp4": "nvfp4", "fp8": "fp8", "bf16": "bfloat16"}
 _INDEXER_DTYPE = {"nvfp4": "nvfp4", "fp8": "fp8", "bf16": "bf16"}
 
 # AITER is off unless its master switch is on; the MoE sub-switch only acts under it.
@@ -108,7 +108,7 @@ def build_invocation(plan: Plan, *, node: NodeRole | None = None) -> EngineInvoc
         args += ["--decode-context-parallel-size", str(par.decode_context)]
 
     if s.cache.kv_dtype != "auto":
-        args += ["--kv-cache-dtype", _KV_CACHE_DTYPE[s.cache.kv_dtype]]
+        args += ["--kv-cache-dtype", KV_CACHE_DTYPE[s.cache.kv_dtype]]
     if s.cache.indexer_dtype != "auto":
         args += ["--attention-config", _json({"indexer_kv_dtype": _INDEXER_DTYPE[s.cache.indexer_dtype]})]
     if s.cache.block_size is not None:

@@ -248,6 +248,22 @@ class KubernetesSettings(_Frozen):
     network_env: dict[str, str] = Field(default_factory=dict)
 
 
+class VerifySettings(_Frozen):
+    """`m31ctl verify`'s load and its pass marks; profiles set what their use needs."""
+
+    requests: StrictInt = Field(16, ge=1, le=100000)
+    input_len: StrictInt = Field(1024, ge=1)
+    output_len: StrictInt = Field(256, ge=1)
+    concurrency: StrictInt = Field(8, ge=1)
+    # Pass marks (None: measured and reported, not gated). Latencies are p99 over the requests.
+    ttft_p99_ms: float | None = Field(None, gt=0)
+    tpot_p99_ms: float | None = Field(None, gt=0)
+    min_output_throughput: float | None = Field(None, gt=0, description="output tokens/s")
+    min_acceptance_length: float | None = Field(
+        None, ge=1, description="speculative decoding, tokens per step"
+    )
+
+
 class PlanSettings(_Frozen):
     # default_factory, not an instance: an instance built at import would build that model's
     # validator at start-up, which every command would pay (issue 12's start-up goal).
@@ -263,3 +279,4 @@ class PlanSettings(_Frozen):
     runtime: Runtime = Field(default_factory=Runtime)
     capacity: CapacityAssumptions = Field(default_factory=CapacityAssumptions)
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
+    verify: VerifySettings = Field(default_factory=VerifySettings)

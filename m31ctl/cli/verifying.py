@@ -1,0 +1,99 @@
+"""`m31ctl verify`: find the server and its benchmark runner, run the checks, print and save."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from m31ctl.errors import ExitCode, InputError
+from m31ctl.plan import Plan
+
+
+def run_verify(
+    plan: Plan,
+    url: str | None,
+    name: str | None,
+    runtime: str | None,
+    bench_python: str | None,
+    no_load: bool,
+    output: Path | None,
+    baseline: Path | None,
+    tolerance: float,
+    as_json: bool,
+) -> int:
+    from m31ctl.runtime import select, verify
+
+    if not (0 <= tolerance < math.inf):
+        raise InputError(f"--tolerance {tolerance:g} must be a non-negative fraction", hint="e.g. 0.25")
+    old = verify.read_baseline(baseline) if baseline is not None else None
+    server_hash: str | None = None
+    bench: verify.BenchRunner | None = None
+    if url is not None:
+        base = url.rstrip("/")
+        if bench_python:
+            bench = verify.native_bench(bench_python)
+    else:
+        servers, found = select(name, runtime)
+        running = [s for s in servers if s.running and s.endpoint]
+        if len(running) != 1:
+            if not running:
+                found.raise_if_incomplete()
+            from m31ctl.errors import HostPreconditionError
+
+            names = ", ".join(s.name for s in running) or "none"
+            raise HostPreconditionError(
+                f"need exactly one running m31ctl server, found {names}", hint="pass --name or --url"
+            )
+        server = running[0]
+        base, server_hash = str(server.endpoint), server.plan_hash
+        if bench_python:
+            bench = verify.native_bench(bench_python)
+        elif server.runtime == "native":
+            bench = verify.native_bench(plan.settings.runtime.native_python or sys.executable)
+        elif server.runtime == "docker":
+            from m31ctl.container import container_spec
+
+            spec = container_spec(plan)
+            bench = verify.container_bench(spec.image, [(m.source, m.target) for m in spec.mounts])
+    report = verify.run(
+        plan,
+        base,
+        server_plan_hash=server_hash,
+        bench=None if no_load else bench,
+        baseline=old,
+        tolerance=tolerance,
+    )
+    if output is not None:
+        import json
+
+        from m31ctl.cli.locking import write_text
+
+        write_text(output, json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
+    if as_json:
+        from m31ctl.cli.output import emit_json
+
+        emit_json(report.to_json())
+    else:
+        _print(report)
+    return int(ExitCode.OK if report.ok else ExitCode.CHECK_FAILED)
+
+
+def _print(report: object) -> None:
+    from m31ctl.cli.output import console, table
+
+    out = console()
+    data = report.to_json()  # type: ignore[attr-defined]
+    t = table(f"verify {data['endpoint']} (plan {data['plan_hash']})", ["check", "result", "detail"])
+    style = {"pass": "[green]pass[/green]", "fail": "[red]FAIL[/red]", "skip": "[dim]skip[/dim]"}
+    for c in data["checks"]:
+        t.add_row(c["check"], style[c["status"]], c["detail"])
+    out.print(t)
+    bench = data.get("bench") or {}
+    if bench:
+        out.print(
+            "load: "
+            + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in bench.items()),
+            markup=False,
+        )
+    out.print("[green]verified[/green]" if data["ok"] else f"[red]failed:[/red] {', '.join(data['failed'])}")
