@@ -6,6 +6,9 @@ server), so neither imports the other's caller.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from m31ctl.doctor import preflight
 from m31ctl.plan import Plan, require_fit
 from m31ctl.runtime import get_runtime
@@ -20,7 +23,20 @@ def launch(plan: Plan, runtime_name: str, options: LaunchOptions) -> LaunchResul
     for result in preflight(plan, runtime.preflight_checks, options.environ):
         if result.status == "warn":
             options.report(f"warning: {result.title}: {result.message}")
+    if options.diagnostics is None:
+        options = dataclasses.replace(options, diagnostics=lambda: _diagnostics(plan))
     return runtime.launch(plan, options)
+
+
+def _diagnostics(plan: Plan) -> dict[str, Any]:
+    """For a stalled launch's triage bundle: the doctor's report and each GPU's memory now."""
+    from m31ctl.doctor import diagnose_plan, report_json
+
+    found = diagnose_plan(plan)
+    return {
+        "doctor": report_json(found.report),
+        "gpus": [g.model_dump(mode="json") for g in found.probe_hardware.gpus],
+    }
 
 
 def dry_run(plan: Plan, runtime_name: str) -> DryRun:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,3 +130,10 @@ def vllm_py() -> str:
             pytest.fail("CI must run the vLLM tests: scripts/setup-vllm did not leave .venv-vllm")
         pytest.skip("no Python with vLLM (scripts/setup-vllm makes .venv-vllm)")
     return python
+
+
+def last_json(stdout: str) -> Any:
+    """The result object of a JSON Lines stream (launch --json prints phase events first)."""
+    import json
+
+    return json.loads(stdout.strip().splitlines()[-1])

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import last_json, run_cli
 
 pytestmark = pytest.mark.docker
 
@@ -81,8 +81,12 @@ def deployment(images, tmp_path, docker_client):
 def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client):
     first = run_cli(*deployment.args("--json"), env={"HF_TOKEN": CANARY})
     assert first.returncode == 0, first.stderr
-    result = json.loads(first.stdout)
+    result = last_json(first.stdout)
     assert result["action"] == "created" and result["ready"] is True
+    # JSON Lines for CI logs: one event per phase as it begins, the result object last.
+    events = [json.loads(line) for line in first.stdout.strip().splitlines()[:-1]]
+    assert events and all(e["event"] == "phase" and e["elapsed_s"] >= 0 for e in events)
+    assert events[-1]["phase"] == "ready" and [e["phase"] for e in events[:-1]] == result["phases"]
     assert result["endpoint"] == f"http://127.0.0.1:{deployment.port}"
     assert result["phases"] and set(result["phases"]) <= {
         "starting the engine",
@@ -116,7 +120,7 @@ def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client
     assert "Application startup complete" in logs.stdout
 
     again = run_cli(*deployment.args("--json"))
-    assert again.returncode == 0 and json.loads(again.stdout)["action"] == "unchanged"
+    assert again.returncode == 0 and last_json(again.stdout)["action"] == "unchanged"
     assert docker_client.containers.get(deployment.name).id == container.id
 
     changed = deployment.args("--set", "serving.max_model_len=1024", "--json")
@@ -124,7 +128,7 @@ def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client
     assert refused.returncode == 4 and "--yes" in refused.stderr
     assert docker_client.containers.get(deployment.name).id == container.id
     replaced = run_cli(*changed, "--yes")
-    assert replaced.returncode == 0 and json.loads(replaced.stdout)["action"] == "recreated"
+    assert replaced.returncode == 0 and last_json(replaced.stdout)["action"] == "recreated"
     assert docker_client.containers.get(deployment.name).id != container.id
 
     stopped = run_cli("stop", "--name", deployment.name, "--json")
@@ -201,7 +205,7 @@ def test_ctrl_c_while_waiting_then_next_launch_converges(deployment, docker_clie
     assert container.labels["io.m31ctl.owner"] == "m31ctl"
     again = run_cli(*args, "--json")
     assert again.returncode == 0, again.stderr
-    assert json.loads(again.stdout)["action"] in ("adopted", "unchanged")
+    assert last_json(again.stdout)["action"] in ("adopted", "unchanged")
     assert docker_client.containers.get(deployment.name).id == container.id
 
 
@@ -269,7 +273,7 @@ def test_concurrent_launches_of_one_plan_make_one_container(deployment, docker_c
     for code, out, err in results:
         assert "Traceback" not in err and "internal error" not in err
         if code == 0:
-            assert json.loads(out)["action"] in ("created", "adopted", "unchanged")
+            assert last_json(out)["action"] in ("created", "adopted", "unchanged")
 
 
 def test_status_survives_odd_containers_carrying_our_label(images, docker_client):
@@ -327,3 +331,24 @@ def test_amd_group_add_works_where_the_image_lacks_a_render_group(images, docker
     finally:
         if created:
             subprocess.run(["groupdel", "render"], check=False)
+
+
+def test_watchdog_stops_a_silent_engine_with_a_triage_bundle(deployment, images, tmp_path):
+    """No log progress for the phase's budget (runtime.load_and_compile_s here): stop waiting long
+    before the overall timeout, classify, leave a triage bundle, exit 5."""
+    state = tmp_path / "state"
+    start = time.monotonic()
+    result = run_cli(
+        *deployment.args("--timeout", "120", "--set", "runtime.load_and_compile_s=4", image=images["hang"]),
+        env={"M31CTL_STATE_DIR": str(state)},
+    )
+    took = time.monotonic() - start
+    assert result.returncode == 5, result.stderr
+    assert "made no progress for" in result.stderr and "while loading weights" in result.stderr
+    assert took < 60, took
+    bundles = list((state / "triage").glob(f"{deployment.name}-*.json"))
+    assert len(bundles) == 1 and str(bundles[0]) in result.stderr
+    bundle = json.loads(bundles[0].read_text())
+    assert bundle["phase"] == "loading weights" and bundle["timeline"][0]["phase"]
+    assert any("Loading weights" in line for line in bundle["log_tail"])
+    assert bundle["plan"]["hash"] and "checks" in bundle["doctor"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, last_json, run_cli
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 IMAGE = "m31ctl/vllm-cpu:0.32.0"
@@ -118,13 +118,13 @@ def test_native_launch_smoke_stop(vllm_py, tiny_model, tmp_path):
     try:
         launched = run_cli(*args, env=env)
         assert launched.returncode == 0, launched.stderr[-3000:]
-        result = json.loads(launched.stdout)
+        result = last_json(launched.stdout)
         assert (
             result["ready"] and result["timings_s"]["ready"] - result["timings_s"]["models_first_answer"] < 1
         )
         print(f"native ready after {result['timings_s']['ready']:.1f} s")
         again = run_cli(*args, env=env)
-        assert json.loads(again.stdout)["action"] == "unchanged"
+        assert last_json(again.stdout)["action"] == "unchanged"
         status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"]
         assert [r["name"] for r in status] == [name] and status[0]["health"] == 200
         smoke = run_cli("smoke", "--runtime", "native", "--json", env=env)
@@ -197,7 +197,7 @@ def test_container_launch_smoke_stop(tiny_model):
             "--json",
         )
         assert launched.returncode == 0, launched.stderr[-3000:]
-        result = json.loads(launched.stdout)
+        result = last_json(launched.stdout)
         print(f"container ready after {result['timings_s']['ready']:.1f} s")
         smoke = run_cli("smoke", "--name", name, "--json")
         report = json.loads(smoke.stdout)

@@ -15,7 +15,7 @@ import pytest
 from m31ctl.errors import InputError
 from m31ctl.runtime import RUNTIMES, get_runtime
 from m31ctl.runtime.converge import Action, Existing, decide
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, last_json, run_cli
 
 STANDIN = ROOT / "tests" / "standin_vllm"
 
@@ -94,7 +94,7 @@ def test_native_server_is_found_and_stopped_without_runtime_flag(native_env):
     env, name, port, args, state = native_env
     launched = run_cli(*args, "--json", env=env)
     assert launched.returncode == 0, launched.stderr
-    assert json.loads(launched.stdout)["runtime"] == "native"
+    assert last_json(launched.stdout)["runtime"] == "native"
     pid = _pid(state, name)
 
     status = run_cli("status", "--json", env=env)

@@ -385,6 +385,7 @@ def launch(
         yes=yes,
         environ=dict(os.environ),
         pull_progress=launch_views.pull_progress(),
+        on_phase=launch_views.phase_events() if json else (lambda _name, _elapsed: None),
     )
     result = deploy.launch(p, runtime, options)
     launch_views.print_result(p, result, json)

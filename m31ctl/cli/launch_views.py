@@ -5,6 +5,7 @@ from __future__ import annotations
 import json as jsonlib
 import shlex
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from m31ctl.capacity.fit import plan_fit
@@ -79,9 +80,22 @@ def print_dry_run(plan: Plan, dry: DryRun, as_json: bool) -> None:
     out.print(shlex.join(dry.argv), markup=False, soft_wrap=True)
 
 
+def phase_events() -> Callable[[str, float], None]:
+    """launch --json: each startup phase as one JSON line on stdout, as it begins (for CI logs)."""
+    from m31ctl.cli.output import emit_json_line
+
+    def on_phase(name: str, elapsed: float) -> None:
+        emit_json_line({"event": "phase", "phase": name, "elapsed_s": round(elapsed, 3)})
+
+    return on_phase
+
+
 def print_result(plan: Plan, result: LaunchResult, as_json: bool) -> None:
     if as_json:
-        emit_json(result.to_json())
+        # The last line of the event stream: the result object.
+        from m31ctl.cli.output import emit_json_line
+
+        emit_json_line(result.to_json())
         return
     out = console()
     verb = {"unchanged": "already serving this plan; nothing changed"}.get(result.action, result.action)

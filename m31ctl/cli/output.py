@@ -13,6 +13,14 @@ def emit_json(payload: Any) -> None:
     sys.stdout.write(json.dumps(redact_data(payload), indent=2, sort_keys=True) + "\n")
 
 
+def emit_json_line(payload: Any) -> None:
+    """One compact JSON object on one line (a stream of events: JSON Lines)."""
+    from m31ctl.redact import redact_data
+
+    sys.stdout.write(json.dumps(redact_data(payload), sort_keys=True, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
 def console(stderr: bool = False) -> Any:
     import shutil
 

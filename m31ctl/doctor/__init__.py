@@ -51,6 +51,21 @@ def diagnose(
     return DoctorReport(plan, error, tuple(run_checks(all_checks(), ctx)))
 
 
+@dataclass(frozen=True)
+class PlanDiagnosis:
+    """doctor's report on an already-resolved plan, with the probe it ran against."""
+
+    report: DoctorReport
+    probe_hardware: Any
+
+
+def diagnose_plan(plan: Plan) -> PlanDiagnosis:
+    probe = detect()
+    ctx = Context(plan=plan, plan_error=None, probe=probe, env=os.environ)
+    report = DoctorReport(plan, None, tuple(run_checks(all_checks(), ctx)))
+    return PlanDiagnosis(report, probe.hardware)
+
+
 def preflight(
     plan: Plan, check_ids: tuple[str, ...], env: Mapping[str, str], probe: ProbeReport | None = None
 ) -> list[CheckResult]:

@@ -30,6 +30,15 @@ def _no_progress(event: PullEvent | None) -> None:
     del event
 
 
+PhaseCallback = Callable[[str, float], None]
+# What a stalled launch's triage bundle adds beyond the log and timeline (deploy: doctor's report).
+Diagnostics = Callable[[], dict[str, Any]]
+
+
+def _no_phase(_name: str, _elapsed: float) -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class LaunchOptions:
     """How to launch, beyond the plan: the CLI fills it from flags; tests from code."""
@@ -41,6 +50,10 @@ class LaunchOptions:
     yes: bool = False
     environ: Mapping[str, str] = field(default_factory=dict)
     pull_progress: PullProgress = _no_progress
+    # Each startup phase as it begins (name, seconds since the launch began): launch --json
+    # prints them as JSON lines for CI logs.
+    on_phase: PhaseCallback = _no_phase
+    diagnostics: Diagnostics | None = None
 
 
 @dataclass(frozen=True)

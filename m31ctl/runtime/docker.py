@@ -30,8 +30,8 @@ from m31ctl.runtime.base import (
 )
 from m31ctl.runtime.converge import Action, Decision, Existing, decide
 from m31ctl.runtime.exits import diagnose
-from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free
-from m31ctl.runtime.readiness import ProcessState, health, models, wait_ready
+from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
+from m31ctl.runtime.readiness import ProcessState, Watchdog, health, models, wait_ready
 
 # What `docker stop` waits for when the container does not say (vLLM's drain + margin).
 DEFAULT_STOP_TIMEOUT_S = 60
@@ -178,6 +178,7 @@ class DockerRuntime:
         served = plan.settings.model.served_name
         client = engine_api.connect()
         timeout = float(options.timeout if options.timeout is not None else spec.startup_timeout)
+        watchdog = watchdog_for(plan, spec.name, options.diagnostics)
         container = engine_api.find_container(client, spec.name)
         decision = decide(_existing(container, spec, api_key, served), plan.hash)
         confirm_or_refuse(decision, spec.name, plan.hash, options)
@@ -192,12 +193,14 @@ class DockerRuntime:
         if decision.action is Action.UNCHANGED:
             return result(Action.UNCHANGED, True)
         if decision.action is Action.ADOPT and container is not None:
-            return self._adopt(container, spec, served, timeout, api_key, options, result)
+            return self._adopt(container, spec, served, timeout, api_key, options, result, watchdog)
         if decision.action is Action.RECREATE and container is not None:
             options.report(f"removing {spec.name} ({decision.reason})")
             engine_api.remove_if_present(container)
         try:
             ensure_port_free(spec.bind, spec.host_port)
+            if engine_api.local_image(client, spec.image) is None:
+                options.on_phase("pulling the image", 0.0)
             _ensure_image(client, spec.image, options.report, options.pull_progress)
             started = time.monotonic()
             created = _create_and_start(client, spec, environ)
@@ -210,11 +213,11 @@ class DockerRuntime:
                 raise
             if joined.action is Action.UNCHANGED:
                 return result(Action.UNCHANGED, True)
-            return self._adopt(winner, spec, served, timeout, api_key, options, result)
+            return self._adopt(winner, spec, served, timeout, api_key, options, result, watchdog)
         options.report(f"started {spec.name} ({created.short_id}) from {spec.image}")
         if options.detach:
             return result(decision.action, False)
-        timings, phases = self._wait(created, spec, served, timeout, options, api_key)
+        timings, phases = self._wait(created, spec, served, timeout, options, api_key, watchdog)
         timings["total_since_create"] = time.monotonic() - started
         return result(decision.action, True, timings, phases)
 
@@ -227,13 +230,14 @@ class DockerRuntime:
         api_key: str | None,
         options: LaunchOptions,
         result: Callable[..., LaunchResult],
+        watchdog: Watchdog,
     ) -> LaunchResult:
         options.report(f"{spec.name} runs this plan already; waiting for it")
         if container.status == "created":
             container.start()  # a second start of a started container is a no-op (304)
         if options.detach:
             return result(Action.ADOPT, False)
-        timings, phases = self._wait(container, spec, served, timeout, options, api_key)
+        timings, phases = self._wait(container, spec, served, timeout, options, api_key, watchdog)
         return result(Action.ADOPT, True, timings, phases)
 
     def _wait(
@@ -244,10 +248,18 @@ class DockerRuntime:
         timeout: float,
         options: LaunchOptions,
         api_key: str | None,
+        watchdog: Watchdog,
     ) -> tuple[dict[str, float], tuple[str, ...]]:
         try:
             return wait_ready(
-                ContainerHandle(container), endpoint(spec), served, timeout, options.report, api_key
+                ContainerHandle(container),
+                endpoint(spec),
+                served,
+                timeout,
+                options.report,
+                api_key,
+                on_phase=options.on_phase,
+                watchdog=watchdog,
             )
         except ServerDied as exc:
             # Leave a server that died while loading stopped, with its logs: under a restart policy

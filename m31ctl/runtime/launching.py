@@ -3,13 +3,19 @@ confirmation and the readiness wait."""
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 from m31ctl.errors import ConflictError, HostPreconditionError, InputError
 from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
-from m31ctl.runtime.base import LaunchOptions
+from m31ctl.runtime.base import Diagnostics, LaunchOptions
 from m31ctl.runtime.converge import Action, Decision
+from m31ctl.runtime.readiness import Watchdog
 
 API_KEY_ENV = "VLLM_API_KEY"
 
@@ -50,3 +56,47 @@ def confirm_or_refuse(decision: Decision, name: str, plan_hash: str, options: La
             raise ConflictError(
                 f"{name} {decision.reason}; not replaced", hint="pass --yes to recreate it with this plan"
             )
+
+
+def watchdog_for(plan: Plan, name: str, diagnostics: Diagnostics | None = None) -> Watchdog:
+    """Silence budgets per startup phase, from the plan: the checkpoint download may go quiet
+    for its whole expected time at runtime.download_mbps; every other phase for
+    runtime.load_and_compile_s. The triage bundle is written under the state directory."""
+    runtime = plan.settings.runtime
+    download_s = plan.model.checkpoint_gb * 8000 / runtime.download_mbps
+    budgets = {"downloading the checkpoint": max(60.0, download_s)}
+    return Watchdog(
+        budgets,
+        float(max(1, runtime.load_and_compile_s)),
+        lambda data: write_triage(plan, name, data, diagnostics),
+    )
+
+
+def triage_dir() -> Path:
+    base = os.environ.get("M31CTL_STATE_DIR") or os.path.join(
+        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "m31ctl"
+    )
+    return Path(base) / "triage"
+
+
+def write_triage(plan: Plan, name: str, data: dict[str, Any], diagnostics: Diagnostics | None = None) -> str:
+    """The bundle a stalled launch leaves: log tail, phase timeline, the plan, and what
+    `diagnostics` adds (deploy passes the doctor's report with each GPU's memory), as one JSON
+    file. Returns its path ("not written: why" if it fails)."""
+    bundle: dict[str, Any] = {
+        **data,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "plan": {"hash": plan.hash, "recipe": plan.recipe.recipe, "settings": plan.settings_dict()},
+    }
+    if diagnostics is not None:
+        try:
+            bundle.update(diagnostics())
+        except Exception as exc:  # the bundle matters more than its diagnostics
+            bundle["diagnostics"] = f"not collected: {type(exc).__name__}: {exc}"
+    path = triage_dir() / f"{name}-{time.strftime('%Y%m%dT%H%M%S')}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(bundle, indent=1, sort_keys=True, default=str) + "\n")
+    except OSError as exc:
+        return f"not written ({exc.strerror or exc})"
+    return str(path)

@@ -27,7 +27,7 @@ from m31ctl.netaddr import local_url
 from m31ctl.plan import Plan
 from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Reporter, ServerStatus
 from m31ctl.runtime.converge import Action, Existing, decide
-from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free
+from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
 from m31ctl.runtime.readiness import ProcessState, health, models, wait_ready
 
 # After SIGKILL, how long the kernel may take to reap the process group before stop gives up.
@@ -203,7 +203,14 @@ class NativeRuntime:
             if options.detach:
                 return LaunchResult(Action.ADOPT.value, name, self.name, existing.base, plan.hash, False)
             timings, phases = wait_ready(
-                ProcessHandle(existing), existing.base, served, timeout, options.report, api_key
+                ProcessHandle(existing),
+                existing.base,
+                served,
+                timeout,
+                options.report,
+                api_key,
+                on_phase=options.on_phase,
+                watchdog=watchdog_for(plan, name, options.diagnostics),
             )
             return LaunchResult(
                 Action.ADOPT.value, name, self.name, existing.base, plan.hash, True, timings, phases
@@ -246,7 +253,14 @@ class NativeRuntime:
             return LaunchResult(decision.action.value, name, self.name, server.base, plan.hash, False)
         started = time.monotonic()
         timings, phases = wait_ready(
-            ProcessHandle(server, child), server.base, served, timeout, options.report, api_key
+            ProcessHandle(server, child),
+            server.base,
+            served,
+            timeout,
+            options.report,
+            api_key,
+            on_phase=options.on_phase,
+            watchdog=watchdog_for(plan, name, options.diagnostics),
         )
         timings["total_since_create"] = time.monotonic() - started
         return LaunchResult(

@@ -7,9 +7,11 @@ stops the wait at once with the last log lines and a diagnosis.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 from m31ctl.errors import NotReadyError, ServerDied
 from m31ctl.runtime.base import Reporter
@@ -64,24 +66,52 @@ def health(base: str, timeout: float = 2.0) -> int | None:
         return None
 
 
+class Watchdog(NamedTuple):
+    """How long the engine's log may stay silent in each phase before the wait stops, and where
+    the triage bundle goes (launching.watchdog_for builds it from the plan)."""
+
+    budgets: Mapping[str, float]  # phase -> seconds of silence allowed
+    default_s: float
+    triage: Callable[[dict[str, Any]], str]  # writes the bundle, returns its path
+
+
 def wait_ready(
-    handle: ServerHandle, base: str, served_name: str, timeout: float, report: Reporter, api_key: str | None
+    handle: ServerHandle,
+    base: str,
+    served_name: str,
+    timeout: float,
+    report: Reporter,
+    api_key: str | None,
+    *,
+    on_phase: Callable[[str, float], None] | None = None,
+    watchdog: Watchdog | None = None,
 ) -> tuple[dict[str, float], tuple[str, ...]]:
     """Poll until /v1/models lists `served_name` (ready), the server dies (NotReadyError with its
-    last log lines and a diagnosis), or `timeout` seconds pass (NotReadyError saying how far it
-    got). Returns the timings of each milestone and the startup phases seen in the log."""
+    last log lines and a diagnosis), its log makes no progress for the current phase's budget
+    (the watchdog: a classified stall and a triage bundle), or `timeout` seconds pass
+    (NotReadyError saying how far it got). Returns the timings of each milestone and the
+    startup phases seen in the log."""
     start = time.monotonic()
     timings: dict[str, float] = {}
     seen: list[str] = []
+    timeline: list[dict[str, Any]] = []
     health_ok = False
+    last_log, last_change = "", start
     while True:
         state = handle.state()
         if state.dead:
             died(handle, state)
-        current = phase(handle.log_tail(200))
+        tail = handle.log_tail(200)
+        now = time.monotonic()
+        if tail != last_log:
+            last_log, last_change = tail, now
+        current = phase(tail)
         if current and current not in seen:
             seen.append(current)
-            report(f"phase: {current} ({time.monotonic() - start:.1f} s)")
+            timeline.append({"phase": current, "elapsed_s": round(now - start, 3)})
+            report(f"phase: {current} ({now - start:.1f} s)")
+            if on_phase:
+                on_phase(current, now - start)
         if state.running:
             timings.setdefault("running", time.monotonic() - start)
             if not health_ok and health(base) == 200:
@@ -94,7 +124,13 @@ def wait_ready(
                     timings.setdefault("models_first_answer", time.monotonic() - start)
                     if served_name in listed:
                         timings["ready"] = time.monotonic() - start
+                        if on_phase:
+                            on_phase("ready", timings["ready"])
                         return timings, tuple(seen)
+        if watchdog is not None and not health_ok:
+            budget = watchdog.budgets.get(current or "", watchdog.default_s)
+            if now - last_change > budget:
+                stalled(handle, current, tail, now - last_change, timeline, watchdog)
         if time.monotonic() - start > timeout:
             case = (
                 "unhealthy: /health answers but /v1/models does not list the model"
@@ -105,6 +141,66 @@ def wait_ready(
                 f"not ready after {timeout:g} s: {case}", hint="raise --timeout, or look at `m31ctl logs`"
             )
         time.sleep(POLL_S)
+
+
+def stalled(
+    handle: ServerHandle,
+    current: str | None,
+    tail: str,
+    silent_s: float,
+    timeline: list[dict[str, Any]],
+    watchdog: Watchdog,
+) -> None:
+    """Stop waiting on an engine whose log has not moved for its phase's budget: classify the
+    stall from the log, write the triage bundle, and say where it is."""
+    cause, remedy = classify_stall(current, tail)
+    where = current or "starting"
+    path = watchdog.triage(
+        {
+            "server": handle.name,
+            "phase": where,
+            "silent_s": round(silent_s, 1),
+            "cause": cause,
+            "remedy": remedy,
+            "timeline": timeline,
+            "log_tail": tail.splitlines()[-200:],
+        }
+    )
+    lines = tuple(tail.rstrip().splitlines()[-LOG_TAIL_ON_FAILURE:])
+    raise NotReadyError(
+        f"{handle.name} made no progress for {silent_s:.0f} s while {where}: {cause}",
+        hint=f"{remedy}; triage bundle: {path}",
+        details=("the engine's last log lines:", *("    " + ln for ln in lines)),
+    )
+
+
+def classify_stall(current: str | None, tail: str) -> tuple[str, str]:
+    last = "\n".join(tail.splitlines()[-30:])
+    if _NCCL.search(last):
+        return (
+            "a collective (NCCL/RCCL) hang: process-group setup or an all-reduce made no progress",
+            "rerun with NCCL_DEBUG=INFO; check shm size, P2P/ACS and GPU visibility (`m31ctl doctor`)",
+        )
+    if current == "downloading the checkpoint":
+        return (
+            "the checkpoint download stalled",
+            "check the network path to Hugging Face, HF_TOKEN, and runtime.download_mbps",
+        )
+    d = diagnose(tail, None, False)
+    if not d.cause.startswith("the engine exited"):
+        return d.cause, d.remedy
+    if current in ("compiling", "capturing CUDA graphs"):
+        return (
+            f"{current} made no progress",
+            "raise runtime.load_and_compile_s, or serve eagerly (engine.extra_args: --enforce-eager)",
+        )
+    return (
+        f"no progress while {current or 'starting'}",
+        "read the log tail in the bundle; `m31ctl logs` shows the rest",
+    )
+
+
+_NCCL = re.compile(r"NCCL|RCCL|init_process_group|all_reduce|ProcessGroup", re.IGNORECASE)
 
 
 def died(handle: ServerHandle, state: ProcessState) -> None:
