@@ -26,10 +26,16 @@ CANARY = "hf_CANARY_doctor_0123456789"
 class FakeDocker:
     """A daemon as docker-py reports it: runtimes from `docker info` on an NVIDIA host."""
 
-    def __init__(self, runtimes: tuple[str, ...] = ("runc", "nvidia"), images: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        runtimes: tuple[str, ...] = ("runc", "nvidia"),
+        images: tuple[str, ...] = (),
+        image_env: tuple[str, ...] = (),
+    ) -> None:
         self.runtimes = runtimes
         self.images = self
         self.present = images
+        self.image_env = image_env  # the image's Config.Env, as `docker image inspect` shows it
         self.api = self
 
     def version(self) -> dict[str, str]:
@@ -42,7 +48,8 @@ class FakeDocker:
         from docker.errors import ImageNotFound
 
         if name in self.present:
-            return type("Image", (), {"short_id": "sha256:abc"})()
+            attrs = {"Config": {"Env": list(self.image_env)}}
+            return type("Image", (), {"short_id": "sha256:abc", "id": "sha256:abc", "attrs": attrs})()
         raise ImageNotFound(name)
 
     def inspect_distribution(self, name: str) -> None:
@@ -181,7 +188,7 @@ def test_json_is_stable_and_secret_free(cli):
     assert CANARY not in result.stdout + result.stderr
     data = json.loads(result.stdout)
     assert set(data) == {"plan_hash", "recipe", "plan_error", "checks", "summary", "ok"}
-    assert [c["id"] for c in data["checks"]] == [c.id for c in all_checks()]
+    assert [c["id"] for c in data["checks"]] == [c.id for c in all_checks() if not c.deep]
     for check in data["checks"]:
         assert set(check) == {"id", "title", "status", "message", "remedy", "duration_s"}
     assert result.returncode == (0 if data["ok"] else 1)
@@ -206,3 +213,142 @@ def test_against_this_machine(cli):
     checks = {c["id"]: c for c in json.loads(gpu_plan.stdout)["checks"]}
     assert checks["gpu-runtime"]["status"] == "fail" and checks["gpus"]["status"] == "fail"
     assert sum(c["duration_s"] for c in checks.values()) < 15
+
+
+# Issue 16: checks that passed hosts vLLM or Docker would reject.
+
+IMAGE = "vllm/vllm-openai:minimax-m31-flash"
+
+
+def test_gpu_memory_held_by_another_process_fails():
+    """Weights fit, but free memory is below utilization x total: vLLM 0.32 raises at start."""
+    by_id, _ = results(
+        h200_probe(mem_free=130 * 10**9), (*TWO_GPU_PLAN, "serving.gpu_memory_utilization=0.95"), FakeDocker()
+    )
+    check = by_id["gpu-memory"]
+    assert check.status == "fail" and "vLLM refuses to start" in check.message
+
+
+@pytest.mark.parametrize(
+    ("driver_cuda", "image_cuda", "status"),
+    [(12020, "12.8.1", "fail"), (13000, "13.1.0", "fail"), (13000, "12.9.1", "ok")],
+)
+def test_driver_floor_comes_from_the_image_cuda(driver_cuda, image_cuda, status):
+    capture = json.loads((DEVICE / "nvml-capture.json").read_text())
+    capture["cuda_driver"] = driver_cuda
+    probe = detect([NvmlProbe(FakeNvml(capture))], env={})
+    docker = FakeDocker(images=(IMAGE,), image_env=(f"CUDA_VERSION={image_cuda}", "PATH=/usr/bin"))
+    by_id, _ = results(probe, TWO_GPU_PLAN, docker)
+    assert by_id["driver"].status == status, by_id["driver"]
+    if status == "fail":
+        assert f"built on CUDA {image_cuda[:4]}" in by_id["driver"].message
+
+
+def test_partial_download_is_not_a_cached_checkpoint(tmp_path):
+    snapshot = tmp_path / "hub" / "models--MiniMaxAI--MiniMax-M3.1-Flash" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    by_id, _ = results(h200_probe(), (*TWO_GPU_PLAN, f"runtime.hf_cache={tmp_path}"), FakeDocker())
+    assert by_id["checkpoint"].status == "fail" and "no weights" in by_id["checkpoint"].message
+    assert "already" not in by_id["disk"].message
+    assert by_id["hf-token"].status == "warn"
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
+    (snapshot / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 4096)
+    by_id, _ = results(h200_probe(), (*TWO_GPU_PLAN, f"runtime.hf_cache={tmp_path}"), FakeDocker())
+    assert by_id["checkpoint"].status == "fail" and "1 of 2 shards" in by_id["checkpoint"].message
+    (snapshot / "model-00002-of-00002.safetensors").write_bytes(b"\0" * 4096)
+    by_id, _ = results(h200_probe(), (*TWO_GPU_PLAN, f"runtime.hf_cache={tmp_path}"), FakeDocker())
+    assert by_id["checkpoint"].status == "ok" and by_id["disk"].status == "ok"
+    assert "no token needed" in by_id["hf-token"].message
+
+
+def test_shared_memory_too_small_for_nccl_fails():
+    by_id, _ = results(h200_probe(), (*TWO_GPU_PLAN, "runtime.shm_size=64m"), FakeDocker())
+    assert by_id["shm"].status == "fail" and "NCCL" in by_id["shm"].message
+
+
+@pytest.mark.docker
+def test_ulimits_are_tried_for_real_with_the_engine(tmp_path):
+    """doctor starts a throwaway container with the plan's ulimits: its verdict is the Docker
+    Engine's own (this machine's engine refuses memlock=-1; a permissive one accepts it)."""
+    import subprocess
+
+    from m31ctl.runtime.engine_api import connect
+    from tests.dockerlib import build_engine_images
+
+    image = build_engine_images(connect())["ready"]
+    truth = subprocess.run(
+        ["docker", "run", "--rm", "--ulimit", "memlock=-1:-1", "--entrypoint", "/bin/true", image],
+        capture_output=True,
+        text=True,
+    )
+    result = run_cli(
+        "doctor", "--hardware", "cpu", "--set", f"engine.image={image}", "--set", f"model.path={tmp_path}",
+        "--set", 'runtime.ulimits={"memlock": -1}', "--json",
+    )  # fmt: skip
+    check = next(c for c in json.loads(result.stdout)["checks"] if c["id"] == "memlock")
+    if truth.returncode == 0:
+        assert check["status"] == "ok", check
+    else:
+        assert check["status"] == "fail" and "refuses the plan's ulimits" in check["message"], check
+        assert "rlimit" in check["message"]
+
+
+# doctor --deep: the engine and an all-reduce on the plan's GPUs.
+
+
+def _deep_context(capture: dict, exit_code: int | None = 0):  # type: ignore[no-untyped-def,type-arg]
+    from m31ctl.doctor.base import Context
+    from m31ctl.plan import resolve
+
+    probe = h200_probe()
+    plan = resolve(PlanRequest(hardware=probe.hardware, sets=TWO_GPU_PLAN))
+    ctx = Context(plan=plan, plan_error=None, probe=probe, env={}, deep="native")
+    ctx.once("deep", lambda: {"exit_code": exit_code, "stderr": capture.pop("stderr", ""), **capture})
+    return ctx
+
+
+def test_deep_checks_on_the_real_h200_capture():
+    """What collective_check.py printed on the lent 2x H200 host (NCCL, 256 MiB): replayed
+    through the checks that judge it."""
+    from m31ctl.doctor.checks import collective, engine_image
+
+    capture = json.loads((DEVICE / "collective-h200x2.json").read_text())
+    ctx = _deep_context(capture)
+    engine = engine_image(ctx)
+    assert engine.status == "ok" and "CUDA 13.0" in engine.message and "sm_90" in engine.message
+    result = collective(ctx)
+    assert result.status == "ok" and "nccl all-reduce over 2 ranks natively: 293.8 GB/s" in result.message
+
+
+def test_deep_checks_fail_on_missing_kernels_and_a_hang():
+    from m31ctl.doctor.checks import collective, engine_image
+
+    capture = json.loads((DEVICE / "collective-h200x2.json").read_text())
+    capture["engine"]["arch_list"] = ["sm_80", "sm_100"]  # an image built without Hopper kernels
+    for device in capture["engine"]["devices"]:
+        device["kernels"] = False
+    assert "no kernels for sm_90" in engine_image(_deep_context(capture)).message
+    hung = _deep_context({"stderr": "NCCL WARN Call to ibv_reg_mr failed\n"}, exit_code=None)
+    result = collective(hung)
+    assert result.status == "fail" and "hung" in result.message and "NCCL WARN" in result.remedy
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("runtime", ["native", pytest.param("docker", marks=pytest.mark.docker)])
+def test_doctor_deep_runs_the_collective_for_real(runtime, vllm_py, tmp_path):
+    """gloo over two processes with the rehearsal's own torch: natively, and in the rehearsal image
+    with the container settings launch uses."""
+    result = run_cli(
+        "doctor", "--hardware", "cpu", "--deep", "--runtime", runtime, "--set", f"model.path={tmp_path}",
+        "--set", f"runtime.native_python={vllm_py}", "--json",
+    )  # fmt: skip
+    checks = {c["id"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["engine-image"]["status"] == "ok" and "vLLM 0.32.0" in checks["engine-image"]["message"]
+    assert checks["collective"]["status"] == "ok", checks["collective"]
+    assert (
+        "gloo all-reduce over 2 ranks" in checks["collective"]["message"]
+        and "GB/s" in checks["collective"]["message"]
+    )
+    print(checks["collective"]["message"])

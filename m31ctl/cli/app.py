@@ -297,6 +297,14 @@ def doctor(
     set_: SetOpt = None,
     json: JsonOpt = False,
     locked: LockedOpt = None,
+    deep: Annotated[
+        bool,
+        typer.Option("--deep", help="Also run the engine and an all-reduce on the plan's GPUs (seconds)."),
+    ] = False,
+    runtime: Annotated[
+        str,
+        typer.Option("--runtime", help="With --deep: docker (in the engine image) or native (local torch)."),
+    ] = "docker",
 ) -> int:
     """Check that this host can run the plan: Docker, GPUs, drivers, disk, port, image."""
     from m31ctl.cli.views import print_doctor
@@ -305,11 +313,14 @@ def doctor(
 
     probe = detect()
     request = None
-    if hardware is not None or recipe or variant or file or set_ or profile != "latency":
+    if hardware is not None or recipe or variant or file or set_ or profile != "latency" or deep:
         request = plan_request(hardware, recipe, variant, profile, file, set_)
         if hardware is None:
             request = request._replace(hardware=probe.hardware)
-    report = diagnose(request, probe)
+    from m31ctl.runtime import get_runtime
+
+    get_runtime(runtime)  # an unknown runtime is bad input
+    report = diagnose(request, probe, deep=runtime if deep else None)
     if locked is not None:
         from m31ctl.cli.locking import lock_check
 

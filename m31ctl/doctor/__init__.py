@@ -43,12 +43,15 @@ def diagnose(
     request: PlanRequest | None,
     probe: ProbeReport | None = None,
     docker: Callable[[], Any] | None = None,
+    deep: str | None = None,
 ) -> DoctorReport:
-    """Run every check. `docker` connects to the Engine (the default: the local one)."""
+    """Run every check. `docker` connects to the Engine (the default: the local one); `deep`
+    ("docker" | "native") adds the checks that run in the engine on the plan's GPUs."""
     probe = probe or detect()
     plan, error = plan_for_host(request, probe)
-    ctx = Context(plan=plan, plan_error=error, probe=probe, env=os.environ, docker=docker)
-    return DoctorReport(plan, error, tuple(run_checks(all_checks(), ctx)))
+    ctx = Context(plan=plan, plan_error=error, probe=probe, env=os.environ, docker=docker, deep=deep)
+    checks = [c for c in all_checks() if deep or not c.deep]
+    return DoctorReport(plan, error, tuple(run_checks(checks, ctx)))
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,26 @@ class Context:
     env: Mapping[str, str]
     run: Runner = run_command
     docker: Callable[[], Any] | None = None  # returns a connected client or raises DockerUnreachable
+    # doctor --deep: where the image-and-GPU checks run ("docker": in the engine image with
+    # launch's container settings; "native": the local Python's torch); None: not run.
+    deep: str | None = None
+    _memo: dict[str, Any] = field(default_factory=dict, init=False)
+    _memo_lock: Any = field(default_factory=threading.Lock, init=False)
     _docker_client: Any = field(default=None, init=False)
     _docker_error: Exception | None = field(default=None, init=False)
+
+    def once(self, key: str, compute: Callable[[], Any]) -> Any:
+        """`compute()` once per doctor run, shared by the checks that read it (they run concurrently)."""
+        with self._memo_lock:
+            if key not in self._memo:
+                try:
+                    self._memo[key] = (compute(), None)
+                except Exception as exc:
+                    self._memo[key] = (None, exc)
+        value, error = self._memo[key]
+        if error is not None:
+            raise error
+        return value
 
     def require_plan(self) -> Plan:
         """The plan, for checks that judge it; without one they skip."""
@@ -112,6 +130,7 @@ class Check:
     title: str
     fn: Callable[[Context], Outcome]
     timeout_s: float = 5.0
+    deep: bool = False  # needs the image and the GPUs: `doctor --deep` only
 
 
 def run_checks(checks: Sequence[Check], ctx: Context, workers: int = 8) -> list[CheckResult]:

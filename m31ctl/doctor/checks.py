@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 import resource
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
-from m31ctl.doctor.base import Check, Context, Outcome
+from m31ctl.doctor.base import Check, Context, Outcome, SkipCheck
 from m31ctl.errors import M31Error
 from m31ctl.hardware import vendor_facts
 from m31ctl.netaddr import port_free
@@ -108,11 +115,14 @@ def gpu_memory(ctx: Context) -> Outcome:
             "free the GPUs (nvidia-smi shows who holds them) or use more GPUs",
         )
     if lowest < total * util:
+        # vLLM 0.32 raises at start when free memory is below utilization x total
+        # (v1/worker/utils.py): this host cannot start the plan as it is.
         return Outcome(
-            "warn",
+            "fail",
             f"{lowest / GB:.1f} GB free on the fullest GPU, below gpu_memory_utilization={util:g} "
-            f"of {total / GB:.1f} GB",
-            "another process holds GPU memory; vLLM will refuse to start",
+            f"of {total / GB:.1f} GB: vLLM refuses to start",
+            "free the GPUs (another process holds memory: nvidia-smi shows it) or lower "
+            "serving.gpu_memory_utilization",
         )
     return Outcome("ok", f"{lowest / GB:.1f} GB free per GPU; weights need {need / GB:.1f} GB per GPU")
 
@@ -132,12 +142,37 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(".") if p.isdigit())
 
 
+def image_cuda_version(ctx: Context) -> str | None:
+    """The CUDA version the engine image was built on (NVIDIA's CUDA images set CUDA_VERSION), or
+    None when the image is not here or does not say."""
+    if ctx.plan is None:
+        return None
+    try:
+        image = local_image(ctx.engine(), ctx.plan.settings.engine.image)
+    except SkipCheck:
+        return None
+    if image is None:
+        return None
+    env = (image.attrs.get("Config") or {}).get("Env") or []
+    found = next((e.split("=", 1)[1] for e in env if e.startswith("CUDA_VERSION=")), None)
+    return ".".join(found.split(".")[:2]) if found else None
+
+
 def driver(ctx: Context) -> Outcome:
     hw = ctx.probe.hardware
     if hw.vendor != "nvidia":
         return Outcome("skip", "no NVIDIA driver on this host")
     recommended = ctx.plan.recipe.recommended.cuda_driver if ctx.plan else None
     found = f"driver {hw.driver_version}, CUDA {hw.cuda_driver_version or 'unknown'}"
+    floor = image_cuda_version(ctx)
+    if floor and hw.cuda_driver_version and _version_tuple(hw.cuda_driver_version) < _version_tuple(floor):
+        # The floor: a driver runs CUDA up to the version it reports; the image's CUDA runtime
+        # needs at least that (CUDA's compatibility rule; forward-compat packages aside).
+        return Outcome(
+            "fail",
+            f"{found}; the engine image is built on CUDA {floor}, newer than this driver supports",
+            f"upgrade the driver to one that supports CUDA {floor} or later",
+        )
     if (
         recommended
         and hw.cuda_driver_version
@@ -148,7 +183,7 @@ def driver(ctx: Context) -> Outcome:
             f"{found}; the {ctx.plan.recipe.recipe if ctx.plan else ''} recipe recommends CUDA {recommended}",
             f"upgrade the driver to one that supports CUDA {recommended} (QMUL4 NVFP4->FP8 decode)",
         )
-    return Outcome("ok", found)
+    return Outcome("ok", found + (f"; the image needs CUDA {floor}" if floor else ""))
 
 
 def rocm(ctx: Context) -> Outcome:
@@ -172,11 +207,57 @@ def _hf_cache(plan: Plan) -> Path:
     return Path(os.path.expanduser(plan.settings.runtime.hf_cache))
 
 
-def _checkpoint_cached(plan: Plan) -> bool:
+def _snapshot(plan: Plan) -> Path | None:
+    """The checkpoint directory: a local one, or the newest cached snapshot of the hub repo."""
     repo = plan.settings.model.path
     if Path(repo).is_dir():
-        return True
-    return (_hf_cache(plan) / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots").is_dir()
+        return Path(repo)
+    snapshots = _hf_cache(plan) / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots"
+    found = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
+    return found[-1] if found else None
+
+
+def checkpoint_state(plan: Plan) -> tuple[str, str]:
+    """("complete" | "partial" | "absent", why): every shard model.safetensors.index.json names is
+    present with a plausible size, and the dspark/ draft too when the plan uses DSpark."""
+    directory = _snapshot(plan)
+    if directory is None:
+        return "absent", "not downloaded"
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        except (OSError, ValueError):
+            return "partial", f"{index} is unreadable"
+        shards = sorted(set(weight_map.values()))
+    else:
+        shards = [p.name for p in directory.glob("*.safetensors")]
+        if not shards:
+            return "partial", f"{directory} has no weights (no model.safetensors.index.json, no .safetensors)"
+    missing = [s for s in shards if not (directory / s).is_file() or (directory / s).stat().st_size < 1024]
+    if missing:
+        return "partial", f"{len(missing)} of {len(shards)} shards missing or empty (e.g. {missing[0]})"
+    if plan.settings.speculative.method == "dspark" and not (directory / "dspark").is_dir():
+        return "partial", "the dspark/ draft the plan uses is missing"
+    return "complete", f"{len(shards)} shards in {directory}"
+
+
+def _checkpoint_cached(plan: Plan) -> bool:
+    return checkpoint_state(plan)[0] == "complete"
+
+
+def checkpoint(ctx: Context) -> Outcome:
+    plan = ctx.require_plan()
+    state, why = checkpoint_state(plan)
+    if state == "complete":
+        return Outcome("ok", f"checkpoint complete: {why}")
+    if state == "partial":
+        return Outcome(
+            "fail",
+            f"checkpoint incomplete: {why}",
+            "finish the download (huggingface-cli download REPO) or remove the partial snapshot",
+        )
+    return Outcome("ok", "not downloaded yet: launch downloads it (see the disk check)")
 
 
 def disk(ctx: Context) -> Outcome:
@@ -218,6 +299,13 @@ def shm(ctx: Context) -> Outcome:
             )
         return Outcome("ok", f"host IPC namespace, /dev/shm {size / GIB:.0f} GiB")
     want = parse_size(runtime.shm_size)
+    if want < SHM_FLOOR and plan.gpus_needed > 1:
+        # NCCL puts its intra-node buffers in /dev/shm; Docker's 64 MB default makes it fail.
+        return Outcome(
+            "fail",
+            f"runtime.shm_size={runtime.shm_size} is too small for {plan.gpus_needed} GPUs' NCCL buffers",
+            f"at least {SHM_FLOOR // GIB} GiB: --set runtime.shm_size=64g (the recipes' default)",
+        )
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if want > mem_total // 2:
         return Outcome(
@@ -228,17 +316,33 @@ def shm(ctx: Context) -> Outcome:
     return Outcome("ok", f"private /dev/shm of {runtime.shm_size} (host memory {mem_total / GIB:.0f} GiB)")
 
 
+SHM_FLOOR = GIB  # NCCL's shared-memory transport needs more than Docker's 64 MB; 1 GiB is a floor
+
+
 def memlock(ctx: Context) -> Outcome:
+    """The plan's ulimits and /dev/shm, tried for real: a throwaway container of the engine image
+    with exactly those settings (dockerd's own limits decide, not this shell's)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     host = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft // 1024} KiB"
-    wanted = ctx.plan.settings.runtime.ulimits.get("memlock") if ctx.plan else None
-    if wanted is None:
-        return Outcome("ok", f"host locked-memory limit {host}; the plan sets no memlock ulimit")
-    return Outcome(
-        "ok",
-        f"host locked-memory limit {host}; the container asks for memlock={wanted} "
-        "(dockerd's own limit must allow it)",
-    )
+    plan = ctx.plan
+    if plan is None or (plan.hardware.vendor == "cpu" and not plan.settings.runtime.ulimits):
+        return Outcome("ok", f"host locked-memory limit {host}; the plan sets no ulimits")
+    from m31ctl.container import container_spec
+    from m31ctl.runtime.docker import trial_run
+
+    client = ctx.engine()
+    spec = container_spec(plan)
+    if local_image(client, spec.image) is None:
+        return Outcome("skip", f"{spec.image} is not here to try the ulimits with (launch will)")
+    error = trial_run(client, spec)
+    wanted = ", ".join(f"{n}={s}" for n, s, _h in spec.ulimits) or "none"
+    if error:
+        return Outcome(
+            "fail",
+            f"the Docker Engine refuses the plan's ulimits ({wanted}): {error[:200]}",
+            "raise dockerd's limits (LimitMEMLOCK=infinity in its systemd unit) or --set runtime.ulimits={}",
+        )
+    return Outcome("ok", f"a container with ulimits {wanted} and the plan's /dev/shm starts")
 
 
 def port(ctx: Context) -> Outcome:
@@ -344,6 +448,140 @@ def capacity(ctx: Context) -> Outcome:
     )
 
 
+# --- doctor --deep: in the engine, on the plan's GPUs ----------------------------------------------
+
+COLLECTIVE_SCRIPT = Path(__file__).resolve().parent.parent / "engine" / "collective_check.py"
+DEEP_TIMEOUT_S = 180.0
+_NCCL_WARN = re.compile(r"NCCL (WARN|INFO.*(error|fail))|RCCL|ProcessGroup|Traceback|Error", re.IGNORECASE)
+
+
+def _collective_shape(plan: Plan) -> tuple[int, str, int]:
+    """(world size, backend, MiB): the plan's tensor-parallel group on one node, NCCL on GPUs
+    (RCCL answers to the same name on ROCm), gloo with two processes on the CPU rehearsal."""
+    if plan.hardware.vendor == "cpu":
+        return 2, "gloo", 16
+    par = plan.settings.parallelism
+    world = min(par.tensor * par.pipeline, plan.hardware.count or 1)
+    return max(1, world), "nccl", 256
+
+
+def deep_probe(ctx: Context) -> dict[str, Any]:
+    """Run collective_check.py once per doctor run, where --deep says: in the engine image with
+    launch's container settings, or with the native runtime's Python."""
+    plan = ctx.require_plan()
+
+    def run() -> dict[str, Any]:
+        world, backend, mib = _collective_shape(plan)
+        args = ["--world", str(world), "--backend", backend, "--mib", str(mib)]
+        started = time.monotonic()
+        if ctx.deep == "native":
+            python = plan.settings.runtime.native_python or sys.executable
+            env = {**os.environ, **dict(plan.settings.runtime.env)}
+            try:
+                done = subprocess.run(
+                    [python, str(COLLECTIVE_SCRIPT), *args],
+                    capture_output=True,
+                    text=True,
+                    timeout=DEEP_TIMEOUT_S,
+                    env=env,
+                )
+                code, out, err = done.returncode, done.stdout, done.stderr
+            except subprocess.TimeoutExpired as exc:
+                code, out, err = None, "", str(exc.stderr or "")
+        else:
+            from m31ctl.container import container_spec
+            from m31ctl.runtime.docker import run_in_engine
+
+            client = ctx.engine()
+            spec = container_spec(plan)
+            if local_image(client, spec.image) is None:
+                raise SkipCheck(f"{spec.image} is not here to run the check in", "pull it, or --deep native")
+            code, out, err = run_in_engine(
+                client,
+                spec,
+                ["python3", "/m31ctl/collective_check.py", *args],
+                {str(COLLECTIVE_SCRIPT.parent): "/m31ctl"},
+                DEEP_TIMEOUT_S,
+            )
+        result: dict[str, Any] = {
+            "exit_code": code,
+            "stderr": err[-4000:],
+            "seconds": round(time.monotonic() - started, 2),
+        }
+        with contextlib.suppress(ValueError, IndexError):  # no report: the stderr says why
+            result.update(json.loads(out.strip().splitlines()[-1]))
+        return result
+
+    found: dict[str, Any] = ctx.once("deep", run)
+    return found
+
+
+def _likely_cause(stderr: str) -> str:
+    text = stderr.lower()
+    if "no space left" in text or "shm" in text:
+        return "shared memory: /dev/shm is too small (runtime.shm_size)"
+    if "peer" in text or "p2p" in text or "acs" in text:
+        return "GPU peer-to-peer access (P2P/ACS) is blocked"
+    if "invalid device ordinal" in text or "no cuda-capable device" in text or "no hip" in text:
+        return "the GPUs are not visible in the container (device request, *_VISIBLE_DEVICES)"
+    if "executable file not found" in text or ("no such file" in text and "python3" in text):
+        return "the image has no python3: not a vLLM image"
+    return "see the NCCL lines above (NCCL_DEBUG=INFO for more)"
+
+
+def engine_image(ctx: Context) -> Outcome:
+    plan = ctx.require_plan()
+    data = deep_probe(ctx)
+    engine = data.get("engine")
+    if not isinstance(engine, dict):
+        return Outcome("fail", f"the engine's Python did not report (exit {data.get('exit_code')}): "
+                       f"{_likely_cause(data.get('stderr', ''))}", "run `m31ctl doctor --deep --json` for its stderr")  # fmt: skip
+    versions = f"torch {engine.get('torch')}, vLLM {engine.get('vllm')}"
+    if plan.hardware.vendor == "cpu":
+        return Outcome("ok", f"{versions} (CPU)")
+    runtime = engine.get("hip_runtime") or engine.get("cuda_runtime")
+    versions += f", {'HIP' if engine.get('hip_runtime') else 'CUDA'} {runtime}"
+    world, _backend, _mib = _collective_shape(plan)
+    if not engine.get("accelerator") or int(engine.get("device_count") or 0) < world:
+        return Outcome("fail", f"{versions}; {engine.get('device_count', 0)} GPUs visible, the plan needs {world}",
+                       "check the GPU runtime (nvidia-container-toolkit / /dev/kfd) and *_VISIBLE_DEVICES")  # fmt: skip
+    missing = [d["arch"] for d in engine.get("devices", []) if not d.get("kernels")]
+    if missing:
+        return Outcome("fail", f"{versions}; no kernels for {', '.join(sorted(set(missing)))} in {engine.get('arch_list')}",
+                       "use an image built for this GPU architecture")  # fmt: skip
+    host_cuda = ctx.probe.hardware.cuda_driver_version
+    if (
+        engine.get("cuda_runtime")
+        and host_cuda
+        and _version_tuple(host_cuda) < _version_tuple(str(engine["cuda_runtime"]))
+    ):
+        return Outcome("fail", f"{versions}; the host driver supports CUDA {host_cuda} only",
+                       "upgrade the driver")  # fmt: skip
+    archs = ", ".join(sorted({d["arch"] for d in engine.get("devices", [])}))
+    return Outcome("ok", f"{versions}; {engine.get('device_count')} GPUs ({archs}) initialise with kernels")
+
+
+def collective(ctx: Context) -> Outcome:
+    data = deep_probe(ctx)
+    result = data.get("collective") or {}
+    stderr = str(data.get("stderr") or "")
+    lines = [ln for ln in stderr.splitlines() if _NCCL_WARN.search(ln)][-3:]
+    where = "in the engine image" if ctx.deep != "native" else "natively"
+    if data.get("exit_code") is None:
+        return Outcome("fail", f"the all-reduce {where} hung past {DEEP_TIMEOUT_S:.0f} s: {_likely_cause(stderr)}",
+                       "; ".join(lines) or "rerun with NCCL_DEBUG=INFO")  # fmt: skip
+    if data.get("exit_code") != 0 or not result.get("correct") or any(result.get("exit_codes") or [1]):
+        return Outcome("fail", f"the all-reduce {where} failed (exit {data.get('exit_code')}): {_likely_cause(stderr)}",
+                       "; ".join(lines) or "rerun with NCCL_DEBUG=INFO")  # fmt: skip
+    bus = result.get("busbw_gbps")
+    speed = f"{bus:.1f} GB/s bus bandwidth" if isinstance(bus, (int, float)) else "one rank, no exchange"
+    return Outcome(
+        "ok",
+        f"{result.get('backend')} all-reduce over {result.get('world')} ranks {where}: "
+        f"{speed} ({result.get('bytes', 0) // 2**20} MiB, init {result.get('init_s')} s)",
+    )
+
+
 def all_checks() -> list[Check]:
     return [
         Check("docker", "Docker daemon", docker_daemon),
@@ -355,13 +593,28 @@ def all_checks() -> list[Check]:
         Check("rocm", "ROCm", rocm, timeout_s=1),
         Check("disk", "Disk for the checkpoint", disk),
         Check("shm", "Shared memory", shm, timeout_s=1),
-        Check("memlock", "Locked-memory limit", memlock, timeout_s=1),
+        Check("memlock", "Ulimits and /dev/shm, tried", memlock, timeout_s=15),
+        Check("checkpoint", "Checkpoint complete", checkpoint, timeout_s=5),
         Check("port", "Port", port, timeout_s=1),
         Check("hf-token", "Hugging Face token", hf_token, timeout_s=1),
         Check("api-key", "API key", api_key, timeout_s=1),
         Check("image", "Engine image", image, timeout_s=8),
         Check("capacity", "KV capacity", capacity, timeout_s=2),
         Check("engine", "Engine accepts the argv", engine, timeout_s=120),
+        Check(
+            "engine-image",
+            "Engine on the plan's GPUs",
+            engine_image,
+            timeout_s=DEEP_TIMEOUT_S + 30,
+            deep=True,
+        ),
+        Check(
+            "collective",
+            "All-reduce on the plan's GPUs",
+            collective,
+            timeout_s=DEEP_TIMEOUT_S + 30,
+            deep=True,
+        ),
     ]
 
 

@@ -41,22 +41,36 @@ def endpoint(spec: ContainerSpec) -> str:
     return local_url(spec.bind, spec.host_port)
 
 
-def create_container(client: Any, spec: ContainerSpec, environ: dict[str, str]) -> Any:
-    """Create (not start) the container through the Engine API. Secret values come from our
-    environment into the API request, never into any process's argv."""
-    from docker.types import DeviceRequest, LogConfig, Ulimit
+def trial_run(client: Any, spec: ContainerSpec) -> str | None:
+    """Start and remove a throwaway container of the engine image with the plan's ulimits and
+    shared-memory settings (entrypoint /bin/true, no network, no GPUs): the engine's error, or
+    None when it accepts them. An engine that cannot set an rlimit fails here, not at launch."""
+    from docker.types import Ulimit
 
-    env = dict(spec.env)
-    env.update({name: environ[name] for name in spec.secret_env if environ.get(name)})
-    host: dict[str, Any] = {
-        "port_bindings": {spec.container_port: (spec.bind, spec.host_port)},
-        "binds": {m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
-        "ulimits": [Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits],
-        "log_config": LogConfig(
-            type="json-file", config={"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)}
-        ),
-        "restart_policy": {"Name": spec.restart},
-    }
+    try:
+        client.containers.run(
+            spec.image,
+            entrypoint=["/bin/true"],
+            command=[],
+            remove=True,
+            network_mode="none",
+            ulimits=[Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits],
+            shm_size=None if spec.ipc_host else spec.shm_size,
+            ipc_mode="host" if spec.ipc_host else None,
+        )
+    except Exception as exc:
+        text = engine_api.api_error_text(exc) or str(exc)
+        return text
+    return None
+
+
+def _host_settings(spec: ContainerSpec) -> dict[str, Any]:
+    """What the engine container gets from the host: GPUs, devices, groups, shared memory,
+    ulimits, security options. Launch and doctor's deep checks share it, so the check runs with
+    exactly what launch will use."""
+    from docker.types import DeviceRequest, Ulimit
+
+    host: dict[str, Any] = {"ulimits": [Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits]}
     if spec.ipc_host:
         host["ipc_mode"] = "host"
     elif spec.shm_size:
@@ -74,6 +88,52 @@ def create_container(client: Any, spec: ContainerSpec, environ: dict[str, str]) 
         host["cap_add"] = list(spec.cap_add)
     if spec.security_opt:
         host["security_opt"] = list(spec.security_opt)
+    return host
+
+
+def run_in_engine(
+    client: Any, spec: ContainerSpec, argv: list[str], mounts: dict[str, str], timeout: float
+) -> tuple[int | None, str, str]:
+    """Run `argv` in the engine image with launch's host settings (no port, no network beyond
+    loopback) and read-only `mounts` (host -> container). (exit code or None on timeout, stdout,
+    stderr); the container is removed either way."""
+    binds = {source: {"bind": target, "mode": "ro"} for source, target in mounts.items()}
+    binds.update({m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts})
+    host = client.api.create_host_config(**_host_settings(spec), binds=binds, network_mode="none")
+    created = client.api.create_container(
+        image=spec.image, entrypoint=argv[:1], command=argv[1:], environment=dict(spec.env), host_config=host
+    )
+    container = client.containers.get(created["Id"])
+    try:
+        container.start()
+        try:
+            code: int | None = int(container.wait(timeout=timeout).get("StatusCode", -1))
+        except Exception:  # the wait timed out: a hung collective
+            code = None
+            container.kill()
+        out = container.logs(stdout=True, stderr=False).decode("utf-8", "replace")
+        err = container.logs(stdout=False, stderr=True).decode("utf-8", "replace")
+        return code, out, err
+    finally:
+        engine_api.remove_if_present(container)
+
+
+def create_container(client: Any, spec: ContainerSpec, environ: dict[str, str]) -> Any:
+    """Create (not start) the container through the Engine API. Secret values come from our
+    environment into the API request, never into any process's argv."""
+    from docker.types import LogConfig
+
+    env = dict(spec.env)
+    env.update({name: environ[name] for name in spec.secret_env if environ.get(name)})
+    host: dict[str, Any] = {
+        **_host_settings(spec),
+        "port_bindings": {spec.container_port: (spec.bind, spec.host_port)},
+        "binds": {m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
+        "log_config": LogConfig(
+            type="json-file", config={"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)}
+        ),
+        "restart_policy": {"Name": spec.restart},
+    }
     created = client.api.create_container(
         image=spec.image,
         command=list(spec.args),

@@ -1,0 +1,137 @@
+"""The deep doctor's probe, run with the engine's own Python (in its image, or natively):
+
+1. engine: PyTorch and vLLM versions, whether CUDA/HIP initialises on the visible GPUs, the CUDA
+   (or HIP) runtime version, and whether PyTorch has kernels for each GPU's architecture
+   (torch.cuda.get_arch_list() against the device's sm_XY / gfxNNN);
+2. collective: WORLD processes form a process group (NCCL on NVIDIA, RCCL through the same API
+   on ROCm, gloo on the CPU) and all-reduce a buffer; the bus bandwidth is reported as NCCL's tests
+   define it (2 (n - 1) / n x bytes / time).
+
+Prints one JSON object on stdout. Standalone: imports nothing from m31ctl.
+
+    python collective_check.py --world 2 --backend nccl --mib 256
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def engine_facts() -> dict[str, Any]:
+    import torch
+
+    facts: dict[str, Any] = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    try:
+        import vllm
+
+        facts["vllm"] = getattr(vllm, "__version__", None)
+    except Exception as exc:
+        facts["vllm"] = None
+        facts["vllm_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    facts["cuda_runtime"] = torch.version.cuda
+    facts["hip_runtime"] = getattr(torch.version, "hip", None)
+    available = torch.cuda.is_available()
+    facts["accelerator"] = available
+    facts["device_count"] = torch.cuda.device_count() if available else 0
+    arch_list = torch.cuda.get_arch_list() if available else []
+    facts["arch_list"] = arch_list
+    devices = []
+    for index in range(facts["device_count"]):
+        props = torch.cuda.get_device_properties(index)
+        if facts["hip_runtime"]:
+            arch = str(getattr(props, "gcnArchName", "")).split(":")[0]
+        else:
+            arch = f"sm_{props.major}{props.minor}"
+        # A kernel for sm_100 runs on sm_100 only; PTX (compute_XY) can JIT for newer GPUs.
+        supported = arch in arch_list or any(a.startswith("compute_") for a in arch_list) if arch else False
+        devices.append({"index": index, "name": props.name, "arch": arch, "kernels": supported})
+    facts["devices"] = devices
+    return facts
+
+
+def _worker(rank: int, world: int, backend: str, mib: int, port: int, queue) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    started = time.perf_counter()
+    device = None
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    init_s = time.perf_counter() - started
+    numel = mib * 1024 * 1024 // 4
+    tensor = torch.ones(numel, dtype=torch.float32, device=device)
+    dist.all_reduce(tensor)  # warm-up (connections, buffers)
+    if device is not None:
+        torch.cuda.synchronize()
+    dist.barrier()
+    runs = 5
+    start = time.perf_counter()
+    for _ in range(runs):
+        dist.all_reduce(tensor)
+    if device is not None:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / runs
+    correct = bool(tensor[0].item() == float(world) ** (runs + 1))
+    dist.destroy_process_group()
+    if rank == 0:
+        size = numel * 4
+        # One rank exchanges nothing: no bus bandwidth to report.
+        bus = 2 * (world - 1) / world * size / seconds if world > 1 else None
+        queue.put(
+            {
+                "init_s": round(init_s, 3),
+                "allreduce_s": seconds,
+                "bytes": size,
+                "busbw_gbps": bus / 1e9 if bus else None,
+                "correct": correct,
+            }
+        )
+
+
+def collective(world: int, backend: str, mib: int) -> dict[str, Any]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    started = time.perf_counter()
+    procs = [ctx.Process(target=_worker, args=(r, world, backend, mib, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    codes = [p.exitcode for p in procs]
+    result = queue.get() if not queue.empty() else {}
+    return {
+        "backend": backend,
+        "world": world,
+        "exit_codes": codes,
+        "total_s": round(time.perf_counter() - started, 3),
+        **result,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, default=1)
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    parser.add_argument("--mib", type=int, default=256)
+    ns = parser.parse_args()
+    report: dict[str, Any] = {"engine": engine_facts()}
+    report["collective"] = collective(ns.world, ns.backend, ns.mib)
+    json.dump(report, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
