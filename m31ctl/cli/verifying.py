@@ -22,7 +22,7 @@ def run_verify(
     tolerance: float,
     as_json: bool,
 ) -> int:
-    from m31ctl.runtime import select, verify
+    from m31ctl.runtime import running_server, verify
 
     if not (0 <= tolerance < math.inf):
         raise InputError(f"--tolerance {tolerance:g} must be a non-negative fraction", hint="e.g. 0.25")
@@ -34,18 +34,7 @@ def run_verify(
         if bench_python:
             bench = verify.native_bench(bench_python)
     else:
-        servers, found = select(name, runtime)
-        running = [s for s in servers if s.running and s.endpoint]
-        if len(running) != 1:
-            if not running:
-                found.raise_if_incomplete()
-            from m31ctl.errors import HostPreconditionError
-
-            names = ", ".join(s.name for s in running) or "none"
-            raise HostPreconditionError(
-                f"need exactly one running m31ctl server, found {names}", hint="pass --name or --url"
-            )
-        server = running[0]
+        server = running_server(name, runtime)
         base, server_hash = str(server.endpoint), server.plan_hash
         if bench_python:
             bench = verify.native_bench(bench_python)

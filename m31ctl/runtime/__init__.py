@@ -108,8 +108,8 @@ def logs(
     return found
 
 
-def running_endpoint(name: str | None, runtime: str | None) -> str:
-    """The endpoint of the one running server (or of the named one)."""
+def running_server(name: str | None, runtime: str | None) -> ServerStatus:
+    """The one running server (or the named one), wherever it runs."""
     servers, found = select(name, runtime)
     running = [s for s in servers if s.running and s.endpoint]
     if len(running) != 1:
@@ -119,7 +119,12 @@ def running_endpoint(name: str | None, runtime: str | None) -> str:
         raise HostPreconditionError(
             f"need exactly one running m31ctl server, found {names}", hint="pass --name or --url"
         )
-    return str(running[0].endpoint)
+    return running[0]
+
+
+def running_endpoint(name: str | None, runtime: str | None) -> str:
+    """The endpoint of the one running server (or of the named one)."""
+    return str(running_server(name, runtime).endpoint)
 
 
 __all__ = [
@@ -129,6 +134,7 @@ __all__ = [
     "get_runtime",
     "logs",
     "running_endpoint",
+    "running_server",
     "stop",
     "survey",
 ]
