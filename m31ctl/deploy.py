@@ -15,12 +15,15 @@ from m31ctl.runtime import get_runtime
 from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult
 
 
-def launch(plan: Plan, runtime_name: str, options: LaunchOptions) -> LaunchResult:
+def launch(plan: Plan, runtime_name: str, options: LaunchOptions, deep: bool = True) -> LaunchResult:
     """Check the host (GPUs, memory, model path, API key, and what the runtime needs, such as
-    the Docker Engine), then let the runtime converge on the plan. Nothing starts if a check fails."""
+    the Docker Engine, and with `deep` the engine's own torch and an all-reduce on the plan's GPUs,
+    seconds before a download of hundreds of GB), then let the runtime converge on the plan.
+    Nothing starts if a check fails."""
     runtime = get_runtime(runtime_name)
     require_fit(plan)
-    for result in preflight(plan, runtime.preflight_checks, options.environ):
+    checks = preflight(plan, runtime.preflight_checks, options.environ, deep=runtime_name if deep else None)
+    for result in checks:
         if result.status == "warn":
             options.report(f"warning: {result.title}: {result.message}")
     if options.diagnostics is None:

@@ -73,6 +73,7 @@ def native_env(tmp_path):
     args = [
         "launch", "--hardware", "cpu", "--runtime", "native", "--name", name, "--port", str(port),
         "--set", f"model.path={model}", "--timeout", "30",
+        "--skip-deep",  # the stand-in engine has no torch to run the all-reduce with
     ]  # fmt: skip
     yield env, name, port, args, state
     run_cli("stop", "--runtime", "native", env=env)

@@ -357,6 +357,10 @@ def launch(
     no_validate: NoValidateOpt = False,
     locked: LockedOpt = None,
     update_lock: UpdateLockOpt = False,
+    skip_deep: Annotated[
+        bool,
+        typer.Option("--skip-deep", help="Skip the preflight's engine and all-reduce check on the GPUs."),
+    ] = False,
 ) -> int:
     """Resolve, check, pull, start the server and wait until the model answers."""
     import json as jsonlib
@@ -398,7 +402,7 @@ def launch(
         pull_progress=launch_views.pull_progress(),
         on_phase=launch_views.phase_events() if json else (lambda _name, _elapsed: None),
     )
-    result = deploy.launch(p, runtime, options)
+    result = deploy.launch(p, runtime, options, deep=not skip_deep)
     launch_views.print_result(p, result, json)
     return 0
 

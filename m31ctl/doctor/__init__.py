@@ -70,15 +70,21 @@ def diagnose_plan(plan: Plan) -> PlanDiagnosis:
 
 
 def preflight(
-    plan: Plan, check_ids: tuple[str, ...], env: Mapping[str, str], probe: ProbeReport | None = None
+    plan: Plan,
+    check_ids: tuple[str, ...],
+    env: Mapping[str, str],
+    probe: ProbeReport | None = None,
+    deep: str | None = None,
 ) -> list[CheckResult]:
-    """The doctor's checks that gate a launch (each runtime names its own); raises on failure,
-    so nothing starts on a host that cannot run the plan."""
+    """The doctor's checks that gate a launch (each runtime names its own), plus the deep ones
+    (engine and all-reduce on the plan's GPUs, where `deep` says) unless skipped; raises on
+    failure, so nothing starts on a host that cannot run the plan."""
     from m31ctl.errors import DockerUnreachable
 
     probe = probe or detect()
-    ctx = Context(plan=plan, plan_error=None, probe=probe, env=env)
-    results = run_checks([c for c in all_checks() if c.id in check_ids], ctx)
+    ctx = Context(plan=plan, plan_error=None, probe=probe, env=env, deep=deep)
+    chosen = [c for c in all_checks() if c.id in check_ids or (deep and c.deep)]
+    results = run_checks(chosen, ctx)
     failed = [r for r in results if r.status == "fail"]
     docker = next((r for r in failed if r.id == "docker"), None)
     if docker is not None:

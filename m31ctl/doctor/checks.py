@@ -19,6 +19,7 @@ from m31ctl.errors import M31Error
 from m31ctl.hardware import vendor_facts
 from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
+from m31ctl.runtime.engine_api import api_error_text as _api_error_text
 from m31ctl.runtime.engine_api import local_image, registry_error
 from m31ctl.runtime.launching import API_KEY_ENV
 from m31ctl.units import parse_size
@@ -496,13 +497,20 @@ def deep_probe(ctx: Context) -> dict[str, Any]:
             spec = container_spec(plan)
             if local_image(client, spec.image) is None:
                 raise SkipCheck(f"{spec.image} is not here to run the check in", "pull it, or --deep native")
-            code, out, err = run_in_engine(
-                client,
-                spec,
-                ["python3", "/m31ctl/collective_check.py", *args],
-                {str(COLLECTIVE_SCRIPT.parent): "/m31ctl"},
-                DEEP_TIMEOUT_S,
-            )
+            try:
+                code, out, err = run_in_engine(
+                    client,
+                    spec,
+                    ["python3", "/m31ctl/collective_check.py", *args],
+                    {str(COLLECTIVE_SCRIPT.parent): "/m31ctl"},
+                    DEEP_TIMEOUT_S,
+                )
+            except Exception as exc:
+                text = engine_api_error(exc)
+                if "executable file not found" in text or "no such file or directory" in text.lower():
+                    # Every vLLM image has python3; an image without it is not an engine.
+                    raise SkipCheck(f"{spec.image} has no python3 to run the check with") from None
+                raise
         result: dict[str, Any] = {
             "exit_code": code,
             "stderr": err[-4000:],
@@ -516,8 +524,14 @@ def deep_probe(ctx: Context) -> dict[str, Any]:
     return found
 
 
+def engine_api_error(exc: Exception) -> str:
+    return _api_error_text(exc) or str(exc)
+
+
 def _likely_cause(stderr: str) -> str:
     text = stderr.lower()
+    if "no module named 'torch'" in text:
+        return "this Python has no PyTorch: it cannot run vLLM (runtime.native_python)"
     if "no space left" in text or "shm" in text:
         return "shared memory: /dev/shm is too small (runtime.shm_size)"
     if "peer" in text or "p2p" in text or "acs" in text:
