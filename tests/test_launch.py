@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -352,3 +353,16 @@ def test_watchdog_stops_a_silent_engine_with_a_triage_bundle(deployment, images,
     assert bundle["phase"] == "loading weights" and bundle["timeline"][0]["phase"]
     assert any("Loading weights" in line for line in bundle["log_tail"])
     assert bundle["plan"]["hash"] and "checks" in bundle["doctor"]
+
+
+@pytest.mark.skipif(not shutil.which("script"), reason="util-linux script emulates the terminal")
+def test_launch_on_a_terminal_shows_the_phases_live(deployment, tmp_path):
+    import shlex
+
+    transcript = tmp_path / "tty.out"
+    command = shlex.join([sys.executable, "-m", "m31ctl", *deployment.args("--no-validate")])
+    done = subprocess.run(["script", "-q", "-c", command, str(transcript)], capture_output=True, timeout=120)
+    assert done.returncode == 0, transcript.read_text(errors="replace")[-2000:]
+    screen = transcript.read_text(errors="replace")
+    assert "\x1b[" in screen  # a live (rich) display, not plain lines
+    assert "compiling (" in screen and "ready (" in screen and "ready in" in screen

@@ -392,6 +392,7 @@ def launch(
     if dry_run:
         launch_views.print_dry_run(p, deploy.dry_run(p, runtime), json)
         return 0
+    display = launch_views.PhaseDisplay(live=not json)
     options = LaunchOptions(
         report=launch_views.reporter(),
         confirm=launch_views.confirm,
@@ -400,9 +401,12 @@ def launch(
         yes=yes,
         environ=dict(os.environ),
         pull_progress=launch_views.pull_progress(),
-        on_phase=launch_views.phase_events() if json else (lambda _name, _elapsed: None),
+        on_phase=launch_views.phase_events() if json else display.on_phase,
     )
-    result = deploy.launch(p, runtime, options, deep=not skip_deep)
+    try:
+        result = deploy.launch(p, runtime, options, deep=not skip_deep)
+    finally:
+        display.close()
     launch_views.print_result(p, result, json)
     return 0
 

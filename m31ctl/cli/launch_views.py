@@ -27,6 +27,28 @@ def reporter() -> Reporter:
     return report
 
 
+class PhaseDisplay:
+    """On a terminal, the startup phase as a live rich status line on stderr ("loading weights,
+    42 s"), with progress lines printed above it; elsewhere nothing (the report lines say it)."""
+
+    def __init__(self, live: bool) -> None:
+        self._status: Any = None
+        if live and sys.stderr.isatty():
+            from m31ctl.cli.output import console
+
+            self._status = console(stderr=True).status("starting", spinner="dots")
+            self._status.start()
+
+    def on_phase(self, name: str, elapsed: float) -> None:
+        if self._status is not None:
+            self._status.update(f"{name} ({elapsed:.0f} s since start)")
+
+    def close(self) -> None:
+        if self._status is not None:
+            self._status.stop()
+            self._status = None
+
+
 def confirm(question: str) -> bool:
     """Ask on a terminal; anywhere else (CI, a pipe) the answer is no."""
     if not sys.stdin.isatty():
