@@ -352,3 +352,24 @@ def test_doctor_deep_runs_the_collective_for_real(runtime, vllm_py, tmp_path):
         and "GB/s" in checks["collective"]["message"]
     )
     print(checks["collective"]["message"])
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("runtime", ["native", pytest.param("docker", marks=pytest.mark.docker)])
+def test_doctor_deep_reports_a_real_hung_collective(runtime, vllm_py, tmp_path):
+    """A rank that never joins (collective_check.py's fault hook) hangs gloo's group setup for
+    real; the check gives up at its bound, says so, and leaves no process or container behind."""
+    import subprocess
+
+    start = time.monotonic()
+    result = run_cli(
+        "doctor", "--hardware", "cpu", "--deep", "--runtime", runtime, "--set", f"model.path={tmp_path}",
+        "--set", f"runtime.native_python={vllm_py}", "--set", "runtime.env.M31CTL_FAULT_DROP_RANK=1", "--json",
+        env={"M31CTL_DEEP_TIMEOUT_S": "10"},
+    )  # fmt: skip
+    assert result.returncode == 1 and time.monotonic() - start < 60
+    checks = {c["id"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["collective"]["status"] == "fail" and "hung past 10 s" in checks["collective"]["message"]
+    assert checks["engine-image"]["status"] == "ok"  # the engine answered before the collective hung
+    leftovers = subprocess.run(["pgrep", "-f", "collective_check.py"], capture_output=True, text=True).stdout
+    assert leftovers.strip() == ""

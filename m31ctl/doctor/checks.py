@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -453,6 +454,17 @@ def capacity(ctx: Context) -> Outcome:
 
 COLLECTIVE_SCRIPT = Path(__file__).resolve().parent.parent / "engine" / "collective_check.py"
 DEEP_TIMEOUT_S = 180.0
+DEEP_TIMEOUT_ENV = "M31CTL_DEEP_TIMEOUT_S"  # a shorter bound for the all-reduce (tests, impatient CI)
+
+
+def _deep_timeout(env: Mapping[str, str]) -> float:
+    try:
+        value = float(env.get(DEEP_TIMEOUT_ENV, DEEP_TIMEOUT_S))
+    except ValueError:
+        return DEEP_TIMEOUT_S
+    return value if 0 < value <= DEEP_TIMEOUT_S else DEEP_TIMEOUT_S
+
+
 _NCCL_WARN = re.compile(r"NCCL (WARN|INFO.*(error|fail))|RCCL|ProcessGroup|Traceback|Error", re.IGNORECASE)
 
 
@@ -471,6 +483,8 @@ def deep_probe(ctx: Context) -> dict[str, Any]:
     launch's container settings, or with the native runtime's Python."""
     plan = ctx.require_plan()
 
+    timeout = _deep_timeout(ctx.env)
+
     def run() -> dict[str, Any]:
         world, backend, mib = _collective_shape(plan)
         args = ["--world", str(world), "--backend", backend, "--mib", str(mib)]
@@ -478,17 +492,7 @@ def deep_probe(ctx: Context) -> dict[str, Any]:
         if ctx.deep == "native":
             python = plan.settings.runtime.native_python or sys.executable
             env = {**os.environ, **dict(plan.settings.runtime.env)}
-            try:
-                done = subprocess.run(
-                    [python, str(COLLECTIVE_SCRIPT), *args],
-                    capture_output=True,
-                    text=True,
-                    timeout=DEEP_TIMEOUT_S,
-                    env=env,
-                )
-                code, out, err = done.returncode, done.stdout, done.stderr
-            except subprocess.TimeoutExpired as exc:
-                code, out, err = None, "", str(exc.stderr or "")
+            code, out, err = _run_group([python, str(COLLECTIVE_SCRIPT), *args], env, timeout)
         else:
             from m31ctl.container import container_spec
             from m31ctl.runtime.docker import run_in_engine
@@ -503,7 +507,7 @@ def deep_probe(ctx: Context) -> dict[str, Any]:
                     spec,
                     ["python3", "/m31ctl/collective_check.py", *args],
                     {str(COLLECTIVE_SCRIPT.parent): "/m31ctl"},
-                    DEEP_TIMEOUT_S,
+                    timeout,
                 )
             except Exception as exc:
                 text = engine_api_error(exc)
@@ -516,8 +520,11 @@ def deep_probe(ctx: Context) -> dict[str, Any]:
             "stderr": err[-4000:],
             "seconds": round(time.monotonic() - started, 2),
         }
-        with contextlib.suppress(ValueError, IndexError):  # no report: the stderr says why
-            result.update(json.loads(out.strip().splitlines()[-1]))
+        for line in out.strip().splitlines():  # {"engine": ...} then {"collective": ...}
+            with contextlib.suppress(ValueError):  # not a report line: the stderr says why
+                part = json.loads(line)
+                if isinstance(part, dict):
+                    result.update(part)
         return result
 
     found: dict[str, Any] = ctx.once("deep", run)
@@ -526,6 +533,23 @@ def deep_probe(ctx: Context) -> dict[str, Any]:
 
 def engine_api_error(exc: Exception) -> str:
     return _api_error_text(exc) or str(exc)
+
+
+def _run_group(argv: list[str], env: Mapping[str, str], timeout: float) -> tuple[int | None, str, str]:
+    """Run in a session of its own, so a hang is ended with every rank it spawned (exit None)."""
+    import signal
+
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env), start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
 
 
 def _likely_cause(stderr: str) -> str:
@@ -582,7 +606,12 @@ def collective(ctx: Context) -> Outcome:
     lines = [ln for ln in stderr.splitlines() if _NCCL_WARN.search(ln)][-3:]
     where = "in the engine image" if ctx.deep != "native" else "natively"
     if data.get("exit_code") is None:
-        return Outcome("fail", f"the all-reduce {where} hung past {DEEP_TIMEOUT_S:.0f} s: {_likely_cause(stderr)}",
+        cause = (
+            _likely_cause(stderr)
+            if lines
+            else "a rank never joined the group, or the all-reduce never finished"
+        )
+        return Outcome("fail", f"the all-reduce {where} hung past {_deep_timeout(ctx.env):.0f} s: {cause}",
                        "; ".join(lines) or "rerun with NCCL_DEBUG=INFO")  # fmt: skip
     if data.get("exit_code") != 0 or not result.get("correct") or any(result.get("exit_codes") or [1]):
         return Outcome("fail", f"the all-reduce {where} failed (exit {data.get('exit_code')}): {_likely_cause(stderr)}",

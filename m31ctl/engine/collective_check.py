@@ -7,7 +7,8 @@
    on ROCm, gloo on the CPU) and all-reduce a buffer; the bus bandwidth is reported as NCCL's tests
    define it (2 (n - 1) / n x bytes / time).
 
-Prints one JSON object on stdout. Standalone: imports nothing from m31ctl.
+Prints two JSON lines on stdout ({"engine": ...}, then {"collective": ...}). Standalone: imports
+nothing from m31ctl.
 
     python collective_check.py --world 2 --backend nccl --mib 256
 """
@@ -52,9 +53,16 @@ def engine_facts() -> dict[str, Any]:
     return facts
 
 
+# Provokes a hung collective for real (tests of the doctor's timeout path): this rank never joins.
+DROP_RANK_ENV = "M31CTL_FAULT_DROP_RANK"
+
+
 def _worker(rank: int, world: int, backend: str, mib: int, port: int, queue) -> None:  # type: ignore[no-untyped-def]
     import torch
     import torch.distributed as dist
+
+    if os.environ.get(DROP_RANK_ENV) == str(rank):
+        time.sleep(86400)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     started = time.perf_counter()
@@ -127,10 +135,11 @@ def main() -> None:
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     parser.add_argument("--mib", type=int, default=256)
     ns = parser.parse_args()
-    report: dict[str, Any] = {"engine": engine_facts()}
-    report["collective"] = collective(ns.world, ns.backend, ns.mib)
-    json.dump(report, sys.stdout)
-    sys.stdout.write("\n")
+    # Two lines, the engine's first: a collective that hangs must not hide what the engine is.
+    for part in ("engine", "collective"):
+        value = engine_facts() if part == "engine" else collective(ns.world, ns.backend, ns.mib)
+        sys.stdout.write(json.dumps({part: value}) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
