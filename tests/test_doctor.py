@@ -309,12 +309,26 @@ def _deep_context(capture: dict, exit_code: int | None = 0):  # type: ignore[no-
     return ctx
 
 
+def test_doctor_deep_on_the_h200_host_recorded():
+    """What `m31ctl doctor --deep --runtime native` printed on the lent 2x H200 (TP2 plan)."""
+    report = json.loads((DEVICE / "doctor-deep-h200x2.json").read_text())
+    checks = {c["id"]: c for c in report["checks"]}
+    assert (
+        checks["collective"]["status"] == "ok"
+        and "nccl all-reduce over 2 ranks" in checks["collective"]["message"]
+    )
+    assert "288.3 GB/s" in checks["collective"]["message"]
+
+
 def test_deep_checks_on_the_real_h200_capture():
     """What collective_check.py printed on the lent 2x H200 host (NCCL, 256 MiB): replayed
     through the checks that judge it."""
     from m31ctl.doctor.checks import collective, engine_image
 
     capture = json.loads((DEVICE / "collective-h200x2.json").read_text())
+    no_vllm = engine_image(_deep_context(json.loads(json.dumps(capture))))
+    assert no_vllm.status == "fail" and "cannot serve" in no_vllm.message  # that host has no vLLM
+    capture["engine"]["vllm"] = "0.32.0"  # as in an engine image
     ctx = _deep_context(capture)
     engine = engine_image(ctx)
     assert engine.status == "ok" and "CUDA 13.0" in engine.message and "sm_90" in engine.message
@@ -326,6 +340,7 @@ def test_deep_checks_fail_on_missing_kernels_and_a_hang():
     from m31ctl.doctor.checks import collective, engine_image
 
     capture = json.loads((DEVICE / "collective-h200x2.json").read_text())
+    capture["engine"]["vllm"] = "0.32.0"
     capture["engine"]["arch_list"] = ["sm_80", "sm_100"]  # an image built without Hopper kernels
     for device in capture["engine"]["devices"]:
         device["kernels"] = False

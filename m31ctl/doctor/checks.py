@@ -575,6 +575,12 @@ def engine_image(ctx: Context) -> Outcome:
         return Outcome("fail", f"the engine's Python did not report (exit {data.get('exit_code')}): "
                        f"{_likely_cause(data.get('stderr', ''))}", "run `m31ctl doctor --deep --json` for its stderr")  # fmt: skip
     versions = f"torch {engine.get('torch')}, vLLM {engine.get('vllm')}"
+    if not engine.get("vllm"):
+        return Outcome(
+            "fail",
+            f"{versions}: this Python cannot serve ({engine.get('vllm_error', 'vLLM not importable')})",
+            "install vLLM there (pip install 'm31ctl[vllm]'), or use the engine image",
+        )
     if plan.hardware.vendor == "cpu":
         return Outcome("ok", f"{versions} (CPU)")
     runtime = engine.get("hip_runtime") or engine.get("cuda_runtime")
