@@ -198,13 +198,11 @@ class NativeRuntime:
         confirm_or_refuse(decision, name, plan.hash, options)
         if existing is not None and decision.action is Action.UNCHANGED:
             return LaunchResult(Action.UNCHANGED.value, name, self.name, existing.base, plan.hash, True)
-        if existing is not None and decision.action is Action.ADOPT:
-            options.report(f"{name} (pid {existing.pid}) runs this plan already; waiting for it")
-            if options.detach:
-                return LaunchResult(Action.ADOPT.value, name, self.name, existing.base, plan.hash, False)
-            timings, phases = wait_ready(
-                ProcessHandle(existing),
-                existing.base,
+
+        def wait(handle: ProcessHandle, base: str) -> tuple[dict[str, float], tuple[str, ...]]:
+            return wait_ready(
+                handle,
+                base,
                 served,
                 timeout,
                 options.report,
@@ -212,6 +210,12 @@ class NativeRuntime:
                 on_phase=options.on_phase,
                 watchdog=watchdog_for(plan, name, options.diagnostics),
             )
+
+        if existing is not None and decision.action is Action.ADOPT:
+            options.report(f"{name} (pid {existing.pid}) runs this plan already; waiting for it")
+            if options.detach:
+                return LaunchResult(Action.ADOPT.value, name, self.name, existing.base, plan.hash, False)
+            timings, phases = wait(ProcessHandle(existing), existing.base)
             return LaunchResult(
                 Action.ADOPT.value, name, self.name, existing.base, plan.hash, True, timings, phases
             )
@@ -252,16 +256,7 @@ class NativeRuntime:
         if options.detach:
             return LaunchResult(decision.action.value, name, self.name, server.base, plan.hash, False)
         started = time.monotonic()
-        timings, phases = wait_ready(
-            ProcessHandle(server, child),
-            server.base,
-            served,
-            timeout,
-            options.report,
-            api_key,
-            on_phase=options.on_phase,
-            watchdog=watchdog_for(plan, name, options.diagnostics),
-        )
+        timings, phases = wait(ProcessHandle(server, child), server.base)
         timings["total_since_create"] = time.monotonic() - started
         return LaunchResult(
             decision.action.value, name, self.name, server.base, plan.hash, True, timings, phases
