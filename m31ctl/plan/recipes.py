@@ -198,10 +198,15 @@ def _recipe_from_data(data: dict[str, Any]) -> Recipe:
     fields = dict(data)
     file = str(fields.get("path"))
     fields["layer"] = layer_from_data(fields.get("layer") or {})
+    # Options and the recommendation as plain data: Recipe validates them inside its own schema
+    # (building Option's and Recommended's validators apart would cost start-up for nothing).
+    fields.setdefault("recommended", {})
     for kind in ("variants", "profiles"):
         if isinstance(fields.get(kind), dict):
             fields[kind] = {
-                name: Option(**{**option, "layer": layer_from_data(option.get("layer") or {})})
+                name: {**option, "layer": layer_from_data(option.get("layer") or {})}
+                if isinstance(option, dict)
+                else option
                 for name, option in fields[kind].items()
             }
     try:
