@@ -643,3 +643,25 @@ def test_script_wait_returns_when_ready_and_fails_when_the_container_dies(tmp_pa
     )
     assert dead.returncode == 5 and "stopped while loading" in dead.stderr
     assert subprocess.run([str(script), "--bogus"], env=env, capture_output=True).returncode == 2
+
+
+def test_kubernetes_scheduling_settings_reach_the_pod(tmp_path):
+    toleration = '{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}'
+    plan = plan_for(
+        "b300x4",
+        sets=(f"kubernetes.tolerations=[{toleration}]", 'kubernetes.node_selector={"pool": "gpu-b300"}',
+              "kubernetes.hf_cache_storage_class=fast-rwx", "kubernetes.memory=512g"),
+    )  # fmt: skip
+    (artifact,) = render(plan, "k8s")
+    path = tmp_path / "k8s.yaml"
+    path.write_text(artifact.content)
+    checked = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", str(path)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    claim, deployment, _service = yaml.safe_load_all(artifact.content)
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-B300-SXM6-AC", "pool": "gpu-b300"}
+    assert pod["containers"][0]["resources"]["requests"]["memory"] == "512Gi"
+    assert claim["spec"]["storageClassName"] == "fast-rwx"
