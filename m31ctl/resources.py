@@ -1,7 +1,9 @@
-"""Where the shipped recipes and templates are: inside the wheel, or in the repository."""
+"""Where m31ctl's files are: the shipped recipes and templates (inside the wheel, or in the
+repository), and the user's state and cache directories."""
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from pathlib import Path
 
@@ -23,3 +25,18 @@ def recipes_dir() -> Path:
 
 def templates_dir() -> Path:
     return data_dir("templates")
+
+
+def state_root() -> Path:
+    """What m31ctl keeps between runs (native servers, triage bundles): $M31CTL_STATE_DIR, else
+    $XDG_STATE_HOME/m31ctl, else ~/.local/state/m31ctl."""
+    explicit = os.environ.get("M31CTL_STATE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")) / "m31ctl"
+
+
+def cache_root() -> Path:
+    """What m31ctl can always rebuild (parsed recipes, engine schemas): $XDG_CACHE_HOME/m31ctl,
+    else ~/.cache/m31ctl."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "m31ctl"

@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from m31ctl import __version__
+from m31ctl.resources import cache_root
 
 FORMAT = 1  # bump when the parsed form changes
 DISABLE_ENV = "M31CTL_NO_PARSE_CACHE"
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "m31ctl" / "parsed"
+    return cache_root() / "parsed"
 
 
 def parsed(path: Path, parse: Callable[[bytes], Any]) -> Any:

@@ -5,10 +5,10 @@ check and by `m31ctl lock`."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from m31ctl.resources import cache_root
 from m31ctl.runtime import engine_api
 
 
@@ -20,8 +20,7 @@ class ImageFacts(NamedTuple):
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "m31ctl" / "engine-schemas"
+    return cache_root() / "engine-schemas"
 
 
 def engine_schema(client: Any, image: Any) -> dict[str, Any]:

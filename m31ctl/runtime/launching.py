@@ -4,7 +4,6 @@ confirmation and the readiness wait."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 from m31ctl.errors import ConflictError, HostPreconditionError, InputError
 from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
+from m31ctl.resources import state_root
 from m31ctl.runtime.base import Diagnostics, LaunchOptions
 from m31ctl.runtime.converge import Action, Decision
 from m31ctl.runtime.readiness import Watchdog
@@ -73,10 +73,7 @@ def watchdog_for(plan: Plan, name: str, diagnostics: Diagnostics | None = None) 
 
 
 def triage_dir() -> Path:
-    base = os.environ.get("M31CTL_STATE_DIR") or os.path.join(
-        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "m31ctl"
-    )
-    return Path(base) / "triage"
+    return state_root() / "triage"
 
 
 def write_triage(plan: Plan, name: str, data: dict[str, Any], diagnostics: Diagnostics | None = None) -> str:

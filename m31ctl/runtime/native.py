@@ -25,6 +25,7 @@ from m31ctl.errors import CheckFailed, HostPreconditionError
 from m31ctl.names import check_name, name_problem
 from m31ctl.netaddr import local_url
 from m31ctl.plan import Plan
+from m31ctl.resources import state_root
 from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Reporter, ServerStatus
 from m31ctl.runtime.converge import Action, Existing, decide
 from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
@@ -35,10 +36,7 @@ KILL_GRACE_S = 5.0
 
 
 def state_dir() -> Path:
-    base = os.environ.get("M31CTL_STATE_DIR") or os.path.join(
-        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "m31ctl"
-    )
-    return Path(base) / "native"
+    return state_root() / "native"
 
 
 @dataclass(frozen=True)
