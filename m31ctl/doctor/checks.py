@@ -20,8 +20,7 @@ from m31ctl.errors import M31Error
 from m31ctl.hardware import vendor_facts
 from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
-from m31ctl.runtime.engine_api import api_error_text as _api_error_text
-from m31ctl.runtime.engine_api import local_image, registry_error
+from m31ctl.runtime.engine_api import explanation, local_image, registry_error
 from m31ctl.runtime.launching import API_KEY_ENV
 from m31ctl.units import parse_size
 
@@ -510,7 +509,7 @@ def deep_probe(ctx: Context) -> dict[str, Any]:
                     timeout,
                 )
             except Exception as exc:
-                text = engine_api_error(exc)
+                text = explanation(exc)
                 if "executable file not found" in text or "no such file or directory" in text.lower():
                     # Every vLLM image has python3; an image without it is not an engine.
                     raise SkipCheck(f"{spec.image} has no python3 to run the check with") from None
@@ -529,10 +528,6 @@ def deep_probe(ctx: Context) -> dict[str, Any]:
 
     found: dict[str, Any] = ctx.once("deep", run)
     return found
-
-
-def engine_api_error(exc: Exception) -> str:
-    return _api_error_text(exc) or str(exc)
 
 
 def _run_group(argv: list[str], env: Mapping[str, str], timeout: float) -> tuple[int | None, str, str]:

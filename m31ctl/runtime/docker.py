@@ -45,8 +45,6 @@ def trial_run(client: Any, spec: ContainerSpec) -> str | None:
     """Start and remove a throwaway container of the engine image with the plan's ulimits and
     shared-memory settings (entrypoint /bin/true, no network, no GPUs): the engine's error, or
     None when it accepts them. An engine that cannot set an rlimit fails here, not at launch."""
-    from docker.types import Ulimit
-
     try:
         client.containers.run(
             spec.image,
@@ -54,27 +52,32 @@ def trial_run(client: Any, spec: ContainerSpec) -> str | None:
             command=[],
             remove=True,
             network_mode="none",
-            ulimits=[Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits],
-            shm_size=None if spec.ipc_host else spec.shm_size,
-            ipc_mode="host" if spec.ipc_host else None,
+            **_limits(spec),
         )
     except Exception as exc:
-        text = engine_api.api_error_text(exc) or str(exc)
-        return text
+        return engine_api.explanation(exc)
     return None
+
+
+def _limits(spec: ContainerSpec) -> dict[str, Any]:
+    """The plan's ulimits and shared memory (a private /dev/shm of its size, or the host's IPC)."""
+    from docker.types import Ulimit
+
+    limits: dict[str, Any] = {"ulimits": [Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits]}
+    if spec.ipc_host:
+        limits["ipc_mode"] = "host"
+    elif spec.shm_size:
+        limits["shm_size"] = spec.shm_size
+    return limits
 
 
 def _host_settings(spec: ContainerSpec) -> dict[str, Any]:
     """What the engine container gets from the host: GPUs, devices, groups, shared memory,
     ulimits, security options. Launch and doctor's deep checks share it, so the check runs with
     exactly what launch will use."""
-    from docker.types import DeviceRequest, Ulimit
+    from docker.types import DeviceRequest
 
-    host: dict[str, Any] = {"ulimits": [Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits]}
-    if spec.ipc_host:
-        host["ipc_mode"] = "host"
-    elif spec.shm_size:
-        host["shm_size"] = spec.shm_size
+    host = _limits(spec)
     if spec.device_request:
         request = (
             DeviceRequest(device_ids=list(spec.gpu_device_ids), capabilities=[["gpu"]])
