@@ -239,13 +239,12 @@ def lock(
     json: JsonOpt = False,
 ) -> int:
     """Record the deployment (plan, input files, image digest, hardware) so CI deploys the same one."""
-    from m31ctl.cli.locking import current_lock, drift_lines, write_lock
-    from m31ctl.lock import drift, read
+    from m31ctl.cli.locking import compare, current_lock, drift_lines, write_lock
 
     request = plan_request(hardware, recipe, variant, profile, file, set_)
     plan = _resolve(request)
     if check is not None:
-        found = drift(read(check), current_lock(plan, request.files, need_image=False), plan)
+        _locked, _now, found = compare(check, plan, request.files)
         if json:
             from m31ctl.cli.output import emit_json
 
@@ -255,7 +254,7 @@ def lock(
         else:
             sys.stdout.write(f"{check}: no drift\n")
         return int(ExitCode.CHECK_FAILED if found else ExitCode.OK)
-    lock_file = current_lock(plan, request.files, need_image=False)
+    lock_file = current_lock(plan, request.files)
     write_lock(output, lock_file)
     if json:
         from m31ctl.cli.output import emit_json

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from m31ctl.cli.output import write_file
 from m31ctl.errors import ConflictError, DockerUnreachable, M31Error
 from m31ctl.lock import Drift, LockFile, build, drift, pin, pinned_reference, read, to_text
 from m31ctl.plan import Plan
@@ -15,33 +16,27 @@ if TYPE_CHECKING:
     from m31ctl.doctor import DoctorReport
 
 
-def current_lock(plan: Plan, files: tuple[Path, ...], need_image: bool) -> LockFile:
+def current_lock(plan: Plan, files: tuple[Path, ...]) -> LockFile:
     """The lock as it would be written now. The image's facts come from the Docker Engine; when
-    it cannot be reached they are left out (need_image: then that is an error)."""
+    it cannot be reached they are left out (and a lock that recorded them does not drift)."""
     from m31ctl.runtime.images import image_facts
 
     try:
         facts = image_facts(plan.settings.engine.image)
     except DockerUnreachable:
-        if need_image:
-            raise
         facts = None
     return build(plan, files, facts)
 
 
+def compare(path: Path, plan: Plan, files: tuple[Path, ...]) -> tuple[LockFile, LockFile, list[Drift]]:
+    """(the lock in `path`, the lock as it would be written now, every difference)."""
+    locked = read(path)
+    now = current_lock(plan, files)
+    return locked, now, drift(locked, now, plan)
+
+
 def write_lock(path: Path, lock: LockFile) -> None:
-    write_text(path, to_text(lock))
-
-
-def write_text(path: Path, text: str) -> None:
-    """A report or lock file, whole or not at all; an unwritable place is bad input (exit 2)."""
-    from m31ctl.errors import InputError
-    from m31ctl.render.files import write_text_atomic
-
-    try:
-        write_text_atomic(path, text)
-    except OSError as exc:
-        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    write_file(path, to_text(lock))
 
 
 def drift_lines(found: list[Drift]) -> tuple[str, ...]:
@@ -51,9 +46,7 @@ def drift_lines(found: list[Drift]) -> tuple[str, ...]:
 def apply_lock(plan: Plan, files: tuple[Path, ...], path: Path, update: bool, *, by_id: bool) -> Plan:
     """Refuse a plan that drifted from its lock (exit 4) unless `update`, which rewrites the lock;
     then pin the image by the lock's digest (or, for launch, `by_id`, its local image ID)."""
-    locked = read(path)
-    now = current_lock(plan, files, need_image=False)
-    found = drift(locked, now, plan)
+    locked, now, found = compare(path, plan, files)
     if found and not update:
         raise ConflictError(
             f"the deployment drifted from {path} ({len(found)} difference{'s' if len(found) > 1 else ''})",
@@ -82,7 +75,7 @@ def lock_check(report: DoctorReport, files: tuple[Path, ...], path: Path) -> Doc
         problem: str | None = None
         found: list[Drift] = []
         try:
-            found = drift(read(path), current_lock(report.plan, files, need_image=False), report.plan)
+            _locked, _now, found = compare(path, report.plan, files)
         except M31Error as exc:
             problem = exc.one_line()
         took = time.monotonic() - start

@@ -1,10 +1,14 @@
-"""Printing: canonical JSON for machines, rich for people (imported only when used)."""
+"""Printing: canonical JSON for machines, rich for people (imported only when used); and the
+report and lock files the CLI writes."""
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def emit_json(payload: Any) -> None:
@@ -45,3 +49,14 @@ def table(title: str | None, columns: list[str]) -> Any:
     for name in columns:
         t.add_column(name)
     return t
+
+
+def write_file(path: Path, text: str) -> None:
+    """A report or lock file, whole or not at all; an unwritable place is bad input (exit 2)."""
+    from m31ctl.errors import InputError
+    from m31ctl.render.files import write_text_atomic
+
+    try:
+        write_text_atomic(path, text)
+    except OSError as exc:
+        raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from m31ctl.errors import ExitCode, InputError
 from m31ctl.plan import Plan
+
+if TYPE_CHECKING:
+    from m31ctl.runtime.verify import VerifyReport
 
 
 def run_verify(
@@ -56,9 +60,9 @@ def run_verify(
     if output is not None:
         import json
 
-        from m31ctl.cli.locking import write_text
+        from m31ctl.cli.output import write_file
 
-        write_text(output, json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
+        write_file(output, json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
     if as_json:
         from m31ctl.cli.output import emit_json
 
@@ -68,11 +72,11 @@ def run_verify(
     return int(ExitCode.OK if report.ok else ExitCode.CHECK_FAILED)
 
 
-def _print(report: object) -> None:
+def _print(report: VerifyReport) -> None:
     from m31ctl.cli.output import console, table
 
     out = console()
-    data = report.to_json()  # type: ignore[attr-defined]
+    data = report.to_json()
     t = table(f"verify {data['endpoint']} (plan {data['plan_hash']})", ["check", "result", "detail"])
     style = {"pass": "[green]pass[/green]", "fail": "[red]FAIL[/red]", "skip": "[dim]skip[/dim]"}
     for c in data["checks"]:
