@@ -146,17 +146,17 @@ def comparison(plan: Plan, context: int, layouts: dict[str, Layout]) -> list[Com
     """Resident sequences for the plan's model and its comparison models, for every cache dtype
     the recipe allows, in every layout, on this hardware."""
     rows = []
+    planned = memory_inputs(plan).kv_dtype
+    fitting = {name: layout for name, layout in layouts.items() if layout.gpus <= plan.hardware.count}
     for model in [plan.model, *(get_model(m) for m in plan.model.compare_with)]:
-        planned = memory_inputs(plan).kv_dtype
         # The plan's own cache dtype first, then the others the launch post compares.
         dtypes = sorted(model.published_kv_bytes_per_token or [planned], key=lambda d: (d != planned, d))
         for dtype in dtypes:
             if not _recipe_allows_kv(plan, dtype):
                 continue
-            for name, layout in layouts.items():
-                if layout.gpus > plan.hardware.count:
-                    continue
-                fit = resident_sequences(memory_inputs(plan, model, dtype), layout, context)
+            inputs = memory_inputs(plan, model, dtype)  # one per model and dtype: layouts share it
+            for name, layout in fitting.items():
+                fit = resident_sequences(inputs, layout, context)
                 rows.append(ComparisonRow(model.display_name, dtype, f"{name} ({layout.label()})", fit))
     return rows
 
