@@ -299,10 +299,9 @@ def _served_facts(client: Any, plan: Plan, report: VerifyReport) -> None:
         report.check("kv-cache", False, "/metrics has no vllm:cache_config_info")
         return
     expected = KV_CACHE_DTYPE.get(s.cache.kv_dtype, s.cache.kv_dtype)
+    tokens = _int(info.get("kv_cache_size_tokens"))
     report.facts.update(
-        kv_cache_dtype=info.get("cache_dtype"),
-        block_size=info.get("block_size"),
-        kv_cache_tokens=_int(info.get("kv_cache_size_tokens")),
+        kv_cache_dtype=info.get("cache_dtype"), block_size=info.get("block_size"), kv_cache_tokens=tokens
     )
     report.check(
         "kv-cache-dtype",
@@ -315,7 +314,6 @@ def _served_facts(client: Any, plan: Plan, report: VerifyReport) -> None:
             info.get("block_size") == str(s.cache.block_size),
             f"the engine uses {info.get('block_size')}-token blocks; the plan says {s.cache.block_size}",
         )
-    tokens = _int(info.get("kv_cache_size_tokens"))
     predicted = plan_fit(plan).kv_cache_tokens
     report.facts["kv_cache_tokens_predicted"] = predicted
     if tokens is not None and predicted:
@@ -352,8 +350,6 @@ def _load(plan: Plan, base: str, bench: BenchRunner, report: VerifyReport) -> No
     v = plan.settings.verify
     try:
         result = bench(bench_args(plan, base, plan.settings.model.path))
-    except InputError:
-        raise
     except Exception as exc:  # the benchmark could not run: a failed gate, with its reason
         report.check("load", False, f"vllm bench serve did not run: {str(exc)[-300:]}")
         return
