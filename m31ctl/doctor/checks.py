@@ -243,13 +243,15 @@ def checkpoint_state(plan: Plan) -> tuple[str, str]:
     return "complete", f"{len(shards)} shards in {directory}"
 
 
-def _checkpoint_cached(plan: Plan) -> bool:
-    return checkpoint_state(plan)[0] == "complete"
+def _checkpoint(ctx: Context) -> tuple[str, str]:
+    """checkpoint_state once per doctor run: the checkpoint, disk and hf-token checks all ask."""
+    plan = ctx.require_plan()
+    found: tuple[str, str] = ctx.once("checkpoint", lambda: checkpoint_state(plan))
+    return found
 
 
 def checkpoint(ctx: Context) -> Outcome:
-    plan = ctx.require_plan()
-    state, why = checkpoint_state(plan)
+    state, why = _checkpoint(ctx)
     if state == "complete":
         return Outcome("ok", f"checkpoint complete: {why}")
     if state == "partial":
@@ -272,7 +274,7 @@ def disk(ctx: Context) -> Outcome:
             f"the model path {local} does not exist",
             "create it (scripts/rehearse makes the rehearsal model) or --set model.path=...",
         )
-    if _checkpoint_cached(plan):
+    if _checkpoint(ctx)[0] == "complete":
         return Outcome("ok", f"checkpoint already in {_hf_cache(plan)}")
     path = _hf_cache(plan)
     probe_path = path
@@ -361,7 +363,7 @@ def port(ctx: Context) -> Outcome:
 
 def hf_token(ctx: Context) -> Outcome:
     plan = ctx.require_plan()
-    if _checkpoint_cached(plan):
+    if _checkpoint(ctx)[0] == "complete":
         return Outcome("ok", "checkpoint cached; no token needed to start")
     token_file = _hf_cache(plan) / "token"
     if ctx.env.get("HF_TOKEN") or ctx.env.get("HUGGING_FACE_HUB_TOKEN"):
