@@ -127,10 +127,8 @@ def _probed_devices(plan: Plan, nodes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(n for n in nodes if n != "/dev/dri") + render
 
 
-def _host_render_gid(vendor_nodes: tuple[str, ...]) -> tuple[str, ...]:
+def _host_render_gid() -> tuple[str, ...]:
     """The numeric GID of this host's `render` group: the image may not know the name."""
-    if not vendor_nodes:
-        return ()
     import grp
 
     try:
@@ -177,7 +175,8 @@ def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
         gpu_device_ids=_probed_gpu_ids(plan),
         devices=_probed_devices(plan, vendor.device_nodes),
         # Launch (expand_home) runs here: this host's render GID; rendered files keep the names.
-        group_add=vendor.group_add + (_host_render_gid(vendor.device_nodes) if expand_home else ()),
+        # GPUs by device node (AMD), started on this host (launch): add this host's render GID.
+        group_add=vendor.group_add + (_host_render_gid() if vendor.device_nodes and expand_home else ()),
         security_opt=("seccomp=unconfined",) if runtime.seccomp_unconfined else (),
         cap_add=vendor.cap_add,
         ipc_host=runtime.ipc_host,
