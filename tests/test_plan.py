@@ -356,9 +356,9 @@ def test_parsed_recipe_cache_changes_nothing(tmp_path, monkeypatch):
     first = fresh_plans()  # parses and writes the cache
     assert list((tmp_path / "cache" / "m31ctl" / "parsed").glob("*.json"))
     assert fresh_plans() == first  # read back from the cache
-    monkeypatch.setenv("M31CTL_NO_PARSE_CACHE", "1")
+    monkeypatch.setenv("M31CTL_NO_CACHE", "1")
     assert fresh_plans() == first
-    monkeypatch.delenv("M31CTL_NO_PARSE_CACHE")
+    monkeypatch.delenv("M31CTL_NO_CACHE")
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))

@@ -435,6 +435,8 @@ def test_libyaml_and_pure_python_emitters_write_the_same_bytes(monkeypatch):
     """Renders use libyaml's emitter when PyYAML has it; a host without it must get the same files."""
     from m31ctl.render import escape
 
+    monkeypatch.setenv("M31CTL_NO_CACHE", "1")  # both emitters must really run
+
     hostile = {
         "name": "x: y # not a comment",
         "multi": "line one\nline two\n",
@@ -454,6 +456,36 @@ def test_libyaml_and_pure_python_emitters_write_the_same_bytes(monkeypatch):
         escape._dumper.cache_clear()
     assert with_c == pure
     assert list(yaml.safe_load_all(pure)) == [hostile]
+
+
+def test_emitted_yaml_memo_changes_nothing(tmp_path, monkeypatch):
+    """The memoized YAML equals freshly emitted YAML; documents that YAML writes differently
+    (1, True, "1"; key order) never share an entry; a broken entry or an unwritable cache
+    directory falls back to emitting."""
+    from m31ctl.render import escape
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    documents = [{"a": 1, "b": [True, None, "1", 1.0]}, {"b": 1, "a": 1}]
+    monkeypatch.setenv("M31CTL_NO_CACHE", "1")
+    fresh = escape.yaml_file(["# c"], documents, explicit_start=True)
+    monkeypatch.delenv("M31CTL_NO_CACHE")
+    assert escape.yaml_file(["# c"], documents, explicit_start=True) == fresh  # emits, stores
+    entries = list((tmp_path / "cache" / "m31ctl" / "yaml").glob("*.json"))
+    assert len(entries) == 1
+    assert escape.yaml_file(["# c"], documents, explicit_start=True) == fresh  # from the memo
+    twins = ([{"a": 1}], [{"a": True}], [{"a": "1"}], [{"a": 1.0}], [{"a": 1, "b": 1}], [{"b": 1, "a": 1}])
+    texts = [escape.yaml_file([], twin, explicit_start=True) for twin in twins]  # each stored in turn
+    assert len(set(texts)) == len(twins)
+    for twin, text in zip(twins, texts, strict=True):
+        assert (
+            list(yaml.safe_load_all(text)) == twin and escape.yaml_file([], twin, explicit_start=True) == text
+        )
+    entries[0].write_text("{not json", encoding="utf-8")
+    assert escape.yaml_file(["# c"], documents, explicit_start=True) == fresh
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert escape.yaml_file(["# c"], documents, explicit_start=True) == fresh
 
 
 # Issue 15: artifacts an engineer can apply as they are.

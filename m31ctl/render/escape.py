@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 from collections.abc import Sequence
 from functools import cache
 from typing import Any
+
+from m31ctl.memo import memoized
 
 HOME_PREFIX = "~/"
 
@@ -71,10 +74,31 @@ def to_yaml(document: Any) -> str:
 def yaml_file(comment_lines: Sequence[str], documents: Sequence[Any], explicit_start: bool) -> str:
     """A YAML file: `#` comment lines, then each document (after `---` when explicit_start).
 
-    The documents are built as data and only serialized here: YAML is never templated as text."""
+    The documents are built as data and only serialized here: YAML is never templated as text.
+    The serialized text is memoized (m31ctl/memo.py): importing PyYAML costs a render more than
+    everything else it does, and the same plan yields the same documents run after run."""
     head = "".join(f"{line}\n" for line in comment_lines)
     marker = "---\n" if explicit_start else ""
-    return head + "".join(f"{marker}{to_yaml(document)}\n" for document in documents)
+    bodies = memoized("yaml", _emission_key(documents), lambda: [to_yaml(d) for d in documents])
+    return head + "".join(f"{marker}{body}\n" for body in bodies)
+
+
+def _emission_key(documents: Sequence[Any]) -> bytes:
+    """What the emitted text depends on: the documents and the PyYAML that emits them.
+
+    repr() tells apart what YAML writes differently (1, 1.0, True and "1"; key order); a value
+    whose repr is not stable across runs costs a miss, never a wrong answer. PyYAML is named by
+    its installed file (path, size, mtime) so that finding it costs no import."""
+    from importlib.util import find_spec
+
+    spec = find_spec("yaml")
+    origin = spec.origin if spec is not None and spec.origin else ""
+    try:
+        stat = os.stat(origin)
+        pyyaml = f"{origin}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    except OSError:
+        pyyaml = origin
+    return f"{pyyaml}\0{documents!r}".encode()
 
 
 def compose_literal(value: str) -> str:

@@ -1,0 +1,63 @@
+"""A disk memo of deterministic work, as Python keeps .pyc files.
+
+Two costs dominate a short command's start-up beyond typer and pydantic: importing PyYAML and
+parsing the shipped recipes (every plan), and importing PyYAML to emit a Compose file or a
+Kubernetes manifest (every render). Both are pure functions of their inputs, so each result is
+stored as JSON under the user's cache directory, keyed by the inputs, the kind of work and
+m31ctl's version. Any failure to read or write an entry falls back to doing the work: the memo
+can make a command faster, never different. `M31CTL_NO_CACHE=1` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from m31ctl import __version__
+from m31ctl.resources import cache_root
+
+FORMAT = 1  # bump when the stored form of any kind changes
+DISABLE_ENV = "M31CTL_NO_CACHE"
+
+
+def memo_dir(kind: str) -> Path:
+    return cache_root() / kind
+
+
+def memoized(kind: str, key: bytes, compute: Callable[[], Any]) -> Any:
+    """compute(), or its stored result when the same `kind` of work ran on the same `key` before.
+
+    `key` must determine the result completely (every input, in a form whose equality implies
+    the result's): a wrong key is the only way this memo could change an answer."""
+    if os.environ.get(DISABLE_ENV):
+        return compute()
+    digest = hashlib.sha256(f"{FORMAT}\0{__version__}\0{kind}\0".encode() + key).hexdigest()[:32]
+    entry = memo_dir(kind) / f"{digest}.json"
+    try:
+        return json.loads(entry.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    result = compute()
+    _store(entry, result)
+    return result
+
+
+def _store(entry: Path, result: Any) -> None:
+    """Write atomically (a concurrent reader sees the old entry or the new one, never half)."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".memo.", dir=entry.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                json.dump(result, handle, sort_keys=True)
+            os.replace(tmp, entry)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        pass  # a read-only or full home: do the work every time
