@@ -291,3 +291,36 @@ def test_launch_name_is_a_value_not_json(cli):
 def test_launch_timeout_must_be_finite_and_positive(value, cli):
     result = cli("launch", "--hardware", "cpu", "--timeout", value, "--dry-run")
     assert result.returncode == 2 and "--timeout" in result.stderr
+
+
+def test_quick_commands_skip_teardown_and_lose_nothing(tmp_path):
+    """Quick commands leave without the interpreter's teardown (m31ctl.cli._leave_now): what they
+    print to a file or a pipe and the files they write are complete, and their exit codes hold;
+    commands that wait on servers still exit the normal way."""
+    from tests.conftest import run_cli
+
+    marker = "import atexit, sys; atexit.register(lambda: sys.stderr.write('torn-down\\n'))"
+
+    def process(*args: str, stdout: int | object = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+        code = f"{marker}; sys.argv[0] = 'm31ctl'; from m31ctl.cli import run; run()"
+        return subprocess.run(
+            [sys.executable, "-c", code, *args], stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
+
+    expected = run_cli("render", "--target", "k8s", "--hardware", "b300x4").stdout
+    with (tmp_path / "out.yaml").open("w") as sink:  # a file: block-buffered, flushed only at exit
+        to_file = process("render", "--target", "k8s", "--hardware", "b300x4", stdout=sink)
+    assert to_file.returncode == 0 and "torn-down" not in to_file.stderr
+    assert (tmp_path / "out.yaml").read_text() == expected
+    piped = process("capacity", "--hardware", "b300x4", "--json")
+    assert piped.returncode == 0
+    assert json.loads(piped.stdout) == json.loads(
+        run_cli("capacity", "--hardware", "b300x4", "--json").stdout
+    )
+    written = process("render", "--target", "compose", "--hardware", "b300x4", "-o", str(tmp_path / "c"))
+    assert written.returncode == 0 and (tmp_path / "c" / "compose.yaml").read_text().startswith("#")
+    refused = process("plan", "--hardware", "nope")
+    assert refused.returncode == 2 and "unknown --hardware" in refused.stderr
+    assert "torn-down" not in refused.stderr
+    waits = process("status", "--runtime", "native", "--json")  # not quick: normal exit
+    assert "torn-down" in waits.stderr
