@@ -4,8 +4,8 @@
 Runs are interleaved (floor, command 1, command 2, ..., floor, ...) so that a noisy machine
 slows every command alike; each command's median is divided by the floor's median.
 
-    python3 scripts/bench.py --runs 21
-    python3 scripts/bench.py --runs 11 "plan --hardware b300x4 --json"
+    .venv/bin/python scripts/bench.py --runs 21   # the Python that has m31ctl
+    .venv/bin/python scripts/bench.py --runs 11 "plan --hardware b300x4 --json"
 """
 
 from __future__ import annotations
