@@ -10,11 +10,12 @@ can make a command faster, never different. `M31CTL_NO_CACHE=1` turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +24,26 @@ from m31ctl.resources import cache_root
 
 FORMAT = 1  # bump when the stored form of any kind changes
 DISABLE_ENV = "M31CTL_NO_CACHE"
+# Entries kept per kind, newest first: renders of many variations must not fill a disk. Each
+# entry is a few kB; the shipped recipe files need 7.
+MAX_ENTRIES = 256
 
 
 def memo_dir(kind: str) -> Path:
     return cache_root() / kind
 
 
-def memoized(kind: str, key: bytes, compute: Callable[[], Any]) -> Any:
+def memoized(kind: str, key: bytes, compute: Callable[[], Any], code: Sequence[str] = ()) -> Any:
     """compute(), or its stored result when the same `kind` of work ran on the same `key` before.
 
     `key` must determine the result completely (every input, in a form whose equality implies
-    the result's): a wrong key is the only way this memo could change an answer."""
+    the result's): a wrong key is the only way this memo could change an answer. `code` names the
+    source files of the work itself: an installed m31ctl changes them only with its version, but
+    a checkout edits them, and an edit must not be answered from before it."""
     if os.environ.get(DISABLE_ENV):
         return compute()
-    digest = hashlib.sha256(f"{FORMAT}\0{__version__}\0{kind}\0".encode() + key).hexdigest()[:32]
+    stamp = f"{FORMAT}\0{__version__}\0{kind}\0{_code_stamp(code)}\0"
+    digest = hashlib.sha256(stamp.encode() + key).hexdigest()[:32]
     entry = memo_dir(kind) / f"{digest}.json"
     try:
         return json.loads(entry.read_text(encoding="utf-8"))
@@ -45,6 +52,18 @@ def memoized(kind: str, key: bytes, compute: Callable[[], Any]) -> Any:
     result = compute()
     _store(entry, result)
     return result
+
+
+def _code_stamp(code: Sequence[str]) -> str:
+    """Each file's size and modification time: cheap (no read), and changed by any edit."""
+    stamps = []
+    for path in code:
+        try:
+            stat = os.stat(path)
+            stamps.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
+        except OSError:
+            stamps.append(f"{path}:?")
+    return ";".join(stamps)
 
 
 def _store(entry: Path, result: Any) -> None:
@@ -60,4 +79,18 @@ def _store(entry: Path, result: Any) -> None:
             Path(tmp).unlink(missing_ok=True)
             raise
     except OSError:
-        pass  # a read-only or full home: do the work every time
+        return  # a read-only or full home: do the work every time
+    _prune(entry.parent)
+
+
+def _prune(folder: Path) -> None:
+    """Keep the MAX_ENTRIES newest entries (run only after a miss, so a hit never lists the folder)."""
+    try:
+        entries = sorted(
+            (item.stat().st_mtime_ns, item.path) for item in os.scandir(folder) if item.name.endswith(".json")
+        )
+    except OSError:
+        return
+    for _mtime, path in entries[: max(0, len(entries) - MAX_ENTRIES)]:
+        with contextlib.suppress(OSError):
+            os.unlink(path)

@@ -337,6 +337,37 @@ def test_text_only_and_encoder_data_parallel_are_named_and_exclusive(cli):
     assert both.returncode == 2 and "exclude each other" in both.stderr
 
 
+def test_memo_keys_on_code_and_stays_bounded(tmp_path, monkeypatch):
+    """An edit to the code that did the work is never answered from before it; the memo keeps
+    its newest entries only."""
+    import os
+
+    from m31ctl import memo
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code = tmp_path / "worker.py"
+    code.write_text("v1")
+    calls: list[str] = []
+
+    def work() -> str:
+        calls.append(code.read_text())
+        return code.read_text()
+
+    assert memo.memoized("t", b"k", work, code=(str(code),)) == "v1"
+    assert memo.memoized("t", b"k", work, code=(str(code),)) == "v1" and calls == ["v1"]
+    code.write_text("v2!")  # an edit: size and mtime change
+    assert memo.memoized("t", b"k", work, code=(str(code),)) == "v2!" and calls == ["v1", "v2!"]
+
+    monkeypatch.setattr(memo, "MAX_ENTRIES", 3)
+    folder = tmp_path / "cache" / "m31ctl" / "bounded"
+    for n in range(6):
+        memo.memoized("bounded", str(n).encode(), lambda n=n: n)
+        for entry in folder.glob("*.json"):  # entry n is n seconds old on a clock of its own
+            if entry.read_text() == str(n):
+                os.utime(entry, ns=(n * 10**9, n * 10**9))
+    assert sorted(int(e.read_text()) for e in folder.glob("*.json")) == [3, 4, 5]
+
+
 def test_parsed_recipe_cache_changes_nothing(tmp_path, monkeypatch):
     """Plans resolved from the parsed-file cache equal plans parsed from YAML; an unwritable cache
     directory falls back to parsing."""

@@ -14,8 +14,13 @@ from typing import Any
 
 from m31ctl.memo import memoized
 
+# The code that turns a settings file into data: an edit to it (in a checkout) parses again.
+_PARSER_CODE = tuple(
+    str(Path(__file__).with_name(name)) for name in ("recipes.py", "yamlfile.py", "layers.py")
+)
+
 
 def parsed(path: Path, parse: Callable[[bytes], Any]) -> Any:
     """parse(bytes of path), from the memo when this exact file was parsed before."""
     raw = path.read_bytes()
-    return memoized("parsed", path.name.encode() + b"\0" + raw, lambda: parse(raw))
+    return memoized("parsed", path.name.encode() + b"\0" + raw, lambda: parse(raw), code=_PARSER_CODE)

@@ -79,7 +79,9 @@ def yaml_file(comment_lines: Sequence[str], documents: Sequence[Any], explicit_s
     everything else it does, and the same plan yields the same documents run after run."""
     head = "".join(f"{line}\n" for line in comment_lines)
     marker = "---\n" if explicit_start else ""
-    bodies = memoized("yaml", _emission_key(documents), lambda: [to_yaml(d) for d in documents])
+    bodies = memoized(
+        "yaml", _emission_key(documents), lambda: [to_yaml(d) for d in documents], code=(__file__,)
+    )
     return head + "".join(f"{marker}{body}\n" for body in bodies)
 
 
