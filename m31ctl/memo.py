@@ -73,7 +73,7 @@ def _store(entry: Path, result: Any) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".memo.", dir=entry.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(result, handle, sort_keys=True)
+                json.dump(result, handle)  # key order kept: recipes and layers are ordered mappings
             os.replace(tmp, entry)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

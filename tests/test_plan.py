@@ -369,19 +369,24 @@ def test_memo_keys_on_code_and_stays_bounded(tmp_path, monkeypatch):
 
 
 def test_parsed_recipe_cache_changes_nothing(tmp_path, monkeypatch):
-    """Plans resolved from the parsed-file cache equal plans parsed from YAML; an unwritable cache
-    directory falls back to parsing."""
-    from m31ctl.cli.views import plan_json
+    """Plans resolved from the parsed-file cache equal plans parsed from YAML, byte for byte in
+    the order of every mapping (the memo once stored sorted keys, and `capacity`'s rows came out
+    in another order); an unwritable cache directory falls back to parsing."""
     from m31ctl.plan import recipes as recipes_module
+    from tests.conftest import run_cli
 
-    def fresh_plans() -> list[dict]:
+    def fresh_plans() -> list[str]:
         for loader in (
             recipes_module.builtin_recipes,
             recipes_module.defaults_layer,
             recipes_module.model_facts,
         ):
             loader.cache_clear()
-        return [plan_json(plan_for(h), None) for h in ("b300x4", "h200x8", "mi355xx8")]
+        return [
+            run_cli(command, "--hardware", h, *extra).stdout
+            for h in ("b300x4", "h200x8", "mi355xx8")
+            for command, *extra in (("plan", "--json"), ("plan", "--explain"), ("capacity", "--json"))
+        ]
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     first = fresh_plans()  # parses and writes the cache
