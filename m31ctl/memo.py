@@ -22,7 +22,7 @@ from typing import Any
 from m31ctl import __version__
 from m31ctl.resources import cache_root
 
-FORMAT = 1  # bump when the stored form of any kind changes
+FORMAT = 2  # bump when the stored form changes (2: mapping order kept; 1 sorted keys)
 DISABLE_ENV = "M31CTL_NO_CACHE"
 # Entries kept per kind, newest first: renders of many variations must not fill a disk. Each
 # entry is a few kB; the shipped recipe files need 7.
