@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from m31ctl.cli.options import PlanOptions
 from m31ctl.cli.views import plan_json
 from m31ctl.errors import InputError
 from m31ctl.hardware import simulated
@@ -324,3 +325,26 @@ def test_quick_commands_skip_teardown_and_lose_nothing(tmp_path):
     assert "torn-down" not in refused.stderr
     waits = process("status", "--runtime", "native", "--json")  # not quick: normal exit
     assert "torn-down" in waits.stderr
+
+
+def test_plan_group_is_one_parameter_and_six_options():
+    """A command takes the plan group as one PlanOptions; typer sees the six options in its place."""
+    import inspect
+
+    from m31ctl.cli.options import plan_group
+
+    seen: list[object] = []
+
+    def command(target: str, plan_options: PlanOptions, json: bool = False) -> int:
+        seen.append((target, plan_options, json))
+        return 0
+
+    spread = plan_group(command)
+    names = list(inspect.signature(spread).parameters)
+    assert names == ["target", "hardware", "recipe", "variant", "profile", "file", "set_", "json"]
+    spread(target="k8s", hardware="b300x4", recipe=None, variant=None, profile="latency",
+           file=[Path("a.yaml")], set_=None, json=True)  # fmt: skip
+    options = PlanOptions("b300x4", None, None, "latency", (Path("a.yaml"),), ())
+    assert seen == [("k8s", options, True)] and options.given
+    assert not PlanOptions(None, None, None, "latency", (), ()).given
+    assert plan_group(plan_json) is plan_json  # no group: registered as it is

@@ -11,19 +11,14 @@ import typer
 
 from m31ctl.cli.options import (
     AnyRuntimeOpt,
-    FileOpt,
-    HardwareOpt,
     JsonOpt,
     LaunchRuntimeOpt,
     LockedOpt,
     NameOpt,
     NoValidateOpt,
-    ProfileOpt,
-    RecipeOpt,
-    SetOpt,
+    PlanOptions,
     UpdateLockOpt,
-    VariantOpt,
-    plan_request,
+    plan_group,
 )
 from m31ctl.errors import ExitCode
 
@@ -115,12 +110,7 @@ def recipes_validate(
 
 @command
 def plan(
-    hardware: HardwareOpt = None,
-    recipe: RecipeOpt = None,
-    variant: VariantOpt = None,
-    profile: ProfileOpt = "latency",
-    file: FileOpt = None,
-    set_: SetOpt = None,
+    plan_options: PlanOptions,
     json: JsonOpt = False,
     explain: Annotated[bool, typer.Option("--explain", help="Show where every value comes from.")] = False,
     no_validate: NoValidateOpt = False,
@@ -128,7 +118,7 @@ def plan(
     """Resolve the recipe for this host (or --hardware) and print the plan."""
     from m31ctl.capacity.fit import plan_fit
 
-    p = _resolve(plan_request(hardware, recipe, variant, profile, file, set_), not no_validate)
+    p = _resolve(plan_options.request(), not no_validate)
     fit = plan_fit(p)
     if json:
         from m31ctl.cli.output import emit_json
@@ -158,12 +148,7 @@ def probe(json: JsonOpt = False) -> None:
 
 @command
 def capacity(
-    hardware: HardwareOpt = None,
-    recipe: RecipeOpt = None,
-    variant: VariantOpt = None,
-    profile: ProfileOpt = "latency",
-    file: FileOpt = None,
-    set_: SetOpt = None,
+    plan_options: PlanOptions,
     json: JsonOpt = False,
     context: Annotated[str, typer.Option("--context", help="Context length: 262144, 256k, 1m.")] = "256k",
     sequences: Annotated[
@@ -176,19 +161,14 @@ def capacity(
     """How many sequences stay resident, and how the recipes and cache dtypes compare."""
     from m31ctl.cli import capacity as capacity_view
 
-    p = _resolve(plan_request(hardware, recipe, variant, profile, file, set_))
+    p = _resolve(plan_options.request())
     capacity_view.run(p, context, sequences, plot, json)
 
 
 @command
 def render(
     target: Annotated[str, typer.Option("--target", help="script | compose | k8s | systemd.")],
-    hardware: HardwareOpt = None,
-    recipe: RecipeOpt = None,
-    variant: VariantOpt = None,
-    profile: ProfileOpt = "latency",
-    file: FileOpt = None,
-    set_: SetOpt = None,
+    plan_options: PlanOptions,
     output: Annotated[
         Path | None, typer.Option("-o", "--output", help="Write into DIR (else print).")
     ] = None,
@@ -209,7 +189,7 @@ def render(
             "--check and -o/--output exclude each other", hint="--check DIR compares; -o DIR writes"
         )
     renderer = get_target(target)
-    request = plan_request(hardware, recipe, variant, profile, file, set_)
+    request = plan_options.request()
     plan = _resolve(request, not no_validate)
     if locked is not None:
         from m31ctl.cli.locking import apply_lock
@@ -232,12 +212,7 @@ def render(
 
 @command
 def lock(
-    hardware: HardwareOpt = None,
-    recipe: RecipeOpt = None,
-    variant: VariantOpt = None,
-    profile: ProfileOpt = "latency",
-    file: FileOpt = None,
-    set_: SetOpt = None,
+    plan_options: PlanOptions,
     output: Annotated[Path, typer.Option("-o", "--output", help="The lock file to write.")] = Path(
         "m31ctl.lock"
     ),
@@ -249,7 +224,7 @@ def lock(
     """Record the deployment (plan, input files, image digest, hardware) so CI deploys the same one."""
     from m31ctl.cli.locking import compare, current_lock, drift_lines, write_lock
 
-    request = plan_request(hardware, recipe, variant, profile, file, set_)
+    request = plan_options.request()
     plan = _resolve(request)
     if check is not None:
         _locked, _now, found = compare(check, plan, request.files)
@@ -277,31 +252,21 @@ def lock(
 
 @command
 def validate(
-    hardware: HardwareOpt = None,
-    recipe: RecipeOpt = None,
-    variant: VariantOpt = None,
-    profile: ProfileOpt = "latency",
-    file: FileOpt = None,
-    set_: SetOpt = None,
+    plan_options: PlanOptions,
     json: JsonOpt = False,
 ) -> int:
     """Check the plan's vLLM argv and environment against vLLM's own schema (no vLLM import)."""
     from m31ctl.cli.views import print_validation
     from m31ctl.engine.validate import validate_plan
 
-    report = validate_plan(_resolve(plan_request(hardware, recipe, variant, profile, file, set_), False))
+    report = validate_plan(_resolve(plan_options.request(), False))
     print_validation(report, json)
     return int(ExitCode.OK if report.ok else ExitCode.BAD_INPUT)
 
 
 @command
 def doctor(
-    hardware: HardwareOpt = None,
-    recipe: RecipeOpt = None,
-    variant: VariantOpt = None,
-    profile: ProfileOpt = "latency",
-    file: FileOpt = None,
-    set_: SetOpt = None,
+    plan_options: PlanOptions,
     json: JsonOpt = False,
     locked: LockedOpt = None,
     deep: Annotated[
@@ -320,9 +285,9 @@ def doctor(
 
     probe = detect()
     request = None
-    if hardware is not None or recipe or variant or file or set_ or profile != "latency" or deep:
-        request = plan_request(hardware, recipe, variant, profile, file, set_)
-        if hardware is None:
+    if plan_options.given or deep:
+        request = plan_options.request()
+        if plan_options.hardware is None:
             request = request._replace(hardware=probe.hardware)
     from m31ctl.runtime import get_runtime
 
@@ -343,12 +308,7 @@ def doctor(
 
 @command
 def launch(
-    hardware: HardwareOpt = None,
-    recipe: RecipeOpt = None,
-    variant: VariantOpt = None,
-    profile: ProfileOpt = "latency",
-    file: FileOpt = None,
-    set_: SetOpt = None,
+    plan_options: PlanOptions,
     json: JsonOpt = False,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the plan and what would start; start nothing.")
@@ -384,13 +344,13 @@ def launch(
         raise InputError(
             f"--timeout {timeout:g} is not a positive number of seconds", hint="e.g. --timeout 900"
         )
-    sets = list(set_ or [])
+    sets = list(plan_options.sets)
     # Flags are values, not JSON: encode them so `--name true` stays the string "true".
     if name is not None:
         sets.append(f"runtime.container_name={jsonlib.dumps(name)}")
     if port is not None:
         sets.append(f"runtime.port={port}")
-    request = plan_request(hardware, recipe, variant, profile, file, sets)
+    request = plan_options._replace(sets=tuple(sets)).request()
     p = _resolve(request, not no_validate)
     if locked is not None:
         from m31ctl.cli.locking import apply_lock
@@ -505,12 +465,7 @@ def smoke(
 
 @command
 def verify(
-    hardware: HardwareOpt = None,
-    recipe: RecipeOpt = None,
-    variant: VariantOpt = None,
-    profile: ProfileOpt = "latency",
-    file: FileOpt = None,
-    set_: SetOpt = None,
+    plan_options: PlanOptions,
     url: Annotated[
         str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")
     ] = None,
@@ -530,7 +485,7 @@ def verify(
     """Prove the running server is the plan's: function, served facts, vllm bench serve load, regression."""
     from m31ctl.cli.verifying import run_verify
 
-    request = plan_request(hardware, recipe, variant, profile, file, set_)
+    request = plan_options.request()
     return run_verify(
         _resolve(request, False), url, name, runtime, bench_python, no_load, output, baseline, tolerance, json
     )
@@ -558,5 +513,5 @@ def build_app(argv: list[str]) -> typer.Typer:
         if name == "recipes":
             app.add_typer(recipes_app, name="recipes")
         else:
-            app.command(name=name)(COMMANDS[name])
+            app.command(name=name)(plan_group(COMMANDS[name]))
     return app

@@ -1,11 +1,15 @@
 """Option groups shared by commands (after pdm's cli/options.py): each is declared once here and
-used by every command that takes it. Typer declares options per function, so a group is a set
-of Annotated aliases plus the function that turns their values into core data."""
+used by every command that takes it. Single options are Annotated aliases; the plan group (six
+options every planning command takes) is one `plan_options: PlanOptions` parameter, which
+`plan_group` spreads into the six options typer reads, in its place."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import typer
 
@@ -52,30 +56,82 @@ UpdateLockOpt = Annotated[
 ]
 
 
-def plan_request(
-    hardware: str | None,
-    recipe: str | None,
-    variant: str | None,
-    profile: str,
-    files: list[Path] | None,
-    sets: list[str] | None,
-) -> PlanRequest:
-    """The plan group's values as a request; probes this host unless --hardware."""
-    from m31ctl.plan import PlanRequest
+class PlanOptions(NamedTuple):
+    """The plan group's values, handed to a command as one argument (see `plan_group`)."""
 
-    if hardware is not None:
-        from m31ctl.hardware import simulated
+    hardware: str | None
+    recipe: str | None
+    variant: str | None
+    profile: str
+    files: tuple[Path, ...]
+    sets: tuple[str, ...]
 
-        hw = simulated(hardware)
-    else:
-        from m31ctl.probe import detect
+    @property
+    def given(self) -> bool:
+        """Whether the command line chose anything (doctor checks the host alone otherwise)."""
+        chosen = (self.recipe, self.variant, self.files, self.sets)
+        return self.hardware is not None or any(chosen) or self.profile != DEFAULT_PROFILE
 
-        hw = detect().hardware
-    return PlanRequest(
-        hardware=hw,
-        recipe=recipe,
-        variant=variant,
-        profile=profile,
-        files=tuple(files or ()),
-        sets=tuple(sets or ()),
+    def request(self) -> PlanRequest:
+        """The values as a request; probes this host unless --hardware."""
+        from m31ctl.plan import PlanRequest
+
+        if self.hardware is not None:
+            from m31ctl.hardware import simulated
+
+            hw = simulated(self.hardware)
+        else:
+            from m31ctl.probe import detect
+
+            hw = detect().hardware
+        return PlanRequest(hw, self.recipe, self.variant, self.profile, self.files, self.sets)
+
+
+DEFAULT_PROFILE = "latency"
+# The group's options as typer sees them, in the order --help lists them: (name, type, default).
+_PLAN_GROUP: tuple[tuple[str, Any, Any], ...] = (
+    ("hardware", HardwareOpt, None),
+    ("recipe", RecipeOpt, None),
+    ("variant", VariantOpt, None),
+    ("profile", ProfileOpt, DEFAULT_PROFILE),
+    ("file", FileOpt, None),
+    ("set_", SetOpt, None),
+)
+PLAN_GROUP_PARAMETER = "plan_options"
+
+
+def plan_group(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The command as typer should see it: its `plan_options: PlanOptions` parameter replaced, in
+    place, by the group's options (pdm's option groups: declared once, used by every command that
+    plans). Called when a command is registered, so only the invoked command pays for it."""
+    if PLAN_GROUP_PARAMETER not in inspect.signature(command).parameters:
+        return command
+    signature = inspect.signature(command, eval_str=True)  # typer needs the Annotated objects
+    parameters: list[inspect.Parameter] = []
+    for parameter in signature.parameters.values():
+        if parameter.name != PLAN_GROUP_PARAMETER:
+            parameters.append(parameter)
+            continue
+        parameters.extend(
+            inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=kind)
+            for name, kind, default in _PLAN_GROUP
+        )
+
+    @functools.wraps(command)
+    def with_group(**values: Any) -> Any:
+        group = {name: values.pop(name) for name, _kind, _default in _PLAN_GROUP}
+        options = PlanOptions(
+            hardware=group["hardware"],
+            recipe=group["recipe"],
+            variant=group["variant"],
+            profile=group["profile"],
+            files=tuple(group["file"] or ()),
+            sets=tuple(group["set_"] or ()),
+        )
+        return command(**values, **{PLAN_GROUP_PARAMETER: options})
+
+    # Every parameter keyword-only: typer passes them by name, and a default may precede none.
+    with_group.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in parameters]
     )
+    return with_group
