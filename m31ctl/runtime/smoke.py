@@ -58,17 +58,21 @@ def _usage_ok(usage: Any) -> tuple[bool, str]:
     return p > 0 and c > 0 and t == p + c, f"prompt {p}, completion {c}, total {t}"
 
 
-def run(base: str, model: str | None, max_tokens: int = 16, timeout: float = 120.0) -> SmokeReport:
-    import httpx
-
+def auth_headers() -> dict[str, str]:
+    """The Authorization header for a server that wants VLLM_API_KEY (none when it is unset)."""
     key = os.environ.get("VLLM_API_KEY")
     if key and ("\r" in key or "\n" in key):
         raise InputError(
             "VLLM_API_KEY holds a line break, which no HTTP header can carry", hint="fix the variable's value"
         )
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def run(base: str, model: str | None, max_tokens: int = 16, timeout: float = 120.0) -> SmokeReport:
+    import httpx
+
     try:
-        client = httpx.Client(base_url=base, headers=headers, timeout=timeout)
+        client = httpx.Client(base_url=base, headers=auth_headers(), timeout=timeout)
     except httpx.InvalidURL as exc:
         raise InputError(f"bad server URL {base!r}: {exc}", hint="e.g. --url http://127.0.0.1:8000") from None
     try:

@@ -95,9 +95,7 @@ def run(
     for c in basic.checks:
         report.check(c["check"], c["ok"], c["detail"])
     report.facts["ttft_s"] = basic.ttft_s
-    key = os.environ.get("VLLM_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    with httpx.Client(base_url=base, headers=headers, timeout=120.0) as client:
+    with httpx.Client(base_url=base, headers=smoke.auth_headers(), timeout=120.0) as client:
         _structured(client, served, report)
         _tool_call(client, plan, report)
         _reasoning(client, plan, report)
