@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from collections.abc import Sequence
@@ -80,27 +79,22 @@ def yaml_file(comment_lines: Sequence[str], documents: Sequence[Any], explicit_s
     head = "".join(f"{line}\n" for line in comment_lines)
     marker = "---\n" if explicit_start else ""
     bodies = memoized(
-        "yaml", _emission_key(documents), lambda: [to_yaml(d) for d in documents], code=(__file__,)
+        # repr() tells apart what YAML writes differently (1, 1.0, True and "1"; key order); a
+        # value whose repr is not stable across runs costs a miss, never a wrong answer.
+        "yaml",
+        repr(documents).encode(),
+        lambda: [to_yaml(d) for d in documents],
+        code=(__file__, _pyyaml_file()),
     )
     return head + "".join(f"{marker}{body}\n" for body in bodies)
 
 
-def _emission_key(documents: Sequence[Any]) -> bytes:
-    """What the emitted text depends on: the documents and the PyYAML that emits them.
-
-    repr() tells apart what YAML writes differently (1, 1.0, True and "1"; key order); a value
-    whose repr is not stable across runs costs a miss, never a wrong answer. PyYAML is named by
-    its installed file (path, size, mtime) so that finding it costs no import."""
+def _pyyaml_file() -> str:
+    """PyYAML's installed package file, found without importing it: the emitter is its code."""
     from importlib.util import find_spec
 
     spec = find_spec("yaml")
-    origin = spec.origin if spec is not None and spec.origin else ""
-    try:
-        stat = os.stat(origin)
-        pyyaml = f"{origin}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    except OSError:
-        pyyaml = origin
-    return f"{pyyaml}\0{documents!r}".encode()
+    return spec.origin if spec is not None and spec.origin else ""
 
 
 def compose_literal(value: str) -> str:
