@@ -18,13 +18,12 @@ INTERRUPTED = "interrupted; a container being started keeps its labels, and the 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run m31ctl with `argv` (default: sys.argv[1:]) and return the exit code."""
-    from m31ctl.cli.app import QUICK_COMMANDS, command_name
+    from m31ctl.cli.app import is_quick
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         args = ["--help"]  # bare `m31ctl`: help, exit 0
-    collecting = gc.isenabled()
-    if collecting and command_name(args) in QUICK_COMMANDS:
+    if gc.isenabled() and is_quick(args):
         gc.disable()  # the cyclic collector only costs these commands time (see QUICK_COMMANDS)
         try:
             return _main(args)
@@ -118,10 +117,10 @@ def _silence_stdout() -> None:
 
 def run() -> None:
     """The console script (and `python -m m31ctl`)."""
-    from m31ctl.cli.app import QUICK_COMMANDS, command_name
+    from m31ctl.cli.app import is_quick
 
     code = main()
-    if command_name(sys.argv[1:]) in QUICK_COMMANDS:
+    if is_quick(sys.argv[1:]):
         _leave_now(code)
     sys.exit(code)
 

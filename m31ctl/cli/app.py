@@ -496,6 +496,11 @@ def command_name(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+def is_quick(argv: list[str]) -> bool:
+    """Whether the command line runs one of QUICK_COMMANDS."""
+    return command_name(argv) in QUICK_COMMANDS
+
+
 def build_app(argv: list[str]) -> typer.Typer:
     """The typer app for this command line: the named command only, or every command."""
     app = typer.Typer(
