@@ -13,8 +13,26 @@ import os
 import re
 from collections.abc import Mapping
 
-# The variables whose values are secrets (container.py passes them by reference).
-SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY")
+from m31ctl.errors import InputError
+
+# The secrets a server reads from its environment, by name (the Deployment passes them by
+# reference): the one spelling of each name.
+HF_TOKEN_ENV = "HF_TOKEN"
+API_KEY_ENV = "VLLM_API_KEY"
+# The variables whose values are secrets (huggingface_hub also reads the older token name).
+SECRET_ENV = (HF_TOKEN_ENV, "HUGGING_FACE_HUB_TOKEN", API_KEY_ENV)
+
+
+def header_safe(name: str, value: str) -> str:
+    """A secret that goes into an HTTP header: a line break would split the header (and some
+    libraries quote the value back in their error), so it is refused before any request."""
+    if "\r" in value or "\n" in value:
+        raise InputError(
+            f"{name} holds a line break, which no HTTP header can carry", hint="fix the variable's value"
+        )
+    return value
+
+
 # Hugging Face user access tokens: "hf_" and 34 letters (shorter runs are matched too).
 _TOKEN_SHAPES = re.compile(r"hf_[A-Za-z0-9]{16,}")
 _MIN_SECRET = 4  # shorter values would blank ordinary words
