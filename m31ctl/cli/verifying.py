@@ -61,8 +61,11 @@ def run_verify(
         import json
 
         from m31ctl.cli.output import write_file
+        from m31ctl.redact import redact_data
 
-        write_file(output, json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
+        # Redacted like everything printed: the report quotes the server's answers, which may
+        # echo the API key it was sent.
+        write_file(output, json.dumps(redact_data(report.to_json()), indent=2, sort_keys=True) + "\n")
     if as_json:
         from m31ctl.cli.output import emit_json
 
@@ -73,20 +76,33 @@ def run_verify(
 
 
 def _print(report: VerifyReport) -> None:
+    from rich.markup import escape
+    from rich.text import Text
+
     from m31ctl.cli.output import console, table
+    from m31ctl.redact import redact, redact_data
 
     out = console()
-    data = report.to_json()
-    t = table(f"verify {data['endpoint']} (plan {data['plan_hash']})", ["check", "result", "detail"])
+    found = redact_data(report.to_json())
+    assert isinstance(found, dict)  # redact_data keeps the shape it is given
+    data = found
+    title = escape(f"verify {data['endpoint']} (plan {data['plan_hash']})")
+    t = table(title, ["check", "result", "detail"])
     style = {"pass": "[green]pass[/green]", "fail": "[red]FAIL[/red]", "skip": "[dim]skip[/dim]"}
     for c in data["checks"]:
-        t.add_row(c["check"], style[c["status"]], c["detail"])
+        # Text, not markup: a detail quotes what the server sent, which may hold [brackets].
+        t.add_row(Text(c["check"]), style[c["status"]], Text(c["detail"]))
     out.print(t)
     bench = data.get("bench") or {}
     if bench:
         out.print(
-            "load: "
-            + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in bench.items()),
+            redact(
+                "load: "
+                + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in bench.items())
+            ),
             markup=False,
         )
-    out.print("[green]verified[/green]" if data["ok"] else f"[red]failed:[/red] {', '.join(data['failed'])}")
+    if data["ok"]:
+        out.print("[green]verified[/green]")
+    else:
+        out.print(Text.assemble(("failed:", "red"), " " + ", ".join(data["failed"])))

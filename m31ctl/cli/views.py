@@ -306,14 +306,22 @@ def print_doctor(report: DoctorReport) -> None:
 
 
 def print_smoke(report: SmokeReport, as_json: bool) -> None:
+    from m31ctl.redact import redact
+
     if as_json:
         emit_json(report.to_json())
         return
+    # Redacted line by line: a server's answer (quoted in a failed check, or its model name) may
+    # echo the API key it was sent.
     for check in report.checks:
-        sys.stdout.write(f"{'ok  ' if check['ok'] else 'FAIL'} {check['check']}: {check['detail']}\n")
+        mark = "FAIL" if check.failed else "ok  "
+        sys.stdout.write(redact(f"{mark} {check.id}: {check.message}") + "\n")
     if report.ttft_s is not None:
         rate = f"{report.tokens_per_s:.1f} tokens/s" if report.tokens_per_s else "rate n/a"
         sys.stdout.write(
-            f"time to first token {report.ttft_s * 1000:.0f} ms, {rate}, "
-            f"chat latency {report.latency_s or 0:.2f} s ({report.model} at {report.endpoint})\n"
+            redact(
+                f"time to first token {report.ttft_s * 1000:.0f} ms, {rate}, "
+                f"chat latency {report.latency_s or 0:.2f} s ({report.model} at {report.endpoint})"
+            )
+            + "\n"
         )

@@ -1,4 +1,5 @@
-"""Doctor checks: independent, time-limited, run concurrently; each says ok/warn/fail/skip."""
+"""Doctor checks: independent, time-limited, run concurrently; each says ok/warn/fail/skip.
+Their result type is m31ctl/checks.py's, shared with smoke and verify."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from m31ctl.checks import CheckResult, Status
 from m31ctl.plan import Plan
 from m31ctl.probe import ProbeReport
 from m31ctl.probe.base import Runner, run_command
 
-Status = Literal["ok", "warn", "fail", "skip"]
+__all__ = ["Check", "CheckResult", "Context", "Outcome", "SkipCheck", "Status", "run_checks"]
+
 _CONNECT_LOCK = threading.Lock()
 
 
@@ -31,26 +34,6 @@ class Outcome:
     status: Status
     message: str
     remedy: str = ""
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    id: str
-    title: str
-    status: Status
-    message: str
-    remedy: str
-    duration_s: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "title": self.title,
-            "status": self.status,
-            "message": self.message,
-            "remedy": self.remedy,
-            "duration_s": round(self.duration_s, 3),
-        }
 
 
 @dataclass

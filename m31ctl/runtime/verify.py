@@ -1,34 +1,46 @@
 """`m31ctl verify`: prove that a running server is the plan's server, that it works, and that it
-is fast enough, with vLLM's own benchmark (issue 17).
+is fast enough, with vLLM's own benchmark (issue 17). This module holds the checks; /metrics is
+read by served_metrics.py, the load is run by load_run.py.
 
 Function: a chat completion and a streamed one (smoke's checks), structured output, and a tool
 call, the reasoning split and an image input where the plan configures them. Facts: the served
 model, its max length, the KV cache dtype, block size and size the engine reports on /metrics, and
 speculative decoding's acceptance, each compared with the plan. Load: `vllm bench serve` (the
 engine's own) with the plan's `verify` settings; its pass marks gate. Regression: against an
-earlier report.
+earlier report. Every answer is read defensively (http_answers.py): a broken or hostile server
+fails a check, it does not crash verify.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import tempfile
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from m31ctl.checks import CheckResult, judged
 from m31ctl.engine.adapter import KV_CACHE_DTYPE
-from m31ctl.errors import InputError
+from m31ctl.errors import CheckFailed, InputError
 from m31ctl.plan import Plan
-from m31ctl.runtime import smoke
+from m31ctl.runtime import served_metrics, smoke
+from m31ctl.runtime.http_answers import Answer, as_int, as_list, as_object, as_str, fetch, glimpse
 
-# A bench runner takes `vllm bench serve` arguments and returns its saved result.
-BenchRunner = Callable[[list[str]], dict[str, Any]]
-BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "engine" / "bench_serve.py"
+# The launchers moved to load_run.py; cli/verifying.py reaches them through this module.
+from m31ctl.runtime.load_run import BENCH_SCRIPT, BenchRunner, bench_args, container_bench, native_bench
+
+__all__ = [
+    "BENCH_SCRIPT",
+    "BenchRunner",
+    "VerifyReport",
+    "bench_args",
+    "container_bench",
+    "native_bench",
+    "read_baseline",
+    "run",
+]
+
 # Benchmark figures compared with a baseline: (key, higher is better).
 REGRESSION_METRICS = (
     ("p99_ttft_ms", False),
@@ -38,27 +50,28 @@ REGRESSION_METRICS = (
 )
 # 1x1 transparent PNG: the smallest image input every vision processor accepts.
 PIXEL = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="
+# verify --json's older spelling of the shared statuses (kept: CI reads "pass").
+_JSON_STATUS = {"ok": "pass", "warn": "warn", "fail": "fail", "skip": "skip"}
 
 
 @dataclass
 class VerifyReport:
     endpoint: str
     plan_hash: str
-    checks: list[dict[str, Any]] = field(default_factory=list)
+    checks: list[CheckResult] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
     bench: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
-        return all(c["status"] != "fail" for c in self.checks)
+        return not any(c.failed for c in self.checks)
 
     def check(self, name: str, ok: bool | None, detail: str) -> None:
         """ok None: skipped (the plan does not configure it, or it could not run)."""
-        status = "skip" if ok is None else "pass" if ok else "fail"
-        self.checks.append({"check": name, "status": status, "detail": detail})
+        self.checks.append(judged(name, ok, detail))
 
     def failed(self) -> list[str]:
-        return [c["check"] for c in self.checks if c["status"] == "fail"]
+        return [c.id for c in self.checks if c.failed]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,7 +79,9 @@ class VerifyReport:
             "plan_hash": self.plan_hash,
             "ok": self.ok,
             "failed": self.failed(),
-            "checks": self.checks,
+            "checks": [
+                {"check": c.id, "status": _JSON_STATUS[c.status], "detail": c.message} for c in self.checks
+            ],
             "facts": self.facts,
             "bench": self.bench,
         }
@@ -91,10 +106,7 @@ def run(
             server_plan_hash == plan.hash,
             f"the server runs plan {server_plan_hash}; verifying plan {plan.hash}",
         )
-    basic = smoke.run(base, served)  # models, chat, chat-usage, stream, stream-usage
-    for c in basic.checks:
-        report.check(c["check"], c["ok"], c["detail"])
-    report.facts["ttft_s"] = basic.ttft_s
+    _basic(base, served, report)
     with httpx.Client(base_url=base, headers=smoke.auth_headers(), timeout=120.0) as client:
         _structured(client, served, report)
         _tool_call(client, plan, report)
@@ -113,32 +125,36 @@ def run(
     return report
 
 
-def _chat(client: Any, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    import httpx
-
+def _basic(base: str, served: str, report: VerifyReport) -> None:
+    """smoke's checks: models, chat, chat-usage, stream, stream-usage."""
     try:
-        response = client.post("/v1/chat/completions", json=body)
-    except httpx.HTTPError as exc:
-        return 0, {"error": str(exc)}
-    try:
-        data = response.json()
-    except ValueError:
-        data = {}
-    return response.status_code, data if isinstance(data, dict) else {}
+        basic = smoke.run(base, served)
+    except CheckFailed as exc:  # no usable model list: a failed check here, and verify goes on
+        report.check("models", False, exc.message)
+        return
+    report.checks.extend(basic.checks)
+    report.facts["ttft_s"] = basic.ttft_s
 
 
-def _message(data: dict[str, Any]) -> dict[str, Any]:
-    choices = data.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        message = choices[0].get("message")
-        return message if isinstance(message, dict) else {}
-    return {}
+def _chat(client: Any, body: dict[str, Any]) -> Answer:
+    return fetch(client, "POST", "/v1/chat/completions", body)
+
+
+def _message(answer: Answer) -> dict[str, Any]:
+    """The first choice's message, or {} for an answer of another shape."""
+    choices = as_list(answer.obj().get("choices"))
+    return as_object(as_object(choices[0]).get("message")) if choices else {}
+
+
+def _said(answer: Answer, ok: bool) -> str:
+    """A failed check quotes what the server sent; a passed one does not need to."""
+    return "" if ok else answer.evidence()
 
 
 def _structured(client: Any, served: str, report: VerifyReport) -> None:
     """A JSON-schema response: the engine's structured outputs must constrain the answer."""
     schema = {"type": "string", "enum": ["yes", "no"]}
-    status, data = _chat(
+    answer = _chat(
         client,
         {
             "model": served,
@@ -148,15 +164,16 @@ def _structured(client: Any, served: str, report: VerifyReport) -> None:
             "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
         },
     )
-    content = _message(data).get("content")
+    content = as_str(_message(answer).get("content"))
     try:
-        value = json.loads(content) if isinstance(content, str) else None
-    except ValueError:
+        value = json.loads(content) if content is not None else None
+    except (ValueError, RecursionError):
         value = None
+    ok = answer.status == 200 and value in ("yes", "no")
     report.check(
         "structured-output",
-        status == 200 and value in ("yes", "no"),
-        f"HTTP {status}, content {content!r:.60}",
+        ok,
+        f"HTTP {answer.status}, content {glimpse(content, 60)}" + _said(answer, ok or content is not None),
     )
 
 
@@ -177,7 +194,7 @@ def _tool_call(client: Any, plan: Plan, report: VerifyReport) -> None:
             },
         },
     }
-    status, data = _chat(
+    answer = _chat(
         client,
         {
             "model": plan.settings.model.served_name,
@@ -188,13 +205,11 @@ def _tool_call(client: Any, plan: Plan, report: VerifyReport) -> None:
             "temperature": 0,
         },
     )
-    calls = _message(data).get("tool_calls") or []
-    names = [c.get("function", {}).get("name") for c in calls if isinstance(c, dict)]
-    report.check(
-        "tool-call",
-        status == 200 and "get_weather" in names,
-        f"HTTP {status}, {parser} parsed {names or 'no tool call'}",
-    )
+    calls = as_list(_message(answer).get("tool_calls"))
+    names = [as_str(as_object(as_object(c).get("function")).get("name")) for c in calls]
+    ok = answer.status == 200 and "get_weather" in names
+    shown = glimpse(", ".join(n for n in names if n), 80) if any(names) else "no tool call"
+    report.check("tool-call", ok, f"HTTP {answer.status}, {parser} parsed {shown}" + _said(answer, ok))
 
 
 def _reasoning(client: Any, plan: Plan, report: VerifyReport) -> None:
@@ -202,7 +217,7 @@ def _reasoning(client: Any, plan: Plan, report: VerifyReport) -> None:
     if not parser:
         report.check("reasoning", None, "the plan sets no reasoning parser")
         return
-    status, data = _chat(
+    answer = _chat(
         client,
         {
             "model": plan.settings.model.served_name,
@@ -213,12 +228,15 @@ def _reasoning(client: Any, plan: Plan, report: VerifyReport) -> None:
             "chat_template_kwargs": {"thinking_mode": "enabled"},
         },
     )
-    message = _message(data)
-    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    message = _message(answer)
+    reasoning = as_str(message.get("reasoning")) or as_str(message.get("reasoning_content")) or ""
+    content = as_str(message.get("content")) or ""
+    ok = answer.status == 200 and bool(reasoning) and "<mm:think>" not in content
     report.check(
         "reasoning",
-        status == 200 and bool(reasoning) and "<mm:think>" not in str(message.get("content") or ""),
-        f"HTTP {status}, {parser}: {len(str(reasoning or ''))} characters of reasoning in their own field",
+        ok,
+        f"HTTP {answer.status}, {parser}: {len(reasoning)} characters of reasoning in their own field"
+        + _said(answer, ok),
     )
 
 
@@ -227,7 +245,7 @@ def _image(client: Any, plan: Plan, report: VerifyReport) -> None:
     if mm.text_only or not mm.image or "image" not in plan.model.modalities:
         report.check("image-input", None, "the plan serves no image input")
         return
-    status, data = _chat(
+    answer = _chat(
         client,
         {
             "model": plan.settings.model.served_name,
@@ -244,73 +262,54 @@ def _image(client: Any, plan: Plan, report: VerifyReport) -> None:
             "temperature": 0,
         },
     )
-    report.check(
-        "image-input", status == 200 and isinstance(_message(data).get("content"), str), f"HTTP {status}"
-    )
-
-
-_LABELS = re.compile(r'(\w+)="([^"]*)"')
-
-
-def _metrics(client: Any) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Prometheus text: metric name -> [(labels, value)]."""
-    import httpx
-
-    try:
-        text = client.get("/metrics").text
-    except httpx.HTTPError:
-        return {}
-    found: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, rest = (
-            line.partition("{") if "{" in line.split(" ", 1)[0] else (line.split(" ", 1)[0], "", "")
-        )
-        labels_text, _, value_text = rest.rpartition("} ") if rest else ("", "", line.split(" ", 1)[-1])
-        try:
-            value = float(value_text.split()[0])
-        except (ValueError, IndexError):
-            continue
-        found.setdefault(name, []).append((dict(_LABELS.findall(labels_text)), value))
-    return found
+    ok = answer.status == 200 and as_str(_message(answer).get("content")) is not None
+    report.check("image-input", ok, f"HTTP {answer.status}" + _said(answer, ok))
 
 
 def _served_facts(client: Any, plan: Plan, report: VerifyReport) -> None:
     """What the engine says it runs, against the plan: served model, max length, KV cache."""
+    s = plan.settings
+    listed = fetch(client, "GET", "/v1/models")
+    entries = as_list(listed.obj().get("data"))
+    entry = next((as_object(m) for m in entries if as_object(m).get("id") == s.model.served_name), {})
+    length = as_int(entry.get("max_model_len"))
+    report.facts["max_model_len"] = length
+    shown = length if length is not None else glimpse(entry.get("max_model_len"), 40)
+    report.check(
+        "max-model-len",
+        length == s.serving.max_model_len,
+        f"the engine serves {shown} tokens; the plan says {s.serving.max_model_len}"
+        + _said(listed, length is not None),
+    )
+    _kv_cache(served_metrics.scrape(client), plan, report)
+
+
+def _kv_cache(metrics: served_metrics.ServedMetrics, plan: Plan, report: VerifyReport) -> None:
     from m31ctl.capacity.fit import plan_fit
 
     s = plan.settings
-    try:
-        listed = client.get("/v1/models").json().get("data") or []
-    except (ValueError, AttributeError):
-        listed = []
-    entry = next((m for m in listed if isinstance(m, dict) and m.get("id") == s.model.served_name), {})
-    report.facts["max_model_len"] = entry.get("max_model_len")
-    report.check(
-        "max-model-len",
-        entry.get("max_model_len") == s.serving.max_model_len,
-        f"the engine serves {entry.get('max_model_len')} tokens; the plan says {s.serving.max_model_len}",
-    )
-    info = (_metrics(client).get("vllm:cache_config_info") or [({}, 0.0)])[0][0]
+    info = metrics.labels("vllm:cache_config_info")
     if not info:
-        report.check("kv-cache", False, "/metrics has no vllm:cache_config_info")
+        report.check(
+            "kv-cache",
+            False,
+            "/metrics has no vllm:cache_config_info" + (f"; {metrics.problem}" if metrics.problem else ""),
+        )
         return
     expected = KV_CACHE_DTYPE.get(s.cache.kv_dtype, s.cache.kv_dtype)
+    dtype, block = _label(info, "cache_dtype"), _label(info, "block_size")
     tokens = _int(info.get("kv_cache_size_tokens"))
-    report.facts.update(
-        kv_cache_dtype=info.get("cache_dtype"), block_size=info.get("block_size"), kv_cache_tokens=tokens
-    )
+    report.facts.update(kv_cache_dtype=dtype, block_size=block, kv_cache_tokens=tokens)
     report.check(
         "kv-cache-dtype",
-        info.get("cache_dtype") == expected,
-        f"the engine stores its KV cache as {info.get('cache_dtype')}; the plan says {expected}",
+        dtype == expected,
+        f"the engine stores its KV cache as {dtype}; the plan says {expected}",
     )
     if s.cache.block_size is not None:
         report.check(
             "block-size",
-            info.get("block_size") == str(s.cache.block_size),
-            f"the engine uses {info.get('block_size')}-token blocks; the plan says {s.cache.block_size}",
+            block == str(s.cache.block_size),
+            f"the engine uses {block}-token blocks; the plan says {s.cache.block_size}",
         )
     predicted = plan_fit(plan).kv_cache_tokens
     report.facts["kv_cache_tokens_predicted"] = predicted
@@ -319,29 +318,17 @@ def _served_facts(client: Any, plan: Plan, report: VerifyReport) -> None:
         report.facts["kv_cache_tokens_ratio"] = round(tokens / predicted, 4)
 
 
+def _label(labels: Mapping[str, str], key: str) -> str | None:
+    """A label value as the report keeps it: a server's overlong value is quoted, shortened."""
+    value = labels.get(key)
+    return value if value is None or (len(value) <= 64 and value.isprintable()) else glimpse(value, 64)
+
+
 def _int(text: str | None) -> int | None:
     try:
         return int(str(text))
     except ValueError:
         return None
-
-
-def bench_args(plan: Plan, base: str, tokenizer: str) -> list[str]:
-    """`vllm bench serve` for the plan's verify settings, against the chat endpoint."""
-    v = plan.settings.verify
-    args = [
-        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", base,
-        "--model", plan.settings.model.served_name, "--tokenizer", tokenizer,
-        "--dataset-name", "random", "--random-input-len", str(v.input_len), "--random-output-len", str(v.output_len),
-        "--num-prompts", str(v.requests), "--max-concurrency", str(v.concurrency),
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--ignore-eos",
-    ]  # fmt: skip
-    goodput = [
-        f"{name}:{value:g}" for name, value in (("ttft", v.ttft_p99_ms), ("tpot", v.tpot_p99_ms)) if value
-    ]
-    if goodput:
-        args += ["--goodput", *goodput]
-    return args
 
 
 def _load(plan: Plan, base: str, bench: BenchRunner, report: VerifyReport) -> None:
@@ -389,12 +376,15 @@ def _spec_decode(client: Any, plan: Plan, report: VerifyReport) -> None:
     if spec.method == "none":
         report.check("spec-decode", None, "the plan uses no speculative decoding")
         return
-    metrics = _metrics(client)
-    drafts = sum(v for _labels, v in metrics.get("vllm:spec_decode_num_drafts_total", []))
-    accepted = sum(v for _labels, v in metrics.get("vllm:spec_decode_num_accepted_tokens_total", []))
-    if drafts <= 0:
+    metrics = served_metrics.scrape(client)
+    drafts = metrics.total("vllm:spec_decode_num_drafts_total")
+    accepted = metrics.total("vllm:spec_decode_num_accepted_tokens_total")
+    if not (math.isfinite(drafts) and math.isfinite(accepted)) or drafts <= 0:
         report.check(
-            "spec-decode", False, f"{spec.method} proposed no drafts (no spec_decode counters moved)"
+            "spec-decode",
+            False,
+            f"{spec.method} proposed no drafts (no spec_decode counters moved)"
+            + (f"; {metrics.problem}" if metrics.problem else ""),
         )
         return
     length = 1 + accepted / drafts
@@ -440,69 +430,3 @@ def read_baseline(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or "checks" not in data:
         raise InputError("not a verify report (no checks)", where=str(path))
     return data
-
-
-def native_bench(python: str) -> BenchRunner:
-    """The benchmark run by a local Python that has vLLM (the native runtime's)."""
-
-    def run_bench(args: list[str]) -> dict[str, Any]:
-        with tempfile.TemporaryDirectory(prefix="m31ctl-bench-") as tmp:
-            done = subprocess.run(
-                [
-                    python,
-                    str(BENCH_SCRIPT),
-                    *args,
-                    "--save-result",
-                    "--result-dir",
-                    tmp,
-                    "--result-filename",
-                    "r.json",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=3600,
-            )
-            result = Path(tmp) / "r.json"
-            if done.returncode != 0 or not result.is_file():
-                raise RuntimeError((done.stderr or done.stdout).strip().splitlines()[-1:] or "no result")
-            data: dict[str, Any] = json.loads(result.read_text())
-            return data
-
-    return run_bench
-
-
-def container_bench(image: str, mounts: list[tuple[str, str]]) -> BenchRunner:
-    """The benchmark run by the engine image's own vLLM, in a sibling container on the host's
-    network (the server's port is published there), with the server's model and cache mounts
-    for the tokenizer."""
-    from m31ctl.runtime import engine_api
-
-    def run_bench(args: list[str]) -> dict[str, Any]:
-        with (
-            engine_api.engine_boundary("running vllm bench serve"),
-            tempfile.TemporaryDirectory(prefix="m31ctl-bench-") as tmp,
-        ):
-            os.chmod(tmp, 0o777)
-            volumes = {source: {"bind": target, "mode": "ro"} for source, target in mounts}
-            volumes[str(BENCH_SCRIPT.parent)] = {"bind": "/m31ctl", "mode": "ro"}
-            volumes[tmp] = {"bind": "/m31ctl-out", "mode": "rw"}
-            client = engine_api.connect()
-            client.containers.run(
-                image,
-                entrypoint=["python3", "/m31ctl/bench_serve.py"],
-                command=[
-                    *args,
-                    "--save-result",
-                    "--result-dir",
-                    "/m31ctl-out",
-                    "--result-filename",
-                    "r.json",
-                ],
-                remove=True,
-                network_mode="host",
-                volumes=volumes,
-            )
-            data: dict[str, Any] = json.loads((Path(tmp) / "r.json").read_text())
-            return data
-
-    return run_bench

@@ -1,0 +1,102 @@
+"""`vllm bench serve`, the engine's own load generator, for verify: its arguments from the plan,
+and the two ways to run it (a local Python with vLLM; a sibling container of the engine image)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from m31ctl.plan import Plan
+
+# A bench runner takes `vllm bench serve` arguments and returns its saved result.
+BenchRunner = Callable[[list[str]], dict[str, Any]]
+BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "engine" / "bench_serve.py"
+
+
+def bench_args(plan: Plan, base: str, tokenizer: str) -> list[str]:
+    """`vllm bench serve` for the plan's verify settings, against the chat endpoint."""
+    v = plan.settings.verify
+    args = [
+        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", base,
+        "--model", plan.settings.model.served_name, "--tokenizer", tokenizer,
+        "--dataset-name", "random", "--random-input-len", str(v.input_len), "--random-output-len", str(v.output_len),
+        "--num-prompts", str(v.requests), "--max-concurrency", str(v.concurrency),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--ignore-eos",
+    ]  # fmt: skip
+    goodput = [
+        f"{name}:{value:g}" for name, value in (("ttft", v.ttft_p99_ms), ("tpot", v.tpot_p99_ms)) if value
+    ]
+    if goodput:
+        args += ["--goodput", *goodput]
+    return args
+
+
+def native_bench(python: str) -> BenchRunner:
+    """The benchmark run by a local Python that has vLLM (the native runtime's)."""
+
+    def run_bench(args: list[str]) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="m31ctl-bench-") as tmp:
+            done = subprocess.run(
+                [
+                    python,
+                    str(BENCH_SCRIPT),
+                    *args,
+                    "--save-result",
+                    "--result-dir",
+                    tmp,
+                    "--result-filename",
+                    "r.json",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=3600,
+            )
+            result = Path(tmp) / "r.json"
+            if done.returncode != 0 or not result.is_file():
+                raise RuntimeError((done.stderr or done.stdout).strip().splitlines()[-1:] or "no result")
+            data: dict[str, Any] = json.loads(result.read_text())
+            return data
+
+    return run_bench
+
+
+def container_bench(image: str, mounts: list[tuple[str, str]]) -> BenchRunner:
+    """The benchmark run by the engine image's own vLLM, in a sibling container on the host's
+    network (the server's port is published there), with the server's model and cache mounts
+    for the tokenizer."""
+    from m31ctl.runtime import engine_api
+
+    def run_bench(args: list[str]) -> dict[str, Any]:
+        with (
+            engine_api.engine_boundary("running vllm bench serve"),
+            tempfile.TemporaryDirectory(prefix="m31ctl-bench-") as tmp,
+        ):
+            os.chmod(tmp, 0o777)
+            volumes = {source: {"bind": target, "mode": "ro"} for source, target in mounts}
+            volumes[str(BENCH_SCRIPT.parent)] = {"bind": "/m31ctl", "mode": "ro"}
+            volumes[tmp] = {"bind": "/m31ctl-out", "mode": "rw"}
+            client = engine_api.connect()
+            client.containers.run(
+                image,
+                entrypoint=["python3", "/m31ctl/bench_serve.py"],
+                command=[
+                    *args,
+                    "--save-result",
+                    "--result-dir",
+                    "/m31ctl-out",
+                    "--result-filename",
+                    "r.json",
+                ],
+                remove=True,
+                network_mode="host",
+                volumes=volumes,
+            )
+            data: dict[str, Any] = json.loads((Path(tmp) / "r.json").read_text())
+            return data
+
+    return run_bench
