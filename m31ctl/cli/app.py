@@ -491,6 +491,33 @@ def verify(
     )
 
 
+@command
+def pull(
+    plan_options: PlanOptions,
+    revision: Annotated[
+        str, typer.Option("--revision", help="Branch, tag or commit; the download is pinned to its commit.")
+    ] = "main",
+    verify: Annotated[
+        bool, typer.Option("--verify", help="Check every file's size and hub hash; fetch bad ones again.")
+    ] = False,
+    stall_timeout: Annotated[
+        float,
+        typer.Option("--stall-timeout", help="Seconds without a byte before a file's transfer is retried."),
+    ] = 60.0,
+    retries: Annotated[
+        int,
+        typer.Option(
+            "--retries", help="Retries of a stalled file (then plain HTTP instead of Xet, then exit 5)."
+        ),
+    ] = 3,
+    json: JsonOpt = False,
+) -> int:
+    """Download the plan's checkpoint (and its dspark/ draft) into its Hugging Face cache: resumable, watched, pinned."""
+    from m31ctl.cli.pulling import run_pull
+
+    return run_pull(_resolve(plan_options.request()), revision, verify, stall_timeout, retries, json)
+
+
 def command_name(argv: list[str]) -> str | None:
     """The command a command line names (its first word that is not an option)."""
     return next((a for a in argv if not a.startswith("-")), None)

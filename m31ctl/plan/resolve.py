@@ -24,6 +24,7 @@ from m31ctl.plan.recipes import (
     select_recipe,
 )
 from m31ctl.plan.settings import PlanSettings
+from m31ctl.redact import redact
 
 DEFAULT_PROFILE = "latency"
 
@@ -141,7 +142,7 @@ def _validation_error(exc: ValidationError, merged: Layer) -> InputError:
     message = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "missing":
         return InputError(f"setting {dotted!r} is required", hint="set it in a -f file or with --set")
-    shown = f"{dotted}={setting.value!r}: " if setting is not None and dotted in merged else ""
+    shown = f"{dotted}={redact(repr(setting.value))}: " if setting is not None and dotted in merged else ""
     return InputError(f"{shown}{message}", where=where)
 
 

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from m31ctl.names import name_problem
-from m31ctl.redact import SECRET_ENV
+from m31ctl.redact import SECRET_ENV, secret_flag
 from m31ctl.units import Size
 
 
@@ -40,16 +40,20 @@ class EngineSettings(_Frozen):
     @classmethod
     def _no_secret_flags(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for arg in value:
-            flag = arg.split("=", 1)[0]
-            if flag in SECRET_FLAGS:
+            # As vLLM's parser reads it (`--api_key`, `--hf-token=x`, `--api-k`): m31ctl.redact.
+            flag = secret_flag(arg)
+            if flag is not None:
+                spelled = arg.split("=", 1)[0]
+                # The flag is followed by a colon, never a word: the redactor masks a word there.
+                named = flag if spelled == flag else f"{spelled!r} is vLLM's {flag}"
                 raise ValueError(
-                    f"{flag} would put a secret into argv (visible in ps, logs and rendered files): "
-                    f"{SECRET_FLAGS[flag]}"
+                    f"{named}: it would put a secret into argv (visible in ps, logs and rendered "
+                    f"files); {SECRET_FLAGS[flag]}"
                 )
         return value
 
 
-# vLLM flags that carry a secret by value, and the by-reference way instead.
+# vLLM flags that carry a secret by value (m31ctl.redact.SECRET_FLAGS), and the by-reference way.
 SECRET_FLAGS = {
     "--api-key": "set runtime.api_key=true and export VLLM_API_KEY",
     "--hf-token": "export HF_TOKEN (passed to the engine by name)",

@@ -34,19 +34,33 @@ class ServedMetrics:
 
 
 def parse(text: str) -> ServedMetrics:
-    """The samples of Prometheus text; a malformed line ends the reading there, keeping what came before."""
+    """The samples of Prometheus text. A malformed line costs only itself: the text is read again
+    line by line, keeping the lines that parse (the parser stops at its first error, and drops
+    the family it was reading)."""
+    try:
+        return ServedMetrics(_samples(text))
+    except ValueError as exc:  # the parser's one error for text that is not Prometheus's format
+        problem = f"/metrics is not Prometheus text: {http_answers.glimpse(str(exc))}"
+    found: dict[str, tuple[Sample, ...]] = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            try:
+                for name, samples in _samples(line + "\n").items():
+                    found[name] = found.get(name, ()) + samples
+            except ValueError:
+                continue
+    return ServedMetrics(found, problem)
+
+
+def _samples(text: str) -> dict[str, tuple[Sample, ...]]:
     # Imported here: prometheus_client's package import is heavy, and only verify reads metrics.
     from prometheus_client.parser import text_string_to_metric_families
 
     found: dict[str, list[Sample]] = {}
-    problem = ""
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                found.setdefault(sample.name, []).append(Sample(dict(sample.labels), float(sample.value)))
-    except ValueError as exc:  # the parser's one error for text that is not Prometheus's format
-        problem = f"/metrics is not Prometheus text: {http_answers.glimpse(str(exc))}"
-    return ServedMetrics({name: tuple(samples) for name, samples in found.items()}, problem)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found.setdefault(sample.name, []).append(Sample(dict(sample.labels), float(sample.value)))
+    return {name: tuple(samples) for name, samples in found.items()}
 
 
 def scrape(client: Any) -> ServedMetrics:

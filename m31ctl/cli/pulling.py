@@ -1,0 +1,224 @@
+"""What `m31ctl pull` shows while the core works and when it is done: a rich progress display on a
+terminal (stderr), one JSON line per event with --json (the last line the result, or the error),
+plain lines on stderr otherwise (CI logs). The summary names the commit that was downloaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from m31ctl.cli.output import emit_json_line
+from m31ctl.errors import InputError, M31Error
+from m31ctl.pull import (
+    Corrupt,
+    Fallback,
+    FileDone,
+    Progress,
+    PullEvent,
+    PullOptions,
+    PullResult,
+    Retry,
+    Started,
+    pull,
+)
+
+if TYPE_CHECKING:
+    from m31ctl.plan import Plan
+
+
+def run_pull(
+    plan: Plan, revision: str, verify: bool, stall_timeout: float, retries: int, as_json: bool
+) -> int:
+    if not (0 < stall_timeout < math.inf):
+        raise InputError(f"--stall-timeout {stall_timeout:g} is not a positive number of seconds")
+    if retries < 0:
+        raise InputError(f"--retries {retries} is negative", hint="0 gives up after the first stall")
+    options = PullOptions(revision, verify, stall_timeout, retries, dict(os.environ))
+    view: _View = _JsonView() if as_json else _LiveView() if sys.stderr.isatty() else _PlainView()
+    try:
+        result = pull(plan, options, view.on_event)
+    except M31Error as exc:
+        view.close()
+        if as_json:  # the stream stays JSON Lines: the error is its last line, as a result would be
+            return _json_error(exc)
+        raise
+    finally:
+        view.close()
+    if as_json:
+        emit_json_line({"event": "result", **dataclasses.asdict(result)})
+    else:
+        sys.stdout.write(summary(result))
+    return 0
+
+
+def summary(result: PullResult) -> str:
+    if result.nothing_to_pull:
+        return result.nothing_to_pull + "\n"
+    rate = result.bytes_fetched / result.elapsed_s if result.elapsed_s > 0 else 0.0
+    lines = [
+        f"pulled {result.repo} at {result.revision}: commit {result.commit}",
+        f"  {result.files_total} files, {size(result.bytes_total)}, in {result.snapshot}",
+        f"  fetched {size(result.bytes_fetched)} in {result.elapsed_s:.1f} s ({size(rate)}/s); "
+        f"{result.files_cached} files were complete already"
+        + (f"; {size(result.bytes_resumed)} resumed from partial files" if result.bytes_resumed else ""),
+    ]
+    if result.verified:
+        again = f"; fetched again: {', '.join(result.refetched)}" if result.refetched else ""
+        lines.append(f"  verified: every file at the hub's size and hash{again}")
+    return "\n".join(lines) + "\n"
+
+
+def size(count: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count:.0f} B"
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "--:--"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def event_line(event: PullEvent) -> str | None:
+    """One line for people, for the events worth a line of their own."""
+    if isinstance(event, Started):
+        return (
+            f"pulling {event.repo} at {event.revision} (commit {event.commit[:12]}) into {event.cache_dir}: "
+            f"{event.files_total} files, {size(event.bytes_total)}; {event.files_cached} complete already, "
+            f"{size(event.bytes_partial)} in partial files, {size(event.bytes_needed)} to fetch, "
+            f"{size(event.free_bytes)} free"
+        )
+    if isinstance(event, Retry):
+        return (
+            f"{event.file}: {event.reason}; retry {event.attempt} of {event.retries} over {event.via} "
+            f"in {event.backoff_s:g} s"
+        )
+    if isinstance(event, Fallback):
+        return (
+            f"{event.file}: {event.from_via} keeps failing ({event.reason}); falling back to {event.to_via}"
+        )
+    if isinstance(event, Corrupt):
+        then = "fetching it again" if event.refetch else "cannot be fetched"
+        return f"{event.file}: {event.problem}; {then}"
+    return None
+
+
+class _View:
+    def on_event(self, event: PullEvent) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _JsonView(_View):
+    def on_event(self, event: PullEvent) -> None:
+        payload: dict[str, Any] = {"event": event.kind, **dataclasses.asdict(event)}
+        if isinstance(event, Progress):
+            payload["rate_bps"] = round(event.rate_bps)
+            payload["eta_s"] = None if event.eta_s is None else round(event.eta_s, 1)
+        emit_json_line(payload)
+
+
+class _PlainView(_View):
+    """Lines on stderr: every notable event, each file done, and the totals every 30 s."""
+
+    EVERY_S = 30.0
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    def on_event(self, event: PullEvent) -> None:
+        line = event_line(event)
+        if isinstance(event, FileDone):
+            line = f"{event.file}: {size(event.size)} done over {event.via}"
+        elif isinstance(event, Progress) and time.monotonic() - self._last >= self.EVERY_S:
+            self._last = time.monotonic()
+            line = (
+                f"{event.phase}: {size(event.bytes_done)} of {size(event.bytes_total)}, "
+                f"{size(event.rate_bps)}/s, ETA {_eta(event.eta_s)}, files {event.files_done}/{event.files_total}"
+            )
+        if line:
+            sys.stderr.write(f"m31ctl: {line}\n")
+            sys.stderr.flush()
+
+
+class _LiveView(_View):
+    """A rich progress bar on stderr: bytes, rate, ETA and files from the core's events; other
+    events print above it."""
+
+    def __init__(self) -> None:
+        self._progress: Any = None
+        self._task: Any = None
+
+    def on_event(self, event: PullEvent) -> None:
+        line = event_line(event)
+        if isinstance(event, Started):
+            self._start(event)
+        elif isinstance(event, Progress) and self._progress is not None:
+            self._progress.update(
+                self._task,
+                completed=event.bytes_done,
+                total=event.bytes_total,
+                description=_short(event.file),
+                phase=event.phase,
+                rate=f"{size(event.rate_bps)}/s",
+                eta=_eta(event.eta_s),
+                files=f"{event.files_done}/{event.files_total}",
+            )
+        if line and self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+
+    def _start(self, event: Started) -> None:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+        from m31ctl.cli.output import console
+
+        self._progress = Progress(
+            TextColumn("{task.fields[phase]}"),
+            BarColumn(),
+            DownloadColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TextColumn("ETA {task.fields[eta]}"),
+            TextColumn("files {task.fields[files]}"),
+            TextColumn("{task.description}"),
+            console=console(stderr=True),
+            transient=False,
+        )
+        self._task = self._progress.add_task(
+            "",
+            total=event.bytes_total,
+            completed=event.bytes_total - event.bytes_needed,
+            phase="download",
+            rate="--",
+            eta="--:--",
+            files=f"{event.files_cached}/{event.files_total}",
+        )
+        self._progress.start()
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def _short(path: str, width: int = 40) -> str:
+    return path if len(path) <= width else "..." + path[-(width - 3) :]
+
+
+def _json_error(exc: M31Error) -> int:
+    from m31ctl.redact import redact
+
+    emit_json_line({"event": "error", **exc.to_json()})
+    for line in exc.details:
+        sys.stderr.write(f"m31ctl: {redact(line)}\n")
+    sys.stderr.write(f"m31ctl: error: {redact(exc.one_line())}\n")
+    return int(exc.exit_code)

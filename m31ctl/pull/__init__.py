@@ -1,0 +1,41 @@
+"""`m31ctl pull`: the plan's checkpoint, and its DSpark draft when the plan drafts, downloaded into
+the plan's Hugging Face cache with huggingface_hub; watched (typed progress events), resumable
+(partial bytes kept across runs), pinned to a commit, and verified against the hub's hashes on request.
+
+May import m31ctl.plan and m31ctl.errors; never the runtime, doctor, render or cli packages.
+"""
+
+from __future__ import annotations
+
+from m31ctl.pull.model import (
+    Corrupt,
+    DownloadStalled,
+    Fallback,
+    FileDone,
+    OnEvent,
+    Progress,
+    PullEvent,
+    PullInterrupted,
+    PullResult,
+    Retry,
+    Started,
+)
+from m31ctl.pull.run import PullOptions, PullTarget, pull, pull_target
+
+__all__ = [
+    "Corrupt",
+    "DownloadStalled",
+    "Fallback",
+    "FileDone",
+    "OnEvent",
+    "Progress",
+    "PullEvent",
+    "PullInterrupted",
+    "PullOptions",
+    "PullResult",
+    "PullTarget",
+    "Retry",
+    "Started",
+    "pull",
+    "pull_target",
+]

@@ -1,0 +1,336 @@
+"""A stand-in Hugging Face Hub on 127.0.0.1, for tests that run the real `huggingface_hub` against it
+(through HF_ENDPOINT) without reaching the network.
+
+It serves one model repo made on the spot with the endpoints `huggingface_hub` calls for a download,
+and the headers it reads (huggingface_hub 2.x, file_download.py and hf_api.py):
+
+- `GET /api/models/{repo}[/revision/{rev}]?blobs=true`: the model info, `sha` (the commit) and
+  `siblings` with `rfilename`, `size`, `blobId` and, for LFS files, `lfs: {size, sha256, pointerSize}`;
+- `HEAD|GET /{repo}/resolve/{rev}/{file}`: a regular file answers 200 with `ETag` (its git blob id),
+  `X-Repo-Commit`, `Content-Length` and the bytes; an LFS file answers 302 with `Location` on another
+  origin (the "CDN", so the client stops there and does not forward its token, as with the real
+  hub's signed URLs), `X-Linked-Etag` (the sha256), `X-Linked-Size` and `X-Repo-Commit`;
+- `HEAD|GET {cdn}/blobs/{sha256}`: the LFS bytes, with `Range` (206 and `Content-Range`).
+
+Errors carry `X-Error-Code` (RepoNotFound, RevisionNotFound, EntryNotFound) as the hub's do, so
+`huggingface_hub` raises its typed errors. Knobs make failures on purpose: `rate` throttles every
+body (bytes/s), `stall_after[file] = n` hangs a response after n bytes of that file (the connection
+stays open and silent), for `stalls_left` responses. Every body byte sent is counted per file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git (and the hub's `blobId`, and a regular file's ETag) gives these bytes."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@dataclass
+class RepoFile:
+    data: bytes
+    lfs: bool
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    @property
+    def pointer(self) -> bytes:
+        """The git LFS pointer file an LFS file is stored as in git (its blobId is this one's)."""
+        return (
+            f"version https://git-lfs.github.com/spec/v1\noid sha256:{self.sha256}\nsize {len(self.data)}\n"
+        ).encode()
+
+    @property
+    def blob_id(self) -> str:
+        return git_blob_id(self.pointer if self.lfs else self.data)
+
+    @property
+    def etag(self) -> str:
+        """What huggingface_hub names the blob in its cache: the sha256 for LFS, the git id otherwise."""
+        return self.sha256 if self.lfs else self.blob_id
+
+
+@dataclass
+class Repo:
+    repo_id: str
+    files: dict[str, RepoFile]
+    branch: str = "main"
+
+    @property
+    def commit(self) -> str:
+        digest = hashlib.sha1()
+        for path in sorted(self.files):
+            digest.update(path.encode() + b"\0" + self.files[path].blob_id.encode())
+        return digest.hexdigest()
+
+    def size(self, prefix: str = "") -> int:
+        return sum(len(f.data) for p, f in self.files.items() if p.startswith(prefix))
+
+
+def _weights(seed: int, size: int) -> bytes:
+    """Deterministic bytes that do not compress (a corrupted byte anywhere changes the hash)."""
+    out = bytearray()
+    counter = 0
+    while len(out) < size:
+        out += hashlib.sha256(b"%d:%d" % (seed, counter)).digest()
+        counter += 1
+    return bytes(out[:size])
+
+
+def small_checkpoint(repo_id: str = "standin/tiny-m31", shard_bytes: int = 1 << 20) -> Repo:
+    """A checkpoint shaped like the real one: config, tokenizer, a safetensors index naming its
+    shards, the shards (LFS), and a dspark/ draft with its own index and shard."""
+    shards = {f"model-0000{i}-of-00003.safetensors": _weights(i, shard_bytes + 1000 * i) for i in (1, 2, 3)}
+    index = {
+        "metadata": {"total_size": sum(len(d) for d in shards.values())},
+        "weight_map": {f"layers.{i}.weight": name for i, name in enumerate(sorted(shards))},
+    }
+    draft = _weights(9, shard_bytes // 2)
+    draft_index = {
+        "metadata": {"total_size": len(draft)},
+        "weight_map": {"draft.weight": "model.safetensors"},
+    }
+    files = {
+        ".gitattributes": RepoFile(b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n", False),
+        "config.json": RepoFile(json.dumps({"architectures": ["MiniMaxM3ForCausalLM"]}).encode(), False),
+        "tokenizer.json": RepoFile(json.dumps({"model": {"vocab": {"a": 0}}}).encode() * 50, False),
+        "model.safetensors.index.json": RepoFile(json.dumps(index, indent=2).encode(), False),
+        **{name: RepoFile(data, True) for name, data in shards.items()},
+        "dspark/config.json": RepoFile(b'{"architectures": ["DSparkDraft"]}', False),
+        "dspark/model.safetensors.index.json": RepoFile(json.dumps(draft_index).encode(), False),
+        "dspark/model.safetensors": RepoFile(draft, True),
+    }
+    return Repo(repo_id, files)
+
+
+@dataclass
+class Knobs:
+    rate: float | None = None  # bytes per second for every body; None: as fast as it goes
+    stall_after: dict[str, int] = field(default_factory=dict)  # file -> bytes sent before hanging
+    stalls_left: int = 1_000_000  # how many responses may still hang
+    stall_hold_s: float = 30.0  # how long a hung response stays open at most
+
+
+class StandinHub:
+    """The stand-in hub: `endpoint` for HF_ENDPOINT, `cdn` for LFS bytes; `bytes_sent` per file and
+    `requests` (method, file, first byte asked) record what the client fetched."""
+
+    def __init__(self, repo: Repo) -> None:
+        self.repo = repo
+        self.knobs = Knobs()
+        self.bytes_sent: Counter[str] = Counter()
+        self.requests: list[tuple[str, str, int]] = []
+        self.authorization: list[tuple[str, str | None]] = []  # (server, Authorization header)
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._hub = self._serve("hub")
+        self._cdn = self._serve("cdn")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._hub.server_address[1]}"
+
+    @property
+    def cdn(self) -> str:
+        return f"http://127.0.0.1:{self._cdn.server_address[1]}"
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.bytes_sent.clear()
+            self.requests.clear()
+            self.authorization.clear()
+
+    def gets(self, path: str) -> list[int]:
+        """The first byte of every GET of `path` (0: from the start; more: a resumed range)."""
+        return [start for method, p, start in self.requests if method == "GET" and p == path]
+
+    def close(self) -> None:
+        self._closing.set()
+        for server in (self._hub, self._cdn):
+            server.shutdown()
+            server.server_close()
+
+    def _serve(self, role: str) -> ThreadingHTTPServer:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: object) -> None:  # quiet test output
+                pass
+
+            def do_HEAD(self) -> None:
+                hub._route(self, role, head=True)
+
+            def do_GET(self) -> None:
+                hub._route(self, role, head=False)
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, name=f"standin-{role}", daemon=True).start()
+        return server
+
+    # --- routing -----------------------------------------------------------------------------------
+    def _route(self, h: BaseHTTPRequestHandler, role: str, head: bool) -> None:
+        path = unquote(urlsplit(h.path).path)
+        with self._lock:
+            self.authorization.append((role, h.headers.get("Authorization")))
+        try:
+            if role == "cdn":
+                self._cdn_blob(h, path, head)
+            elif path.startswith("/api/models/"):
+                self._model_info(h, path[len("/api/models/") :])
+            elif "/resolve/" in path:
+                self._resolve(h, path, head)
+            else:
+                self._error(h, 404, "RepoNotFound")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client went away (a killed pull, a timeout): nothing to answer
+
+    def _model_info(self, h: BaseHTTPRequestHandler, rest: str) -> None:
+        repo_id, _, revision = rest.partition("/revision/")
+        if repo_id != self.repo.repo_id:
+            return self._error(h, 404, "RepoNotFound")
+        if revision and revision not in (self.repo.branch, self.repo.commit):
+            return self._error(h, 404, "RevisionNotFound")
+        siblings = []
+        for name, f in sorted(self.repo.files.items()):
+            entry: dict[str, object] = {"rfilename": name, "size": len(f.data), "blobId": f.blob_id}
+            if f.lfs:
+                entry["lfs"] = {"size": len(f.data), "sha256": f.sha256, "pointerSize": len(f.pointer)}
+            siblings.append(entry)
+        body = json.dumps({"id": self.repo.repo_id, "sha": self.repo.commit, "siblings": siblings}).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    def _resolve(self, h: BaseHTTPRequestHandler, path: str, head: bool) -> None:
+        repo_id, _, rest = path.lstrip("/").partition("/resolve/")
+        revision, _, name = rest.partition("/")
+        if repo_id != self.repo.repo_id:
+            return self._error(h, 404, "RepoNotFound")
+        if revision not in (self.repo.branch, self.repo.commit):
+            return self._error(h, 404, "RevisionNotFound")
+        f = self.repo.files.get(name)
+        if f is None:
+            return self._error(h, 404, "EntryNotFound")
+        common = {"X-Repo-Commit": self.repo.commit, "Accept-Ranges": "bytes"}
+        if f.lfs:
+            h.send_response(302)
+            for key, value in {
+                **common,
+                "Location": f"{self.cdn}/blobs/{f.sha256}?file={name}",
+                "ETag": f'"{f.blob_id}"',
+                "X-Linked-Etag": f'"{f.sha256}"',
+                "X-Linked-Size": str(len(f.data)),
+                "Content-Length": "0",
+            }.items():
+                h.send_header(key, value)
+            h.end_headers()
+            return None
+        self._body(h, name, f.data, head, {**common, "ETag": f'"{f.blob_id}"'})
+        return None
+
+    def _cdn_blob(self, h: BaseHTTPRequestHandler, path: str, head: bool) -> None:
+        sha = path.rsplit("/", 1)[-1]
+        found = [(n, f) for n, f in self.repo.files.items() if f.lfs and f.sha256 == sha]
+        if not found:
+            return self._error(h, 404, "EntryNotFound")
+        name, f = found[0]
+        self._body(h, name, f.data, head, {"ETag": f'"{sha}"', "Accept-Ranges": "bytes"})
+        return None
+
+    # --- bodies ------------------------------------------------------------------------------------
+    def _body(
+        self, h: BaseHTTPRequestHandler, name: str, data: bytes, head: bool, headers: dict[str, str]
+    ) -> None:
+        start = _range_start(h.headers.get("Range"))
+        with self._lock:
+            self.requests.append(("HEAD" if head else "GET", name, start))
+        if start >= len(data) and len(data) > 0:
+            h.send_response(416)
+            h.send_header("Content-Range", f"bytes */{len(data)}")
+            h.send_header("Content-Length", "0")
+            h.end_headers()
+            return
+        h.send_response(206 if start else 200)
+        for key, value in headers.items():
+            h.send_header(key, value)
+        if start:
+            h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        h.send_header("Content-Length", str(len(data) - start))
+        h.end_headers()
+        if not head:
+            self._send(h, name, data, start)
+
+    def _send(self, h: BaseHTTPRequestHandler, name: str, data: bytes, start: int) -> None:
+        chunk = 16 * 1024
+        stall_at = self._stall_point(name)
+        position = start
+        began = time.monotonic()
+        while position < len(data):
+            if stall_at is not None and position >= stall_at:
+                # Hang: the connection stays open and silent, as a stuck CDN or a dead route does.
+                self._closing.wait(self.knobs.stall_hold_s)
+                h.close_connection = True  # the body is short: this connection cannot serve another
+                return
+            end = min(len(data), position + chunk)
+            if stall_at is not None and position < stall_at:
+                end = min(end, stall_at)
+            h.wfile.write(data[position:end])
+            with self._lock:
+                self.bytes_sent[name] += end - position
+            position = end
+            if self.knobs.rate:
+                ahead = (position - start) / self.knobs.rate - (time.monotonic() - began)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+    def _stall_point(self, name: str) -> int | None:
+        with self._lock:
+            if name in self.knobs.stall_after and self.knobs.stalls_left > 0:
+                self.knobs.stalls_left -= 1
+                return self.knobs.stall_after[name]
+        return None
+
+    def _error(self, h: BaseHTTPRequestHandler, status: int, code: str) -> None:
+        body = json.dumps({"error": code}).encode()
+        h.send_response(status)
+        h.send_header("X-Error-Code", code)
+        h.send_header("X-Error-Message", code)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+
+def _range_start(header: str | None) -> int:
+    """The first byte of `Range: bytes=N-` (the only form huggingface_hub sends), else 0."""
+    if not header or not header.startswith("bytes="):
+        return 0
+    first = header[len("bytes=") :].split("-", 1)[0]
+    return int(first) if first.isdigit() else 0
+
+
+@contextmanager
+def standin_hub(repo: Repo | None = None) -> Iterator[StandinHub]:
+    hub = StandinHub(repo or small_checkpoint())
+    try:
+        yield hub
+    finally:
+        hub.close()
