@@ -2,9 +2,10 @@
 
 Secrets travel by reference (their names), but a value can still reach a message: a key with a
 line break quoted back by an HTTP library, a token pasted into the wrong setting and echoed by
-validation. Everything the CLI prints (errors, JSON) passes through `redact`, which replaces the
-values of the secret variables in the environment, and anything shaped like a Hugging Face
-token, with `***`.
+validation. Everything the CLI prints (errors, JSON, drift reports) passes through `redact`,
+which replaces with `***` the values of the secret variables in the environment, the value that
+follows a secret flag (`--api-key VALUE`, however vLLM would spell it) or a secret variable's
+name (`HF_TOKEN=VALUE`), and anything shaped like an access token or key.
 """
 
 from __future__ import annotations
@@ -33,8 +34,52 @@ def header_safe(name: str, value: str) -> str:
     return value
 
 
-# Hugging Face user access tokens: "hf_" and 34 letters (shorter runs are matched too).
-_TOKEN_SHAPES = re.compile(r"hf_[A-Za-z0-9]{16,}")
+# vLLM flags that carry a secret by value (settings refuse them; see `secret_flag`).
+SECRET_FLAGS = ("--api-key", "--hf-token")
+# vLLM's parser takes unambiguous prefixes of a flag; a stem shorter than this ("--a") names no
+# flag of vLLM's on its own, so it cannot set a secret.
+_MIN_STEM = 2
+
+
+def secret_flag(arg: str) -> str | None:
+    """The secret flag that the argument `arg` sets when vLLM parses it, or None. vLLM reads `_`
+    and `-` alike in flag names, takes `--flag=value`, and accepts any unambiguous prefix of a
+    flag: `--api_key`, `--hf_token=x` and `--api-k` all set a secret. Case is folded too, which
+    refuses spellings vLLM would reject anyway: safe, and one rule fewer to get wrong."""
+    if not arg.startswith("--"):
+        return None
+    stem = arg.split("=", 1)[0][2:].replace("_", "-").lower()
+    if len(stem) < _MIN_STEM:
+        return None
+    return next((flag for flag in SECRET_FLAGS if flag[2:].startswith(stem)), None)
+
+
+# Shapes of access tokens and keys, whatever field they were pasted into: Hugging Face ("hf_" and
+# 34 letters; shorter runs too), OpenAI-style "sk-" keys (what vLLM's --api-key examples use),
+# GitHub, Slack and AWS access keys, JSON Web Tokens, and PEM private keys.
+_TOKEN_SHAPES = re.compile(
+    r"hf_[A-Za-z0-9]{16,}"
+    r"|\bsk-[A-Za-z0-9_-]{16,}"
+    r"|\bgh[pousr]_[A-Za-z0-9]{20,}|\bgithub_pat_[A-Za-z0-9_]{20,}"
+    r"|\bxox[abprs]-[A-Za-z0-9-]{10,}"
+    r"|\bAKIA[0-9A-Z]{16}\b"
+    r"|\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"
+    r"|-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(?:-----END [A-Z ]*PRIVATE KEY-----|$)",
+    re.DOTALL,
+)
+# "Authorization: Bearer TOKEN" as an HTTP library may quote it: the scheme stays, the token goes.
+_BEARER = re.compile(r"(?i)(\bbearer\s+)[A-Za-z0-9._~+/-]{8,}=*")
+# A secret variable's value after its name: HF_TOKEN=VALUE, {"HF_TOKEN": "VALUE"}, 'HF_TOKEN': 'VALUE'.
+_SECRET_ASSIGNMENT = re.compile(
+    r"(?<![A-Za-z0-9_])(?P<head>(?:" + "|".join(SECRET_ENV) + r")(?:=|(?P<q>['\"])\s*:\s*(?P=q)?))"
+    r"(?P<value>'[^']*'|\"[^\"]*\"|[^\s'\",;}\])]+)"
+)
+# Any flag, and then what may follow it as its value: `=V`, ` V`, and the `', '` or `", "` between
+# two items of a quoted list (a repr or JSON of argv). A value is quoted whole or runs to a delimiter.
+_FLAG = re.compile(r"--[A-Za-z][\w-]*")
+_FLAG_VALUE = re.compile(
+    r"(?:=|[ \t]+|(?P<q>['\"])\s*,\s*(?P=q)|\s*,\s*)(?P<value>'[^']*'|\"[^\"]*\"|[^\s'\",\])}]+)"
+)
 _MIN_SECRET = 4  # shorter values would blank ordinary words
 MASK = "***"
 
@@ -56,15 +101,54 @@ def redact(text: str, environ: Mapping[str, str] | None = None) -> str:
     for value in secret_values(environ):
         text = text.replace(value, MASK)
         text = text.replace(repr(value)[1:-1], MASK)  # as quoted inside a repr() or bytes literal
-    return _TOKEN_SHAPES.sub(MASK, text)
+    text = _TOKEN_SHAPES.sub(MASK, text)
+    text = _BEARER.sub(lambda m: m.group(1) + MASK, text)
+    text = _SECRET_ASSIGNMENT.sub(lambda m: m.group("head") + MASK, text)
+    return _mask_flag_values(text)
+
+
+def _mask_flag_values(text: str) -> str:
+    """Mask the value that follows each secret flag, in any of vLLM's spellings."""
+    if "--" not in text:
+        return text
+    pieces: list[str] = []
+    done = 0
+    for flag in _FLAG.finditer(text):
+        if flag.start() < done or secret_flag(flag.group()) is None:
+            continue
+        found = _FLAG_VALUE.match(text, flag.end())
+        if found is None or found.group("value").startswith("--"):
+            continue  # no value, or the next flag: nothing of the secret's is here
+        pieces.append(text[done : found.start("value")] + MASK)
+        done = found.end("value")
+    return "".join(pieces) + text[done:] if pieces else text
+
+
+def _secret_key(key: object) -> bool:
+    """A mapping key whose value is a secret: a secret variable (also as the last part of a
+    dotted setting, `runtime.env.HF_TOKEN`) or a secret flag's name (`api_key`, `hf-token`)."""
+    if not isinstance(key, str):
+        return False
+    name = key.rsplit(".", 1)[-1]
+    return name.upper() in SECRET_ENV or "--" + name.replace("_", "-").lower() in SECRET_FLAGS
 
 
 def redact_data(data: object, environ: Mapping[str, str] | None = None) -> object:
-    """`redact` over every string of a JSON-able structure."""
+    """`redact` over every string of a JSON-able structure; besides, the string value of a secret
+    key (`{"HF_TOKEN": ...}`) and the item after a secret flag in a list (argv) are masked whole."""
     if isinstance(data, str):
         return redact(data, environ)
     if isinstance(data, dict):
-        return {k: redact_data(v, environ) for k, v in data.items()}
+        return {
+            k: MASK if _secret_key(k) and isinstance(v, str) and v else redact_data(v, environ)
+            for k, v in data.items()
+        }
     if isinstance(data, (list, tuple)):
-        return [redact_data(v, environ) for v in data]
+        out: list[object] = []
+        for index, item in enumerate(data):
+            previous = data[index - 1] if index else None
+            follows_flag = isinstance(previous, str) and "=" not in previous and secret_flag(previous)
+            secret = follows_flag and isinstance(item, str) and not item.startswith("--")
+            out.append(MASK if secret else redact_data(item, environ))
+        return out
     return data

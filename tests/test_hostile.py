@@ -386,3 +386,90 @@ def test_ipv6_loopback_port_check():
         s.listen()
         assert not port_free("::1", port)
     assert port_free("::1", port)
+
+
+# Secret flags: refused in every spelling vLLM accepts, and never echoed in the refusal.
+
+SECRET_VALUE = "plain-secret-value-77"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--api-key", SECRET_VALUE],
+        [f"--api-key={SECRET_VALUE}"],
+        ["--api_key", SECRET_VALUE],
+        [f"--hf_token={SECRET_VALUE}"],
+        ["--hf-token", SECRET_VALUE],
+        ["--api-k", SECRET_VALUE],
+        ["--enforce-eager", "--HF_TOKEN", SECRET_VALUE],
+    ],
+)
+def test_secret_flags_in_any_spelling_are_refused_without_echo(extra):
+    for as_json in ((), ("--json",)):
+        result = run_cli(
+            "plan", "--hardware", "b300x4", "--set", f"engine.extra_args={json.dumps(extra)}", *as_json
+        )
+        assert result.returncode == 2, (extra, result.stdout, result.stderr)
+        assert "would put a secret into argv" in result.stderr
+        assert SECRET_VALUE not in result.stderr + result.stdout and "***" in result.stderr, result.stderr
+
+
+def test_secret_flag_in_an_override_file_is_not_echoed(tmp_path):
+    site = tmp_path / "site.yaml"
+    site.write_text(f"engine:\n  extra_args: ['--api_key={SECRET_VALUE}']\n")
+    result = run_cli("plan", "--hardware", "b300x4", "-f", str(site), "--json")
+    assert result.returncode == 2 and SECRET_VALUE not in result.stderr + result.stdout, result.stderr
+    assert json.loads(result.stdout)["exit_code"] == 2
+
+
+def test_ordinary_flags_and_prefix_free_words_are_not_secret():
+    from m31ctl.redact import secret_flag
+
+    for arg in ("--api-server-count", "--hf-overrides", "--a", "--h", "-api-key", "api-key", "--apis"):
+        assert secret_flag(arg) is None, arg
+    result = run_cli("plan", "--hardware", "b300x4", "--set", 'engine.extra_args=["--api-server-count", "2"]')
+    assert "would put a secret" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "secret"),
+    [
+        ("argv ['--api-key', 'k3y-v4lue']", "k3y-v4lue"),
+        ('["--hf_token", "k3y-v4lue"]', "k3y-v4lue"),
+        ("vllm serve m --api-k=k3y-v4lue --port 8", "k3y-v4lue"),
+        ('{"VLLM_API_KEY": "k3y-v4lue"}', "k3y-v4lue"),
+        ("-e HF_TOKEN=k3y-v4lue", "k3y-v4lue"),
+        ("key sk-abcdefghijklmnopqrstuvwx", "sk-abcdefghijklmnopqrstuvwx"),
+        ("Authorization: Bearer k3y-v4lue-long", "k3y-v4lue-long"),
+        ("token ghp_abcdefghijklmnopqrstuvwxyz0123", "ghp_abcdefghijklmnopqrstuvwxyz0123"),
+    ],
+)
+def test_redactor_masks_values_after_secret_names_and_token_shapes(text, secret):
+    from m31ctl.redact import redact
+
+    assert secret not in redact(text, {}) and "***" in redact(text, {})
+
+
+def test_redactor_keeps_ordinary_text():
+    from m31ctl.redact import redact
+
+    for text in (
+        "runtime.api_key=true requires VLLM_API_KEY",
+        "image vllm/vllm-openai@sha256:" + "a" * 64,
+        "disk-check-aaaaaaaaaaaaaaaaaaaaaaaa",
+        "${VLLM_API_KEY:?set VLLM_API_KEY}",
+        "--api-key --port 8000",
+    ):
+        assert redact(text, {}) == text
+
+
+def test_redact_data_masks_secret_keys_and_argv_items():
+    from m31ctl.redact import redact_data
+
+    data = {
+        "old": {"HF_TOKEN": "k3y-v4lue", "runtime.env.VLLM_API_KEY": "k3y-v4lue", "api_key": True},
+        "argv": ["--api_key", "k3y-v4lue", "--port", "8"],
+    }
+    assert "k3y-v4lue" not in json.dumps(redact_data(data, {}))
+    assert redact_data(data, {})["argv"][2:] == ["--port", "8"]  # type: ignore[index]
