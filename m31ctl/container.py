@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-import math
-import os
 from typing import Any, NamedTuple
 
 from m31ctl import __version__
+from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment
 from m31ctl.engine.adapter import build_invocation
-from m31ctl.hardware import vendor_facts
 from m31ctl.plan import Plan
 
-CONTAINER_PORT = 8000
-HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface"
-# Secrets the container may read from its environment. Values never pass through m31ctl's
-# argv, logs or rendered files: only these names do.
-HF_TOKEN = "HF_TOKEN"
-API_KEY = "VLLM_API_KEY"
 LOG_MAX_SIZE = "100m"
 LOG_MAX_FILES = 5
-# docker stop waits this much beyond vLLM's own drain window before it kills.
-STOP_MARGIN_S = 30
 
 
 class Label:
@@ -101,32 +91,6 @@ def labels_for(plan: Plan) -> tuple[tuple[str, str], ...]:
     )
 
 
-def is_local_model(path: str) -> bool:
-    """A checkpoint directory rather than a Hugging Face repo id."""
-    return os.path.isabs(path) or path.startswith("~/")
-
-
-def _probed_gpu_ids(plan: Plan) -> tuple[str, ...]:
-    hw = plan.hardware
-    if hw.vendor != "nvidia" or hw.source.startswith("simulated"):
-        return ()
-    chosen = hw.gpus[: plan.gpus_needed]
-    ids = tuple(g.uuid for g in chosen if g.uuid)
-    return ids if len(ids) == plan.gpus_needed else ()
-
-
-def _probed_devices(plan: Plan, nodes: tuple[str, ...]) -> tuple[str, ...]:
-    """AMD: exactly the chosen GPUs' render nodes (with /dev/kfd) when the probe found them, so
-    the container gets the plan's GPUs as the NVIDIA path gets its UUIDs (ROCm's docs,
-    "restricting GPU access"); all of /dev/dri for a simulated host or an unknown node."""
-    hw = plan.hardware
-    chosen = hw.gpus[: plan.gpus_needed]
-    render = tuple(g.render_node for g in chosen if g.render_node)
-    if hw.vendor != "amd" or not chosen or len(render) != plan.gpus_needed:
-        return nodes
-    return tuple(n for n in nodes if n != "/dev/dri") + render
-
-
 def _host_render_gid() -> tuple[str, ...]:
     """The numeric GID of this host's `render` group: the image may not know the name."""
     import grp
@@ -137,56 +101,48 @@ def _host_render_gid() -> tuple[str, ...]:
         return ()
 
 
-def startup_budget_s(plan: Plan) -> int:
-    """Seconds from start to ready: the download at the plan's bandwidth plus load and compile
-    (a 250.1 GB checkpoint at 1 Gbit/s is 2,001 s; below about 560 Mbit/s it alone passes an hour)."""
-    runtime = plan.settings.runtime
-    if runtime.startup_timeout is not None:
-        return runtime.startup_timeout
-    download = plan.model.checkpoint_gb * 8000 / runtime.download_mbps
-    return math.ceil(download) + runtime.load_and_compile_s
-
-
-def container_spec(plan: Plan, expand_home: bool = True) -> ContainerSpec:
-    """The container a plan runs in, for launch (expand_home: paths of this host) and for the
-    render targets (paths stay as written, for the target host to resolve)."""
-    s = plan.settings
+def container_spec(deployment: Deployment, on_this_host: bool = True) -> ContainerSpec:
+    """The container a deployment runs in, for launch (on_this_host: groups of this host) and for
+    the render targets (started elsewhere: group names only)."""
+    d = deployment
+    s = d.plan.settings
     runtime = s.runtime
-    inv = build_invocation(plan)
-    vendor = vendor_facts(plan.hardware.vendor)
-    hf_cache = os.path.expanduser(runtime.hf_cache) if expand_home else runtime.hf_cache
-    mounts = [Mount(hf_cache, HF_CACHE_IN_CONTAINER)]
-    if is_local_model(s.model.path):
-        # A local checkpoint, at the same path inside: the argv names it. Rendered files mount it
-        # too (the path must exist on the target host).
-        source = os.path.expanduser(s.model.path) if expand_home else s.model.path
-        mounts.append(Mount(source, os.path.expanduser(s.model.path), read_only=True))
-    secrets = [HF_TOKEN] + ([API_KEY] if runtime.api_key else [])
+    inv = build_invocation(d)
+    vendor = d.vendor
+    mounts = [Mount(d.hf_cache, HF_CACHE_IN_CONTAINER)]
+    if d.model.host_path is not None:
+        # A local checkpoint, at the same absolute path inside: the argv names it.
+        mounts.append(Mount(d.model.host_path, d.model.host_path, read_only=True))
+    # AMD: exactly the chosen GPUs' render nodes (with /dev/kfd) when the probe found them, so
+    # the container gets the plan's GPUs as the NVIDIA path gets its UUIDs (ROCm's docs,
+    # "restricting GPU access"); all of /dev/dri otherwise.
+    devices = vendor.device_nodes
+    if devices and d.gpus.render_nodes:
+        devices = tuple(n for n in devices if n != "/dev/dri") + d.gpus.render_nodes
     return ContainerSpec(
-        name=runtime.container_name,
+        name=d.name,
         image=inv.image,
         args=inv.args,
         env=inv.env,
-        secret_env=tuple(secrets),
-        labels=labels_for(plan),
-        vendor=plan.hardware.vendor,
+        secret_env=d.secrets.names,
+        labels=labels_for(d.plan),
+        vendor=d.plan.hardware.vendor,
         device_request=vendor.device_request,
-        gpu_count=plan.gpus_needed,
-        gpu_device_ids=_probed_gpu_ids(plan),
-        devices=_probed_devices(plan, vendor.device_nodes),
-        # Launch (expand_home) runs here: this host's render GID; rendered files keep the names.
-        # GPUs by device node (AMD), started on this host (launch): add this host's render GID.
-        group_add=vendor.group_add + (_host_render_gid() if vendor.device_nodes and expand_home else ()),
+        gpu_count=d.layout.gpus_per_node,
+        gpu_device_ids=d.gpus.uuids,
+        devices=devices,
+        # GPUs by device node (AMD), started on this host: add this host's render GID.
+        group_add=vendor.group_add + (_host_render_gid() if vendor.device_nodes and on_this_host else ()),
         security_opt=("seccomp=unconfined",) if runtime.seccomp_unconfined else (),
         cap_add=vendor.cap_add,
         ipc_host=runtime.ipc_host,
         shm_size=None if runtime.ipc_host else runtime.shm_size,
         ulimits=tuple((name, value, value) for name, value in sorted(runtime.ulimits.items())),
         mounts=tuple(mounts),
-        bind=runtime.bind,
-        host_port=runtime.port,
-        container_port=CONTAINER_PORT,
+        bind=d.network.bind,
+        host_port=d.network.port,
+        container_port=d.network.container_port,
         restart="unless-stopped",
-        stop_timeout=s.serving.shutdown_timeout + STOP_MARGIN_S,
-        startup_timeout=startup_budget_s(plan),
+        stop_timeout=d.budgets.stop_s,
+        startup_timeout=d.budgets.startup_s,
     )

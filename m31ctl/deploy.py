@@ -9,38 +9,42 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from m31ctl.deployment import Deployment, require_fit
 from m31ctl.doctor import preflight
-from m31ctl.plan import Plan, require_fit
 from m31ctl.runtime import get_runtime
 from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult
 
 
-def launch(plan: Plan, runtime_name: str, options: LaunchOptions, deep: bool = True) -> LaunchResult:
+def launch(
+    deployment: Deployment, runtime_name: str, options: LaunchOptions, deep: bool = True
+) -> LaunchResult:
     """Check the host (GPUs, memory, model path, API key, and what the runtime needs, such as
     the Docker Engine, and with `deep` the engine's own torch and an all-reduce on the plan's GPUs,
     seconds before a download of hundreds of GB), then let the runtime converge on the plan.
     Nothing starts if a check fails."""
     runtime = get_runtime(runtime_name)
-    require_fit(plan)
-    checks = preflight(plan, runtime.preflight_checks, options.environ, deep=runtime_name if deep else None)
+    require_fit(deployment)
+    checks = preflight(
+        deployment, runtime.preflight_checks, options.environ, deep=runtime_name if deep else None
+    )
     for result in checks:
         if result.status == "warn":
             options.report(f"warning: {result.title}: {result.message}")
     if options.diagnostics is None:
-        options = dataclasses.replace(options, diagnostics=lambda: _diagnostics(plan))
-    return runtime.launch(plan, options)
+        options = dataclasses.replace(options, diagnostics=lambda: _diagnostics(deployment))
+    return runtime.launch(deployment, options)
 
 
-def _diagnostics(plan: Plan) -> dict[str, Any]:
+def _diagnostics(deployment: Deployment) -> dict[str, Any]:
     """For a stalled launch's triage bundle: the doctor's report and each GPU's memory now."""
     from m31ctl.doctor import diagnose_plan, report_json
 
-    found = diagnose_plan(plan)
+    found = diagnose_plan(deployment)
     return {
         "doctor": report_json(found.report),
         "gpus": [g.model_dump(mode="json") for g in found.probe_hardware.gpus],
     }
 
 
-def dry_run(plan: Plan, runtime_name: str) -> DryRun:
-    return get_runtime(runtime_name).dry_run(plan)
+def dry_run(deployment: Deployment, runtime_name: str) -> DryRun:
+    return get_runtime(runtime_name).dry_run(deployment)

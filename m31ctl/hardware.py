@@ -34,8 +34,8 @@ SERVED_ARCHS: dict[str, Family] = {
 
 
 class VendorFacts(NamedTuple):
-    """What every later stage needs to know about a GPU vendor: one row per vendor, so a new
-    vendor is one entry here rather than a branch in the probe, the container and each target."""
+    """What every later stage needs to know about a device vendor: one row per vendor, so a new
+    vendor is one entry here rather than a branch in the probe, the container, doctor and each target."""
 
     # Visibility variables, outermost first: the container runtime picks devices, then the
     # compute runtime numbers what it was given (NVML and amdsmi ignore them; the probe applies them).
@@ -51,6 +51,18 @@ class VendorFacts(NamedTuple):
     # Kubernetes: the node label that names the GPU product, published by NVIDIA's GPU feature
     # discovery (the product name, spaces as '-') or AMD's node labeller (-device-id: the PCI id).
     k8s_product_label: str | None = None
+    k8s_product_by_pci_id: bool = False
+    # The variable a user sets to pick devices (named in the probe's advice).
+    pick_var: str | None = None
+    # Whether the plan runs on GPUs at all (the CPU rehearsal and a GPU-less host do not).
+    gpus: bool = False
+    # The driver stack doctor checks: "cuda" (driver and CUDA floor, MIG) or "rocm".
+    driver_stack: str | None = None
+    # The collective the deep check runs (RCCL answers to "nccl" on ROCm), over how many ranks
+    # (None: the plan's tensor-parallel group on one node) and how many MiB.
+    collective_backend: str | None = None
+    collective_ranks: int | None = None
+    collective_mib: int = 256
 
 
 VENDORS: dict[str, VendorFacts] = {
@@ -62,6 +74,10 @@ VENDORS: dict[str, VendorFacts] = {
         cap_add=(),
         k8s_resource="nvidia.com/gpu",
         k8s_product_label="nvidia.com/gpu.product",
+        pick_var="CUDA_VISIBLE_DEVICES",
+        gpus=True,
+        driver_stack="cuda",
+        collective_backend="nccl",
     ),
     "amd": VendorFacts(
         visibility_vars=("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
@@ -74,18 +90,25 @@ VENDORS: dict[str, VendorFacts] = {
         cap_add=("SYS_PTRACE",),
         k8s_resource="amd.com/gpu",
         k8s_product_label="amd.com/gpu.device-id",
+        k8s_product_by_pci_id=True,
+        pick_var="ROCR_VISIBLE_DEVICES",
+        gpus=True,
+        driver_stack="rocm",
+        collective_backend="nccl",
+    ),
+    # The CPU rehearsal: vLLM's CPU backend, two gloo ranks for the deep check.
+    "cpu": VendorFacts(
+        (), False, (), (), (), None, collective_backend="gloo", collective_ranks=2, collective_mib=16
     ),
 }
+# A host without GPUs (the probe's answer on a laptop): no facts at all.
 NO_VENDOR = VendorFacts((), False, (), (), (), None)
 
 
 def vendor_facts(vendor: str) -> VendorFacts:
-    """The row for `vendor`; the CPU rehearsal and a GPU-less host have none of these facts."""
+    """The row for `vendor`; a GPU-less host has none of these facts."""
     return VENDORS.get(vendor, NO_VENDOR)
 
-
-# The CPU rehearsal's "family" (never probed: chosen with --hardware cpu).
-CPU_FAMILY = Family("cpu", "cpu", "CPU rehearsal")
 
 # Real hardware that no recipe serves: named so the refusal says what was found.
 KNOWN_UNSERVED: dict[str, str] = {
@@ -158,7 +181,8 @@ class GPU(BaseModel):
 
 
 class Hardware(BaseModel):
-    """What the accelerators of a host are: the probe's answer, or a simulated host."""
+    """What the accelerators of one host are: the probe's answer, or a simulated host. `count` is
+    that host's GPUs; a layout over several such hosts says so itself (parallelism.nodes)."""
 
     model_config = ConfigDict(frozen=True, defer_build=True)
     vendor: str  # nvidia | amd | none
@@ -175,7 +199,9 @@ class Hardware(BaseModel):
     xgmi: bool | None = None
     fabric: Fabric | None = None
     gpus: tuple[GPU, ...] = ()
-    source: str  # "nvml", "nvidia-smi", "amdsmi", "kfd-sysfs", "simulated"
+    source: str  # for people: "nvml", "nvidia-smi", "amdsmi", "kfd-sysfs", "simulated (b300x4)"
+    # A host described by --hardware rather than probed: nothing on this machine stands behind it.
+    simulated: bool = False
     notes: tuple[str, ...] = ()
 
     @property
@@ -185,10 +211,11 @@ class Hardware(BaseModel):
 
 def k8s_product_selector(hw: Hardware) -> dict[str, str]:
     """The node label and value that pin pods to nodes with this GPU product ({} when unknown)."""
-    label = vendor_facts(hw.vendor).k8s_product_label
+    facts = vendor_facts(hw.vendor)
+    label = facts.k8s_product_label
     if label is None or not hw.product:
         return {}
-    if hw.vendor == "nvidia":
+    if not facts.k8s_product_by_pci_id:
         return {label: hw.product.replace(" ", "-")}
     known = next((p.pci_device_id for p in PRODUCTS.values() if p.name == hw.product), None)
     device = known or next((g.pci_device_id for g in hw.gpus if g.pci_device_id), None)
@@ -234,7 +261,7 @@ def cpu_host() -> Hardware:
         product=f"CPU ({os.cpu_count()} cores)",
         count=1,
         memory_per_gpu_bytes=memory,
-        source="simulated (cpu)",
+        source="this host's CPU",
         notes=("CPU rehearsal: vLLM's CPU backend, not MiniMax-M3.1-Flash",),
     )
 
@@ -291,5 +318,6 @@ def simulated(spec: str) -> Hardware:
         mig_enabled=False,
         gpus=gpus,
         source=f"simulated ({spec.lower()})",
+        simulated=True,
         notes=(f"memory per GPU: {product.memory_source}",),
     )

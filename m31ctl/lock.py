@@ -25,7 +25,6 @@ from m31ctl.resources import recipes_dir
 from m31ctl.runtime.images import ImageFacts
 
 LOCK_VERSION = 1
-DEFAULT_FILE = "m31ctl.lock"
 
 
 class _Strict(BaseModel):
@@ -193,7 +192,7 @@ def drift(locked: LockFile, current: LockFile, plan: Plan) -> list[Drift]:
                     f"hardware {key}",
                     old,
                     new,
-                    "--hardware" if plan.hardware.source.startswith("simulated") else "probe",
+                    "--hardware" if plan.hardware.simulated else "probe",
                 )
             )
     return found

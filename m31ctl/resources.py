@@ -7,6 +7,9 @@ import os
 from functools import cache
 from pathlib import Path
 
+# The lock file `m31ctl lock` writes and `--locked` reads when no name is given.
+LOCK_FILE = "m31ctl.lock"
+
 _PKG = Path(__file__).resolve().parent
 
 

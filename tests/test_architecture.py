@@ -83,6 +83,7 @@ def test_only_the_engine_adaptor_imports_the_docker_sdk():
 FORBIDDEN = {
     "m31ctl.probe": (
         "m31ctl.plan",
+        "m31ctl.deployment",
         "m31ctl.capacity",
         "m31ctl.engine",
         "m31ctl.render",
@@ -91,6 +92,17 @@ FORBIDDEN = {
         "m31ctl.cli",
     ),
     "m31ctl.plan": (
+        "m31ctl.deployment",
+        "m31ctl.capacity",
+        "m31ctl.engine",
+        "m31ctl.render",
+        "m31ctl.runtime",
+        "m31ctl.doctor",
+        "m31ctl.cli",
+        "m31ctl.probe",
+    ),
+    # The Deployment is derived from the plan and read by everything that acts on it.
+    "m31ctl.deployment": (
         "m31ctl.capacity",
         "m31ctl.engine",
         "m31ctl.render",
@@ -117,3 +129,24 @@ def test_data_flows_one_way(stage):
         if any(target == f or target.startswith(f + ".") for f in FORBIDDEN[stage])
     ]
     assert bad == []
+
+
+# Facts the Deployment derives once (m31ctl/deployment.py): a consumer that spells one of these
+# again is recomputing it. Each pattern names where it may appear.
+DERIVED_ONCE = {
+    "os.path.expanduser(": {"m31ctl.deployment", "m31ctl.resources"},
+    'startswith("simulated': set(),
+    "checkpoint_gb * 8000": set(),
+    "STOP_MARGIN_S": {"m31ctl.deployment"},
+    '"VLLM_API_KEY"': {"m31ctl.redact"},
+    'vendor == "': {"m31ctl.hardware"},
+    'vendor != "': {"m31ctl.hardware"},
+}
+
+
+@pytest.mark.parametrize("pattern", sorted(DERIVED_ONCE))
+def test_derived_facts_are_not_recomputed(pattern):
+    found = {name for name, path in MODULES.items() if pattern in path.read_text()}
+    assert found <= DERIVED_ONCE[pattern], (
+        f"{pattern!r} spelled again in {sorted(found - DERIVED_ONCE[pattern])}"
+    )

@@ -9,6 +9,7 @@ import pytest
 
 from m31ctl.capacity.fit import memory_inputs, plan_fit
 from m31ctl.capacity.model import Layout, parse_context, resident_sequences, token_bytes
+from m31ctl.deployment import derive
 from m31ctl.errors import InputError
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
@@ -24,9 +25,9 @@ def plan_for(hw: str, **kw):  # type: ignore[no-untyped-def]
 
 def test_published_figures_on_4x_b300_dep4():
     plan = plan_for("b300x4", profile="throughput")
-    fit = plan_fit(plan, CTX_256K)
+    fit = plan_fit(derive(plan), CTX_256K)
     assert fit.sequences_published_basis == 76
-    m3 = resident_sequences(memory_inputs(plan, get_model("minimax-m3-mxfp8"), "fp8"), DEP4, CTX_256K)
+    m3 = resident_sequences(memory_inputs(derive(plan), get_model("minimax-m3-mxfp8"), "fp8"), DEP4, CTX_256K)
     assert m3.sequences_published_basis == 28
     # What the engine holds is at or below the published basis: the indexer cache comes on top.
     assert fit.sequences <= 76 and m3.sequences <= 28
@@ -38,14 +39,14 @@ def test_published_figures_on_4x_b300_dep4():
 @pytest.mark.parametrize("reserve", [8, 10, 14])
 def test_published_figures_hold_across_the_documented_reserve_band(reserve):
     plan = plan_for("b300x4", profile="throughput", sets=(f"capacity.runtime_reserve_gib={reserve}",))
-    assert plan_fit(plan, CTX_256K).sequences_published_basis == 76
-    m3 = memory_inputs(plan, get_model("minimax-m3-mxfp8"), "fp8")
+    assert plan_fit(derive(plan), CTX_256K).sequences_published_basis == 76
+    m3 = memory_inputs(derive(plan), get_model("minimax-m3-mxfp8"), "fp8")
     assert resident_sequences(m3, DEP4, CTX_256K).sequences_published_basis == 28
 
 
 def test_sensitivity_band_brackets_the_answer():
     plan = plan_for("b300x4", profile="throughput")
-    fit = plan_fit(plan, CTX_256K)
+    fit = plan_fit(derive(plan), CTX_256K)
     band = fit.sensitivity_published_basis.utilization
     assert band.low < 0.92 < band.high  # the recipe's 0.92
     for util, expected in [
@@ -55,20 +56,20 @@ def test_sensitivity_band_brackets_the_answer():
         (band.high + 1e-3, 80),
     ]:
         moved = plan_for("b300x4", profile="throughput", sets=(f"serving.gpu_memory_utilization={util}",))
-        assert plan_fit(moved, CTX_256K).sequences_published_basis == expected, util
+        assert plan_fit(derive(moved), CTX_256K).sequences_published_basis == expected, util
     engine = fit.sensitivity
     for reserve, expected in [
         (engine.reserve_gib.low + 0.01, fit.sequences),
         (engine.reserve_gib.high + 0.01, engine.reserve_gib.above),
     ]:
         moved = plan_for("b300x4", profile="throughput", sets=(f"capacity.runtime_reserve_gib={reserve}",))
-        assert plan_fit(moved, CTX_256K).sequences == expected, reserve
+        assert plan_fit(derive(moved), CTX_256K).sequences == expected, reserve
 
 
 def test_tp8_replicates_kv_heads_on_hopper():
     """4 KV heads over 8 ranks: vLLM keeps max(1, 4 // 8) = 1 head per rank, so every head lives
     on two ranks; the indexer's single key vector lives on all eight."""
-    fit = plan_fit(plan_for("h200x8"), CTX_256K)
+    fit = plan_fit(derive(plan_for("h200x8")), CTX_256K)
     assert fit.layout == "TP8"
     assert fit.kv_bytes_per_token.main_attention == 60 * 2 * 1 * 128 * 1  # FP8, one head a rank
     assert fit.kv_bytes_per_token.indexer == 57 * 128 * 1
@@ -76,15 +77,15 @@ def test_tp8_replicates_kv_heads_on_hopper():
 
 
 def test_aiter_requantization_weighs_more():
-    quick = plan_fit(plan_for("mi355xx8"), CTX_256K)
-    aiter = plan_fit(plan_for("mi355xx8", variant="aiter"), CTX_256K)
+    quick = plan_fit(derive(plan_for("mi355xx8")), CTX_256K)
+    aiter = plan_fit(derive(plan_for("mi355xx8", variant="aiter")), CTX_256K)
     assert aiter.weights_per_gpu_bytes >= 1.3 * quick.weights_per_gpu_bytes
     assert aiter.sequences < quick.sequences
 
 
 def test_decode_context_parallelism_splits_only_replicated_caches():
     plan = plan_for("b300x4", profile="long-context")
-    inputs = memory_inputs(plan)
+    inputs = memory_inputs(derive(plan))
     tp4 = token_bytes(inputs, Layout(tensor=4))
     dcp4 = token_bytes(inputs, Layout(tensor=4, decode_context=4))
     assert dcp4.main_attention == tp4.main_attention  # one distinct head a rank: nothing to split
@@ -125,7 +126,7 @@ def test_local_model_is_sized_from_its_config(tmp_path):
         )
     )
     plan = plan_for("cpu", sets=(f"model.path={tmp_path}",))
-    fit = plan_fit(plan, 2048)
+    fit = plan_fit(derive(plan), 2048)
     assert fit.kv_bytes_per_token.main_attention == 3 * 2 * 2 * 64 * 2
     # VLLM_CPU_KVCACHE_SPACE=1 (the rehearsal recipe): 1 GiB / 1,536 bytes, in 128-token blocks.
     assert fit.kv_cache_tokens == (2**30 // (128 * 1536)) * 128
@@ -136,38 +137,39 @@ def test_rehearsal_prediction_matches_what_vllm_printed():
     """vLLM 0.32's CPU build printed "CPU KV cache size: 524,288 tokens, Maximum concurrency for
     2,048 tokens per request: 256.00x" for the rehearsal model with 1 GiB (vllm-engine-facts.md);
     tests/test_rehearsal.py checks the same against a live engine."""
-    fit = plan_fit(plan_for("cpu"))
+    fit = plan_fit(derive(plan_for("cpu")))
     assert (fit.kv_cache_tokens, fit.sequences, fit.context) == (524288, 256, 2048)
 
 
 def test_bad_cpu_kv_space_is_refused():
     plan = plan_for("cpu", sets=("runtime.env.VLLM_CPU_KVCACHE_SPACE=lots",))
     with pytest.raises(InputError, match="VLLM_CPU_KVCACHE_SPACE"):
-        plan_fit(plan)
+        plan_fit(derive(plan))
 
 
 def test_more_memory_never_fits_fewer():
     last = -1
     for hw in ["h100x8", "h200x8"]:
-        seqs = plan_fit(plan_for(hw), CTX_256K).sequences
+        seqs = plan_fit(derive(plan_for(hw)), CTX_256K).sequences
         assert seqs >= last
         last = seqs
     assert (
-        plan_fit(plan_for("b300x4"), CTX_256K).sequences >= plan_fit(plan_for("b200x4"), CTX_256K).sequences
+        plan_fit(derive(plan_for("b300x4")), CTX_256K).sequences
+        >= plan_fit(derive(plan_for("b200x4")), CTX_256K).sequences
     )
 
 
 def test_monotonic_in_context_and_utilization():
     plan = plan_for("b300x4")
-    counts = [plan_fit(plan, c).sequences for c in (32768, 65536, 131072, 262144, 524288, 1048576)]
+    counts = [plan_fit(derive(plan), c).sequences for c in (32768, 65536, 131072, 262144, 524288, 1048576)]
     assert counts == sorted(counts, reverse=True)
     low = plan_for("b300x4", sets=("serving.gpu_memory_utilization=0.8",))
-    assert plan_fit(low, CTX_256K).sequences <= plan_fit(plan, CTX_256K).sequences
+    assert plan_fit(derive(low), CTX_256K).sequences <= plan_fit(derive(plan), CTX_256K).sequences
 
 
 def test_impossible_layout_does_not_fit():
     plan = plan_for("h100x8", recipe="blackwell", sets=("parallelism.tensor=1",))
-    fit = plan_fit(plan, CTX_256K)
+    fit = plan_fit(derive(plan), CTX_256K)
     assert not fit.fits and fit.sequences == 0
 
 
@@ -183,11 +185,11 @@ def test_longest_context_inverts_resident_sequences():
     from m31ctl.capacity.fit import plan_longest_context
 
     plan = plan_for("b300x4", profile="throughput")
-    held = plan_fit(plan, CTX_256K).sequences
-    longest = plan_longest_context(plan, held)
+    held = plan_fit(derive(plan), CTX_256K).sequences
+    longest = plan_longest_context(derive(plan), held)
     assert longest >= CTX_256K
-    assert plan_fit(plan, longest).sequences >= held
-    assert plan_fit(plan, longest + 128).sequences < held
+    assert plan_fit(derive(plan), longest).sequences >= held
+    assert plan_fit(derive(plan), longest + 128).sequences < held
 
 
 def test_comparison_respects_recipe_rules_and_lists_m3():
@@ -195,7 +197,7 @@ def test_comparison_respects_recipe_rules_and_lists_m3():
     from m31ctl.capacity.fit import profile_layouts as _layouts
 
     hopper = plan_for("h200x8")
-    rows = comparison(hopper, CTX_256K, _layouts(hopper))
+    rows = comparison(derive(hopper), CTX_256K, _layouts(derive(hopper)))
     assert {r.kv_dtype for r in rows} == {"fp8"}  # the Hopper recipe forbids an NVFP4 cache
     assert {r.model for r in rows} == {"MiniMax-M3.1-Flash", "MiniMax-M3 (MXFP8)"}
 
@@ -255,7 +257,7 @@ def test_plot_draws_only_what_the_recipe_allows(tmp_path):
 
     plt.close = capture
     try:
-        draw(plan, profile_layouts(plan), tmp_path / "h200.png")
+        draw(derive(plan), profile_layouts(derive(plan)), tmp_path / "h200.png")
     finally:
         plt.close = original
     assert labels and all("fp8 KV" in label for label in labels)

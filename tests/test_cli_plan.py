@@ -12,6 +12,7 @@ import pytest
 
 from m31ctl.cli.options import PlanOptions
 from m31ctl.cli.views import plan_json
+from m31ctl.deployment import derive
 from m31ctl.errors import InputError
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
@@ -29,7 +30,7 @@ def test_golden_plan(recipe, variant, profile):
         hardware=simulated(HOST_FOR[recipe]), recipe=recipe, variant=variant, profile=profile
     )
     try:
-        data = plan_json(resolve(request), None)
+        data = plan_json(derive(resolve(request)), None)
         # The host is not part of the recipe's answer (the CPU host differs per machine).
         golden_data = {k: v for k, v in data.items() if k not in ("hardware", "capacity", "warnings")}
     except InputError as exc:
@@ -346,5 +347,5 @@ def test_plan_group_is_one_parameter_and_six_options():
            file=[Path("a.yaml")], set_=None, json=True)  # fmt: skip
     options = PlanOptions("b300x4", None, None, "latency", (Path("a.yaml"),), ())
     assert seen == [("k8s", options, True)] and options.given
-    assert not PlanOptions(None, None, None, "latency", (), ()).given
+    assert not PlanOptions(None, None, None, None, (), ()).given
     assert plan_group(plan_json) is plan_json  # no group: registered as it is

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from m31ctl.deployment import derive
 from m31ctl.doctor import diagnose
 from m31ctl.doctor.base import Check, Context, Outcome, run_checks
 from m31ctl.doctor.checks import all_checks
@@ -170,7 +171,7 @@ def test_a_raising_check_fails_alone_and_a_hanging_one_times_out():
         time.sleep(0.4)
         return Outcome("ok", "fine")
 
-    ctx = Context(plan=None, plan_error=None, probe=ProbeReport(NO_GPU, ()), env={})
+    ctx = Context(deployment=None, plan_error=None, probe=ProbeReport(NO_GPU, ()), env={})
     checks = [Check("boom", "Boom", boom), Check("hang", "Hang", hang, timeout_s=0.5)] + [
         Check(f"slow{i}", "Slow", slow_ok) for i in range(4)
     ]
@@ -304,7 +305,7 @@ def _deep_context(capture: dict, exit_code: int | None = 0):  # type: ignore[no-
 
     probe = h200_probe()
     plan = resolve(PlanRequest(hardware=probe.hardware, sets=TWO_GPU_PLAN))
-    ctx = Context(plan=plan, plan_error=None, probe=probe, env={}, deep="native")
+    ctx = Context(deployment=derive(plan), plan_error=None, probe=probe, env={}, deep="native")
     ctx.once("deep", lambda: {"exit_code": exit_code, "stderr": capture.pop("stderr", ""), **capture})
     return ctx
 

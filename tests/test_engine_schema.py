@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from m31ctl.deployment import derive
 from m31ctl.engine.adapter import EngineInvocation, build_invocation
 from m31ctl.engine.validate import schema_for, validate
 from m31ctl.hardware import simulated
@@ -47,7 +48,7 @@ def test_every_builtin_plan_validates_clean(recipe, variant, profile):
     plan = resolve(
         PlanRequest(hardware=simulated(HOST_FOR[recipe]), recipe=recipe, variant=variant, profile=profile)
     )
-    inv = build_invocation(plan)
+    inv = build_invocation(derive(plan))
     assert validate(inv, schema_for(inv.image, plan.settings.engine.schema_version)) == []
 
 

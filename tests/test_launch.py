@@ -328,7 +328,9 @@ def test_amd_group_add_works_where_the_image_lacks_a_render_group(images, docker
         docker_client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True)
         with pytest.raises(APIError, match="render"):
             docker_client.containers.run(tag, entrypoint=["/bin/true"], group_add=["render"], remove=True)
-        spec = container_spec(resolve(PlanRequest(hardware=simulated("mi355xx8"))))
+        from m31ctl.deployment import derive
+
+        spec = container_spec(derive(resolve(PlanRequest(hardware=simulated("mi355xx8")))))
         render_gid = subprocess.run(
             ["getent", "group", "render"], capture_output=True, text=True
         ).stdout.split(":")[2]

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from m31ctl.deployment import derive, require_fit
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.errors import HostPreconditionError, InputError, RuleViolation, UnsupportedHardware
 from m31ctl.hardware import simulated
-from m31ctl.plan import PlanRequest, require_fit, resolve
+from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.recipes import builtin_recipes, select_recipe
 from tests.conftest import ROOT
 
@@ -26,7 +27,7 @@ def flag(args: tuple[str, ...], name: str) -> str:
 def test_blackwell_quickstart_values():
     plan = plan_for("b300x4")
     assert plan.recipe.recipe == "blackwell" and plan.variant == "quickstart" and plan.profile == "latency"
-    args = build_invocation(plan).args
+    args = build_invocation(derive(plan)).args
     assert args[0] == "MiniMaxAI/MiniMax-M3.1-Flash"
     assert flag(args, "--tensor-parallel-size") == "4"
     assert flag(args, "--block-size") == "128"
@@ -39,7 +40,7 @@ def test_blackwell_quickstart_values():
         "draft_sample_method": "probabilistic",
     }
     assert "model" not in json.loads(flag(args, "--speculative-config"))  # draft ships in dspark/
-    assert build_invocation(plan).image == "vllm/vllm-openai:minimax-m31-flash"
+    assert build_invocation(derive(plan)).image == "vllm/vllm-openai:minimax-m31-flash"
 
 
 @pytest.mark.parametrize("hw", ["b200x4", "gb200x4", "b300x8", "gb300x4"])
@@ -55,7 +56,7 @@ def test_rubin_is_its_own_preview_recipe():
 
 def test_hopper_recipe():
     plan = plan_for("h200x8")
-    inv = build_invocation(plan)
+    inv = build_invocation(derive(plan))
     assert plan.recipe.recipe == "hopper"
     assert flag(inv.args, "--tensor-parallel-size") == "8"
     assert flag(inv.args, "--kv-cache-dtype") == "fp8"
@@ -66,7 +67,7 @@ def test_hopper_recipe():
 
 
 def test_mi355x_quickstart_and_aiter():
-    quick = build_invocation(plan_for("mi355xx8"))
+    quick = build_invocation(derive(plan_for("mi355xx8")))
     assert quick.image == "vllm/vllm-openai-rocm:minimax-m31-flash"
     assert json.loads(flag(quick.args, "--speculative-config")) == {
         "method": "dspark",
@@ -76,7 +77,7 @@ def test_mi355x_quickstart_and_aiter():
     assert flag(quick.args, "--kv-cache-dtype") == "nvfp4"
     assert quick.env == ()
     aiter_plan = plan_for("mi355xx8", variant="aiter")
-    aiter = build_invocation(aiter_plan)
+    aiter = build_invocation(derive(aiter_plan))
     assert flag(aiter.args, "--moe-backend") == "aiter"
     assert aiter.env_dict == {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1"}
     assert aiter_plan.settings.moe.expert_requantization == "mxfp8"
@@ -85,11 +86,11 @@ def test_mi355x_quickstart_and_aiter():
 
 
 def test_profiles():
-    dep = build_invocation(plan_for("b300x4", profile="throughput")).args
+    dep = build_invocation(derive(plan_for("b300x4", profile="throughput"))).args
     assert flag(dep, "--tensor-parallel-size") == "1"
     assert flag(dep, "--data-parallel-size") == "4"
     assert "--enable-expert-parallel" in dep
-    long = build_invocation(plan_for("mi355xx4", profile="long-context")).args
+    long = build_invocation(derive(plan_for("mi355xx4", profile="long-context"))).args
     assert flag(long, "--decode-context-parallel-size") == "4"
     assert flag(long, "--max-model-len") == "1048576"
 
@@ -158,7 +159,7 @@ def test_set_json_values_and_hostile_strings():
         "b300x4",
         sets=('engine.extra_args=["--foo", "a b; $(rm -rf /)"]', "model.served_name=x'; echo pwned"),
     )
-    inv = build_invocation(plan)
+    inv = build_invocation(derive(plan))
     assert inv.args[-2:] == ("--foo", "a b; $(rm -rf /)")
     assert flag(inv.args, "--served-model-name") == "x'; echo pwned"
 
@@ -191,7 +192,7 @@ def test_unsupported_hardware_is_refused_with_what_was_found():
 def test_fit_requires_enough_gpus():
     plan = plan_for("h200x2")  # the selected recipe needs 8
     with pytest.raises(HostPreconditionError, match="needs 8 GPUs"):
-        require_fit(plan)
+        require_fit(derive(plan))
 
 
 def test_hash_is_stable_and_changes_with_settings():
@@ -223,7 +224,7 @@ def _gpu_plans():
 def test_every_gpu_plan_carries_128_token_blocks_and_the_amd_backend():
     seen = 0
     for host, plan in _gpu_plans():
-        args = list(build_invocation(plan).args)
+        args = list(build_invocation(derive(plan)).args)
         assert args[args.index("--block-size") + 1] == "128", host
         if plan.hardware.vendor == "amd":
             assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN", host

@@ -253,12 +253,14 @@ DEVICE = GPU_FIXTURES / "device-h200x2"
 
 
 def _as_recorded(actual: dict, recorded: dict) -> dict:  # type: ignore[type-arg]
-    """`actual` without the GPU fields added since the capture was recorded, where they are None
-    (a field the probe did not fill then and cannot fill now, e.g. AMD's render_node)."""
+    """`actual` without the fields added since the capture was recorded, where they hold their
+    default (a field the probe did not fill then and cannot fill now, e.g. AMD's render_node, or
+    `simulated`, False for every probed host)."""
     gpus = []
     for gpu, old in zip(actual.get("gpus", []), recorded.get("gpus", []), strict=False):
         gpus.append({k: v for k, v in gpu.items() if k in old or v is not None})
-    return {**actual, "gpus": gpus}
+    top = {k: v for k, v in actual.items() if k in recorded or v not in (None, False)}
+    return {**top, "gpus": gpus}
 
 
 def test_replay_of_device_capture_matches_what_the_real_probe_printed():

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from m31ctl.container import container_spec
+from m31ctl.deployment import derive
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.render import Artifact, get_target
@@ -23,7 +24,7 @@ from m31ctl.render.targets import TARGETS
 
 def render(plan, target: str) -> list[Artifact]:  # type: ignore[no-untyped-def]
     """Through the registry, as `m31ctl render` does (single-host refusal included)."""
-    return get_target(target)(plan)
+    return get_target(target)(derive(plan))
 
 
 REFERENCE = Path(__file__).parent / "reference_files" / "render"
@@ -109,7 +110,7 @@ def test_script_passes_exactly_the_planned_argv(hw, tmp_path):
     plan = plan_for(hw, sets=(f"model.served_name={HOSTILE}",))
     (artifact,) = render(plan, "script")
     got = run_with_stub(artifact.content, tmp_path, {"M31CTL_ENV_FILE": str(tmp_path / "absent.env")})
-    spec = container_spec(plan, expand_home=False)
+    spec = container_spec(derive(plan))
 
     expected = docker_run_argv(spec._replace(secret_env=()), "detached")
     expected = [
@@ -335,7 +336,7 @@ LWS_ENV = {"LWS_LEADER_ADDRESS": "leader.lws.svc", "LWS_GROUP_SIZE": "2"}
 def test_tp8_on_4_gpu_nodes_is_tp4_within_and_pp2_across(tmp_path):
     """Hopper's TP8 on nodes of four: tensor parallelism within a node, pipeline parallelism
     across (vLLM's multi-node guide; the LWS example for vLLM), one engine over Ray."""
-    plan = plan_for("h100x4", sets=(f"model.served_name={HOSTILE}",))
+    plan = plan_for("h100x4", sets=(f"model.served_name={HOSTILE}", "parallelism.nodes=2"))
     assert (plan.settings.parallelism.tensor, plan.settings.parallelism.pipeline) == (4, 2)
     assert "TP4 within a node, PP2 across nodes" in str(plan.provenance["parallelism.pipeline"])
     (artifact,) = render(plan, "k8s")
@@ -371,7 +372,7 @@ def test_dep_over_two_nodes_renders_vllm_multi_node_data_parallelism(tmp_path):
     """DEP8 on two 4-GPU nodes: every pod runs `vllm serve` with four local ranks; the leader
     serves the API, the worker runs headless from rank 4 (vLLM's data-parallel deployment);
     without --data-parallel-size-local vLLM would start all eight ranks on the leader."""
-    plan = plan_for("h100x4", profile="throughput", sets=(f"model.served_name={HOSTILE}",
+    plan = plan_for("h100x4", profile="throughput", sets=(f"model.served_name={HOSTILE}", "parallelism.nodes=2",
                     "kubernetes.network_resources={\"rdma/ib\": 1}",
                     "kubernetes.network_env={\"NCCL_IB_HCA\": \"mlx5\"}"))  # fmt: skip
     (artifact,) = render(plan, "k8s")
@@ -405,7 +406,7 @@ def test_single_host_targets_refuse_a_multi_node_layout(target):
     from m31ctl.errors import InputError
 
     with pytest.raises(InputError, match="--target k8s"):
-        render(plan_for("h100x4"), target)
+        render(plan_for("h100x4", sets=("parallelism.nodes=2",)), target)
 
 
 def test_probed_host_pins_its_visible_gpus_by_uuid(tmp_path):
@@ -420,7 +421,7 @@ def test_probed_host_pins_its_visible_gpus_by_uuid(tmp_path):
     capture = jsonlib.loads((GPU_FIXTURES / "device-h200x2" / "nvml-capture.json").read_text())
     hw = detect([NvmlProbe(FakeNvml(capture))], env={"CUDA_VISIBLE_DEVICES": "1"}).hardware
     plan = resolve(PlanRequest(hardware=hw, sets=("parallelism.tensor=1",)))
-    spec = container_spec(plan)
+    spec = container_spec(derive(plan))
     assert spec.gpu_device_ids == (capture["gpus"][1]["uuid"],)
     argv = docker_run_argv(spec, "detached")
     assert argv[argv.index("--gpus") + 1] == f'"device={capture["gpus"][1]["uuid"]}"'
@@ -428,7 +429,7 @@ def test_probed_host_pins_its_visible_gpus_by_uuid(tmp_path):
     assert service["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == [
         capture["gpus"][1]["uuid"]
     ]
-    assert container_spec(plan_for("h200x8")).gpu_device_ids == ()  # simulated: by count
+    assert container_spec(derive(plan_for("h200x8"))).gpu_device_ids == ()  # simulated: by count
 
 
 def test_libyaml_and_pure_python_emitters_write_the_same_bytes(monkeypatch):
@@ -558,7 +559,8 @@ def _compose_config(path, env: dict[str, str]) -> subprocess.CompletedProcess[st
     )
 
 
-def test_compose_fails_closed_and_escapes_every_value(tmp_path):
+def test_compose_fails_closed_and_escapes_every_value(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", "/home/operator")  # the cache path is expanded once, at render
     plan = plan_for(
         "b300x4",
         sets=(*EXPOSED, "engine.image=registry.example/vllm:${HF_TOKEN}", "runtime.env.X=$(id) ${HF_TOKEN}"),
@@ -605,12 +607,12 @@ def test_secrets_by_value_are_refused(setting, cli):
 
 
 def test_startup_budget_is_sized_from_the_plan():
-    from m31ctl.container import startup_budget_s
-
     fast = plan_for("b300x4", sets=("runtime.download_mbps=10000",))
     slow = plan_for("b300x4", sets=("runtime.download_mbps=500",))
-    assert startup_budget_s(slow) > 3600 > startup_budget_s(fast)  # 250.1 GB at 500 Mbit/s: 4,002 s
-    assert startup_budget_s(plan_for("b300x4", sets=("runtime.startup_timeout=99",))) == 99
+    assert (
+        derive(slow).budgets.startup_s > 3600 > derive(fast).budgets.startup_s
+    )  # 250.1 GB at 500 Mbit/s: 4,002 s
+    assert derive(plan_for("b300x4", sets=("runtime.startup_timeout=99",))).budgets.startup_s == 99
 
 
 def test_systemd_names_the_rendering_users_cache(monkeypatch):
@@ -629,12 +631,12 @@ def test_amd_containers_get_exactly_the_probed_gpus_and_a_video_group():
             pci_device_id="0x75a3", render_node=f"/dev/dri/renderD{128 + 8 * i}")
         for i in range(8)
     )  # fmt: skip
-    probed = hw.model_copy(update={"gpus": gpus, "source": "kfd-sysfs"})
-    spec = container_spec(resolve(PlanRequest(hardware=probed)), expand_home=False)
+    probed = hw.model_copy(update={"gpus": gpus, "source": "kfd-sysfs", "simulated": False})
+    spec = container_spec(derive(resolve(PlanRequest(hardware=probed))))
     assert spec.devices == ("/dev/kfd", "/dev/dri/renderD128", "/dev/dri/renderD136",
                             "/dev/dri/renderD144", "/dev/dri/renderD152")  # fmt: skip
     assert spec.group_add == ("video",)
-    argv = docker_run_argv(container_spec(plan_for("mi355xx8"), expand_home=False), "detached")
+    argv = docker_run_argv(container_spec(derive(plan_for("mi355xx8"))), "detached")
     assert "render" not in argv and argv[argv.index("/dev/dri") - 1 : argv.index("/dev/dri") + 1] == [
         "--device",
         "/dev/dri",

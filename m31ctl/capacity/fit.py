@@ -16,6 +16,7 @@ from m31ctl.capacity.model import (
     resident_sequences,
     split_weights,
 )
+from m31ctl.deployment import Deployment
 from m31ctl.errors import InputError
 from m31ctl.plan import Plan
 from m31ctl.plan.recipes import ModelFacts, get_model
@@ -28,19 +29,22 @@ ENGINE_DEFAULT_BLOCK_SIZE = 16
 CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB; vLLM's CPU backend (vllm/platforms/cpu.py)
 
 
-def profile_layouts(plan: Plan) -> dict[str, Layout]:
-    """The recipe's profiles that change the memory layout, by profile name."""
+def profile_layouts(deployment: Deployment) -> dict[str, Layout]:
+    """The recipe's profiles that change the memory layout, by profile name: each profile's
+    parallelism over the recipe's, completed by the settings schema's own defaults."""
+    from m31ctl.plan.settings import Parallelism
+
+    plan = deployment.plan
     layouts: dict[str, Layout] = {}
-    base = plan.recipe.layer
+    prefix = "parallelism."
+    base = {k.removeprefix(prefix): s.value for k, s in plan.recipe.layer.items() if k.startswith(prefix)}
     for name, option in plan.recipe.profiles.items():
         if option.unsupported:
             continue
-        values = {key: s.value for key, s in option.layer.items()}
+        values = {k.removeprefix(prefix): s.value for k, s in option.layer.items() if k.startswith(prefix)}
+        par = Parallelism.model_validate({**base, **values})
         layout = Layout(
-            tensor=values.get("parallelism.tensor", base["parallelism.tensor"].value),
-            data=values.get("parallelism.data", 1),
-            expert=values.get("parallelism.expert", False),
-            decode_context=values.get("parallelism.decode_context", 1),
+            tensor=par.tensor, data=par.data, expert=par.expert, decode_context=par.decode_context
         )
         # Profiles that share a memory layout would repeat a row.
         if layout not in layouts.values():
@@ -48,8 +52,8 @@ def profile_layouts(plan: Plan) -> dict[str, Layout]:
     return layouts
 
 
-def plan_layout(plan: Plan) -> Layout:
-    p = plan.settings.parallelism
+def plan_layout(deployment: Deployment) -> Layout:
+    p = deployment.plan.settings.parallelism
     return Layout(
         tensor=p.tensor, data=p.data, expert=p.expert, decode_context=p.decode_context, pipeline=p.pipeline
     )
@@ -76,14 +80,17 @@ def _weights(plan: Plan, model: ModelFacts) -> Weights:
     )
 
 
-def memory_inputs(plan: Plan, model: ModelFacts | None = None, kv_dtype: str | None = None) -> MemoryInputs:
+def memory_inputs(
+    deployment: Deployment, model: ModelFacts | None = None, kv_dtype: str | None = None
+) -> MemoryInputs:
     """The model's inputs for this plan. `model`/`kv_dtype` replace the plan's for a comparison
     row; a comparison row's indexer cache takes the row's dtype (the launch post compares
     "NVFP4 attention and indexer caches" with FP8 ones)."""
+    plan = deployment.plan
     settings = plan.settings
     own = model is None or model.id == plan.model.id
     model = model or plan.model
-    config = local_config(settings.model.path) if own else None
+    config = local_config(deployment.model.host_path) if own else None
     if config is not None:
         geometry = config_geometry(config)
         weights = Weights(float(checkpoint_bytes(config.parent)), 0.0)
@@ -107,7 +114,7 @@ def memory_inputs(plan: Plan, model: ModelFacts | None = None, kv_dtype: str | N
         kv_dtype=dtype,
         indexer_dtype=indexer,
         block_size=block_size,
-        kv_space_bytes=_cpu_kv_space(plan) if vendor == "cpu" else None,
+        kv_space_bytes=None if deployment.vendor.gpus else _cpu_kv_space(plan),
         published_kv_bytes_per_token=None if config else model.published_kv_bytes_per_token.get(dtype),
     )
 
@@ -125,14 +132,16 @@ def _cpu_kv_space(plan: Plan) -> int | None:
         ) from None
 
 
-def plan_fit(plan: Plan, context: int | None = None) -> Fit:
+def plan_fit(deployment: Deployment, context: int | None = None) -> Fit:
     return resident_sequences(
-        memory_inputs(plan), plan_layout(plan), context or plan.settings.serving.max_model_len
+        memory_inputs(deployment),
+        plan_layout(deployment),
+        context or deployment.plan.settings.serving.max_model_len,
     )
 
 
-def plan_longest_context(plan: Plan, sequences: int) -> int:
-    return longest_context(memory_inputs(plan), plan_layout(plan), sequences)
+def plan_longest_context(deployment: Deployment, sequences: int) -> int:
+    return longest_context(memory_inputs(deployment), plan_layout(deployment), sequences)
 
 
 class ComparisonRow(NamedTuple):
@@ -142,11 +151,12 @@ class ComparisonRow(NamedTuple):
     fit: Fit
 
 
-def comparison(plan: Plan, context: int, layouts: dict[str, Layout]) -> list[ComparisonRow]:
+def comparison(deployment: Deployment, context: int, layouts: dict[str, Layout]) -> list[ComparisonRow]:
     """Resident sequences for the plan's model and its comparison models, for every cache dtype
     the recipe allows, in every layout, on this hardware."""
+    plan = deployment.plan
     rows = []
-    planned = memory_inputs(plan).kv_dtype
+    planned = memory_inputs(deployment).kv_dtype
     fitting = {name: layout for name, layout in layouts.items() if layout.gpus <= plan.hardware.count}
     for model in [plan.model, *(get_model(m) for m in plan.model.compare_with)]:
         # The plan's own cache dtype first, then the others the launch post compares.
@@ -154,7 +164,7 @@ def comparison(plan: Plan, context: int, layouts: dict[str, Layout]) -> list[Com
         for dtype in dtypes:
             if not _recipe_allows_kv(plan, dtype):
                 continue
-            inputs = memory_inputs(plan, model, dtype)  # one per model and dtype: layouts share it
+            inputs = memory_inputs(deployment, model, dtype)  # one per model and dtype: layouts share it
             for name, layout in fitting.items():
                 fit = resident_sequences(inputs, layout, context)
                 rows.append(ComparisonRow(model.display_name, dtype, f"{name} ({layout.label()})", fit))
@@ -165,10 +175,10 @@ def _recipe_allows_kv(plan: Plan, dtype: str) -> bool:
     return all(rule.allows(dtype) for rule in plan.recipe.rules if rule.key == "cache.kv_dtype")
 
 
-def capacity_warning(plan: Plan) -> str | None:
+def capacity_warning(deployment: Deployment) -> str | None:
     """Why the plan's max_model_len / max_num_seqs cannot all be resident, if they cannot."""
-    fit = plan_fit(plan)
-    serving = plan.settings.serving
+    fit = plan_fit(deployment)
+    serving = deployment.plan.settings.serving
     if not fit.fits:
         return (
             f"not even one {serving.max_model_len}-token sequence fits in the KV budget "

@@ -32,11 +32,13 @@ def facts_geometry(model: ModelFacts) -> Geometry:
     )
 
 
-def local_config(model_path: str) -> Path | None:
-    """The config.json of a local model directory, or None for a hub repo id."""
-    path = Path(model_path).expanduser()
-    config = path / "config.json"
-    return config if path.is_absolute() and config.is_file() else None
+def local_config(directory: str | None) -> Path | None:
+    """The config.json of a local model directory (the Deployment's absolute host path), or None
+    for a hub repo id or a directory without one."""
+    if directory is None:
+        return None
+    config = Path(directory) / "config.json"
+    return config if config.is_file() else None
 
 
 def config_geometry(config: Path) -> Geometry:

@@ -21,8 +21,10 @@ from m31ctl.cli.options import (
     plan_group,
 )
 from m31ctl.errors import ExitCode
+from m31ctl.resources import LOCK_FILE
 
 if TYPE_CHECKING:
+    from m31ctl.deployment import Deployment
     from m31ctl.plan import Plan, PlanRequest
     from m31ctl.runtime import Survey
 
@@ -63,23 +65,43 @@ def _root(
 recipes_app = typer.Typer(help="List, show and validate recipes.", no_args_is_help=True)
 
 
-def _resolve(request: PlanRequest, validate: bool = True) -> Plan:
-    """The plan, checked against the engine's schema unless --no-validate."""
+def _resolve(request: PlanRequest) -> Plan:
     from m31ctl.plan import resolve
 
-    plan = resolve(request)
+    return resolve(request)
+
+
+def _deploy(plan: Plan, validate: bool = True, fit: bool = True) -> Deployment:
+    """The plan's one Deployment; with `fit`, refused when the hardware cannot hold its layout
+    (exit 6, as launch's preflight); its argv checked against the engine's schema unless --no-validate."""
+    from m31ctl.deployment import derive, require_fit
+
+    deployment = derive(plan)
+    if fit:
+        require_fit(deployment)
     if validate:
         from m31ctl.engine.adapter import build_invocation
         from m31ctl.engine.validate import check_plan_engine
 
         source = plan.provenance.get("engine.extra_args")
         check_plan_engine(
-            build_invocation(plan),
+            build_invocation(deployment),
             plan.settings.engine.schema_version,
             plan.settings.engine.extra_args,
             str(source) if source else None,
         )
-    return plan
+    return deployment
+
+
+def _pinned(
+    deployment: Deployment, request: PlanRequest, locked: Path, update: bool, *, by_id: bool
+) -> Deployment:
+    """The deployment with its lock applied: drift refused (exit 4) unless `update`, the image
+    pinned. The argv was checked before the pin: the schema is the image tag's, not a digest's."""
+    from m31ctl.cli.locking import apply_lock
+    from m31ctl.deployment import derive
+
+    return derive(apply_lock(deployment.plan, request.files, locked, update, by_id=by_id))
 
 
 @recipes_app.command("list")
@@ -118,17 +140,17 @@ def plan(
     """Resolve the recipe for this host (or --hardware) and print the plan."""
     from m31ctl.capacity.fit import plan_fit
 
-    p = _resolve(plan_options.request(), not no_validate)
-    fit = plan_fit(p)
+    d = _deploy(_resolve(plan_options.request()), not no_validate)
+    fit = plan_fit(d)
     if json:
         from m31ctl.cli.output import emit_json
         from m31ctl.cli.views import plan_json
 
-        emit_json(plan_json(p, fit))
+        emit_json(plan_json(d, fit))
     else:
         from m31ctl.cli.views import print_plan
 
-        print_plan(p, fit, explain)
+        print_plan(d, fit, explain)
 
 
 @command
@@ -161,8 +183,8 @@ def capacity(
     """How many sequences stay resident, and how the recipes and cache dtypes compare."""
     from m31ctl.cli import capacity as capacity_view
 
-    p = _resolve(plan_options.request())
-    capacity_view.run(p, context, sequences, plot, json)
+    d = _deploy(_resolve(plan_options.request()), validate=False)
+    capacity_view.run(d, context, sequences, plot, json)
 
 
 @command
@@ -190,13 +212,11 @@ def render(
         )
     renderer = get_target(target)
     request = plan_options.request()
-    plan = _resolve(request, not no_validate)
+    deployment = _deploy(_resolve(request), not no_validate)
     if locked is not None:
-        from m31ctl.cli.locking import apply_lock
-
         # Rendered files pin a registry digest only: a local image ID means nothing elsewhere.
-        plan = apply_lock(plan, request.files, locked, update_lock, by_id=False)
-    artifacts = renderer(plan)
+        deployment = _pinned(deployment, request, locked, update_lock, by_id=False)
+    artifacts = renderer(deployment)
     if check is not None:
         drift = files.diff(check, artifacts)
         sys.stdout.write(drift)
@@ -213,9 +233,7 @@ def render(
 @command
 def lock(
     plan_options: PlanOptions,
-    output: Annotated[Path, typer.Option("-o", "--output", help="The lock file to write.")] = Path(
-        "m31ctl.lock"
-    ),
+    output: Annotated[Path, typer.Option("-o", "--output", help="The lock file to write.")] = Path(LOCK_FILE),
     check: Annotated[
         Path | None, typer.Option("--check", help="Exit 1 with the differences when FILE has drifted.")
     ] = None,
@@ -259,7 +277,7 @@ def validate(
     from m31ctl.cli.views import print_validation
     from m31ctl.engine.validate import validate_plan
 
-    report = validate_plan(_resolve(plan_options.request(), False))
+    report = validate_plan(_deploy(_resolve(plan_options.request()), validate=False, fit=False))
     print_validation(report, json)
     return int(ExitCode.OK if report.ok else ExitCode.BAD_INPUT)
 
@@ -351,13 +369,11 @@ def launch(
     if port is not None:
         sets.append(f"runtime.port={port}")
     request = plan_options._replace(sets=tuple(sets)).request()
-    p = _resolve(request, not no_validate)
+    d = _deploy(_resolve(request), not no_validate)
     if locked is not None:
-        from m31ctl.cli.locking import apply_lock
-
-        p = apply_lock(p, request.files, locked, update_lock, by_id=True)
+        d = _pinned(d, request, locked, update_lock, by_id=True)
     if dry_run:
-        launch_views.print_dry_run(p, deploy.dry_run(p, runtime), json)
+        launch_views.print_dry_run(d, deploy.dry_run(d, runtime), json)
         return 0
     display = launch_views.PhaseDisplay(live=not json)
     options = LaunchOptions(
@@ -371,10 +387,10 @@ def launch(
         on_phase=launch_views.phase_events() if json else display.on_phase,
     )
     try:
-        result = deploy.launch(p, runtime, options, deep=not skip_deep)
+        result = deploy.launch(d, runtime, options, deep=not skip_deep)
     finally:
         display.close()
-    launch_views.print_result(p, result, json)
+    launch_views.print_result(d, result, json)
     return 0
 
 
@@ -487,8 +503,62 @@ def verify(
 
     request = plan_options.request()
     return run_verify(
-        _resolve(request, False), url, name, runtime, bench_python, no_load, output, baseline, tolerance, json
-    )
+        _deploy(_resolve(request), validate=False, fit=False),
+        url, name, runtime, bench_python, no_load, output, baseline, tolerance, json,
+    )  # fmt: skip
+
+
+@command
+def bench(
+    plan_options: PlanOptions,
+    url: Annotated[
+        str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")
+    ] = None,
+    name: NameOpt = None,
+    runtime: AnyRuntimeOpt = None,
+    bench_python: Annotated[
+        str | None,
+        typer.Option("--bench-python", help="A Python with vLLM to run the benchmark (with --url)."),
+    ] = None,
+    concurrency: Annotated[
+        str, typer.Option("--concurrency", help="Points to measure, e.g. 1,4,16.")
+    ] = "1,4,16",
+    workload: Annotated[str, typer.Option("--workload", help="chat | agentic | long-context.")] = "chat",
+    slo: Annotated[
+        str | None,
+        typer.Option("--slo", help="e.g. ttft_p99_ms=500,tpot_p99_ms=50: pick the best point meeting it."),
+    ] = None,
+    requests: Annotated[
+        int | None,
+        typer.Option(
+            "--requests", help="Requests per point (default 4x concurrency, at least verify.requests)."
+        ),
+    ] = None,
+    output_len: Annotated[
+        int | None,
+        typer.Option("--output-len", help="Output tokens per request (default verify.output_len)."),
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the generated workload.")] = 0,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Draw the frontier to this PNG.")] = None,
+    write_profile: Annotated[
+        Path | None,
+        typer.Option("--write-profile", help="Write the chosen point as a plan layer file (YAML)."),
+    ] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Save the JSON report here.")] = None,
+    baseline: Annotated[
+        Path | None, typer.Option("--baseline", help="Fail when worse than this earlier bench report.")
+    ] = None,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="Allowed regression (0.25 = 25%).")] = 0.25,
+    json: JsonOpt = False,
+) -> int:
+    """Measure the serving frontier with vllm bench serve and turn it into the plan's operating point."""
+    from m31ctl.cli.bench import BenchOptions, run_bench
+
+    options = BenchOptions(
+        url, name, runtime, bench_python, concurrency, workload, slo, requests, output_len, seed,
+        plot, write_profile, output, baseline, tolerance, json,
+    )  # fmt: skip
+    return run_bench(_resolve(plan_options.request()), options)
 
 
 @command

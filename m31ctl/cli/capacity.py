@@ -8,29 +8,32 @@ from m31ctl.capacity.fit import comparison, plan_fit, plan_layout, plan_longest_
 from m31ctl.capacity.model import parse_context
 from m31ctl.cli.output import console, emit_json, table
 from m31ctl.cli.views import capacity_line, fit_json, sensitivity_line
-from m31ctl.plan import Plan
+from m31ctl.deployment import Deployment
 
 
-def run(plan: Plan, context_text: str, sequences: int | None, plot: Path | None, as_json: bool) -> None:
+def run(
+    deployment: Deployment, context_text: str, sequences: int | None, plot: Path | None, as_json: bool
+) -> None:
+    plan = deployment.plan
     context = parse_context(context_text)
     if plot is not None:
         from m31ctl.cli.plot import check_path
 
         check_path(plot)
-    fit = plan_fit(plan, context)
-    longest = plan_longest_context(plan, sequences) if sequences is not None else None
-    rows = comparison(plan, context, profile_layouts(plan))
+    fit = plan_fit(deployment, context)
+    longest = plan_longest_context(deployment, sequences) if sequences is not None else None
+    rows = comparison(deployment, context, profile_layouts(deployment))
     if plot is not None:
         from m31ctl.cli.plot import draw
 
-        draw(plan, profile_layouts(plan), plot, sensitivity_line(fit))
+        draw(deployment, profile_layouts(deployment), plot, sensitivity_line(fit))
     if as_json:
         emit_json(
             {
                 "hardware": f"{plan.hardware.count}x {plan.hardware.product}",
                 "recipe": plan.recipe.recipe,
                 "profile": plan.profile,
-                "layout": plan_layout(plan).label(),
+                "layout": plan_layout(deployment).label(),
                 "fit": fit_json(fit),
                 "longest_context": {"sequences": sequences, "tokens": longest}
                 if sequences is not None

@@ -11,8 +11,7 @@ from typing import Any
 from m31ctl.capacity.fit import plan_fit
 from m31ctl.cli.output import console, emit_json, table
 from m31ctl.cli.views import plan_json, print_plan
-from m31ctl.container import API_KEY
-from m31ctl.plan import Plan
+from m31ctl.deployment import Deployment
 from m31ctl.runtime import Survey
 from m31ctl.runtime.base import DryRun, LaunchResult, PullEvent, PullProgress, Reporter
 
@@ -89,13 +88,13 @@ def pull_progress() -> PullProgress:
     return on_event
 
 
-def print_dry_run(plan: Plan, dry: DryRun, as_json: bool) -> None:
+def print_dry_run(deployment: Deployment, dry: DryRun, as_json: bool) -> None:
     if as_json:
-        payload: dict[str, Any] = {"plan": plan_json(plan, plan_fit(plan)), **dry.detail}
+        payload: dict[str, Any] = {"plan": plan_json(deployment, plan_fit(deployment)), **dry.detail}
         payload["docker_run" if dry.kind == "container" else "command"] = list(dry.argv)
         emit_json(payload)
         return
-    print_plan(plan, plan_fit(plan), explain=False)
+    print_plan(deployment, plan_fit(deployment), explain=False)
     out = console()
     out.print()
     out.print(f"{dry.kind.capitalize()} (dry run, nothing started):", markup=False)
@@ -112,7 +111,7 @@ def phase_events() -> Callable[[str, float], None]:
     return on_phase
 
 
-def print_result(plan: Plan, result: LaunchResult, as_json: bool) -> None:
+def print_result(deployment: Deployment, result: LaunchResult, as_json: bool) -> None:
     if as_json:
         # The last line of the event stream: the result object.
         from m31ctl.cli.output import emit_json_line
@@ -128,11 +127,12 @@ def print_result(plan: Plan, result: LaunchResult, as_json: bool) -> None:
     if "ready" in result.timings:
         out.print(f"ready in {result.timings['ready']:.1f} s", markup=False)
     body = {
-        "model": plan.settings.model.served_name,
+        "model": deployment.plan.settings.model.served_name,
         "messages": [{"role": "user", "content": "Hello!"}],
         "max_tokens": 64,
     }
-    auth = f' -H "Authorization: Bearer ${API_KEY}"' if plan.settings.runtime.api_key else ""
+    key = deployment.secrets.api_key
+    auth = f' -H "Authorization: Bearer ${key}"' if key else ""
     out.print(f"endpoint: {result.endpoint}/v1", markup=False)
     out.print(
         f"try: curl -s {result.endpoint}/v1/chat/completions -H 'Content-Type: application/json'{auth} "

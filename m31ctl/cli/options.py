@@ -26,7 +26,9 @@ HardwareOpt = Annotated[
 ]
 RecipeOpt = Annotated[str | None, typer.Option("--recipe", help="Use this recipe instead of the probed one.")]
 VariantOpt = Annotated[str | None, typer.Option("--variant", help="Recipe variant (e.g. aiter on MI355X).")]
-ProfileOpt = Annotated[str, typer.Option("--profile", help="latency | throughput | long-context.")]
+ProfileOpt = Annotated[
+    str | None, typer.Option("--profile", help="latency (the default), throughput or long-context.")
+]
 FileOpt = Annotated[list[Path] | None, typer.Option("-f", "--file", help="Override file (YAML); repeatable.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="key.path=value (JSON allowed); repeatable.")]
 NoValidateOpt = Annotated[
@@ -62,7 +64,7 @@ class PlanOptions(NamedTuple):
     hardware: str | None
     recipe: str | None
     variant: str | None
-    profile: str
+    profile: str | None
     files: tuple[Path, ...]
     sets: tuple[str, ...]
 
@@ -70,7 +72,7 @@ class PlanOptions(NamedTuple):
     def given(self) -> bool:
         """Whether the command line chose anything (doctor checks the host alone otherwise)."""
         chosen = (self.recipe, self.variant, self.files, self.sets)
-        return self.hardware is not None or any(chosen) or self.profile != DEFAULT_PROFILE
+        return self.hardware is not None or self.profile is not None or any(chosen)
 
     def request(self) -> PlanRequest:
         """The values as a request; probes this host unless --hardware."""
@@ -87,13 +89,12 @@ class PlanOptions(NamedTuple):
         return PlanRequest(hw, self.recipe, self.variant, self.profile, self.files, self.sets)
 
 
-DEFAULT_PROFILE = "latency"
 # The group's options as typer sees them, in the order --help lists them: (name, type, default).
 _PLAN_GROUP: tuple[tuple[str, Any, Any], ...] = (
     ("hardware", HardwareOpt, None),
     ("recipe", RecipeOpt, None),
     ("variant", VariantOpt, None),
-    ("profile", ProfileOpt, DEFAULT_PROFILE),
+    ("profile", ProfileOpt, None),
     ("file", FileOpt, None),
     ("set_", SetOpt, None),
 )

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from m31ctl.capacity.fit import ComparisonRow, comparison
 from m31ctl.capacity.model import Layout
+from m31ctl.deployment import Deployment
 from m31ctl.errors import InputError
-from m31ctl.plan import Plan
 
 CONTEXTS = [2**k for k in range(13, 21)]  # 8K .. 1M
 FORMATS = (".png", ".svg", ".pdf")
@@ -19,8 +19,9 @@ def check_path(path: Path) -> None:
         raise InputError(f"--plot {path}: use a file name ending in {', '.join(FORMATS)}")
 
 
-def draw(plan: Plan, layouts: dict[str, Layout], path: Path, note: str | None = None) -> None:
+def draw(deployment: Deployment, layouts: dict[str, Layout], path: Path, note: str | None = None) -> None:
     """`note`: the sensitivity line of the plan's own figure, printed under the plot."""
+    plan = deployment.plan
     try:
         import matplotlib
 
@@ -33,7 +34,7 @@ def draw(plan: Plan, layouts: dict[str, Layout], path: Path, note: str | None = 
     # rules allow, e.g. no NVFP4 cache on Hopper) is exactly what is drawn.
     series: dict[tuple[str, str, str], list[ComparisonRow]] = {}
     for context in CONTEXTS:
-        for row in comparison(plan, context, layouts):
+        for row in comparison(deployment, context, layouts):
             series.setdefault((row.model, row.kv_dtype, row.layout), []).append(row)
     for (model, dtype, layout), rows in series.items():
         style = "-" if model == plan.model.display_name else "--"

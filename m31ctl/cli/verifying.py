@@ -7,15 +7,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from m31ctl.deployment import Deployment
 from m31ctl.errors import ExitCode, InputError
-from m31ctl.plan import Plan
 
 if TYPE_CHECKING:
     from m31ctl.runtime.verify import VerifyReport
 
 
 def run_verify(
-    plan: Plan,
+    deployment: Deployment,
     url: str | None,
     name: str | None,
     runtime: str | None,
@@ -27,6 +27,8 @@ def run_verify(
     as_json: bool,
 ) -> int:
     from m31ctl.runtime import running_server, verify
+
+    plan = deployment.plan
 
     if not (0 <= tolerance < math.inf):
         raise InputError(f"--tolerance {tolerance:g} must be a non-negative fraction", hint="e.g. 0.25")
@@ -47,10 +49,10 @@ def run_verify(
         elif server.runtime == "docker":
             from m31ctl.container import container_spec
 
-            spec = container_spec(plan)
+            spec = container_spec(deployment)
             bench = verify.container_bench(spec.image, [(m.source, m.target) for m in spec.mounts])
     report = verify.run(
-        plan,
+        deployment,
         base,
         server_plan_hash=server_hash,
         bench=None if no_load else bench,

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any
 from m31ctl.cli.output import console, emit_json
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.hardware import Hardware
-from m31ctl.plan import Plan
 from m31ctl.plan.recipes import match_recipe
 
 if TYPE_CHECKING:
     from m31ctl.capacity.model import Band, Fit, Sensitivity
+    from m31ctl.deployment import Deployment
     from m31ctl.doctor import DoctorReport
     from m31ctl.engine.validate import PlanValidation
     from m31ctl.probe import ProbeReport
@@ -102,9 +102,10 @@ def sensitivity_line(fit: Fit, published: bool = False) -> str | None:
     )
 
 
-def plan_json(plan: Plan, fit: Fit | None) -> dict[str, Any]:
+def plan_json(deployment: Deployment, fit: Fit | None) -> dict[str, Any]:
     """The stable `plan --json` object (documented in the README)."""
-    inv = build_invocation(plan)
+    plan = deployment.plan
+    inv = build_invocation(deployment)
     return {
         "plan_hash": plan.hash,
         "recipe": plan.recipe.recipe,
@@ -113,6 +114,7 @@ def plan_json(plan: Plan, fit: Fit | None) -> dict[str, Any]:
         "variant": plan.variant,
         "profile": plan.profile,
         "gpus_needed": plan.gpus_needed,
+        "nodes": deployment.layout.nodes,
         "hardware": hardware_json(plan.hardware),
         "image": inv.image,
         "argv": list(inv.args),
@@ -126,16 +128,19 @@ def plan_json(plan: Plan, fit: Fit | None) -> dict[str, Any]:
     }
 
 
-def serve_command(plan: Plan) -> str:
-    inv = build_invocation(plan)
-    return shlex.join(["vllm", "serve", *inv.args])
+def _gpus_used(deployment: Deployment) -> str:
+    layout = deployment.layout
+    if layout.spans_nodes:
+        return f"{layout.gpus_per_node} on each of {layout.nodes} nodes ({layout.gpus} GPUs)"
+    return str(layout.gpus_per_node)
 
 
-def print_plan(plan: Plan, fit: Fit | None, explain: bool) -> None:
+def print_plan(deployment: Deployment, fit: Fit | None, explain: bool) -> None:
     from rich.text import Text
 
     from m31ctl.cli.output import table
 
+    plan = deployment.plan
     out = console()
     hw = plan.hardware
     out.print(
@@ -148,7 +153,7 @@ def print_plan(plan: Plan, fit: Fit | None, explain: bool) -> None:
     out.print(
         Text(
             f"Hardware: {hw.count}x {hw.product}, {hw.memory_per_gpu_gib:.0f} GiB each, from {hw.source}; "
-            f"the plan uses {plan.gpus_needed}"
+            f"the plan uses {_gpus_used(deployment)}"
         )
     )
     columns = ["setting", "value", "source"] if explain else ["setting", "value"]
@@ -161,7 +166,7 @@ def print_plan(plan: Plan, fit: Fit | None, explain: bool) -> None:
     out.print(t)
     if fit:
         out.print(Text(f"Capacity: {capacity_line(fit)}"))
-    inv = build_invocation(plan)
+    inv = build_invocation(deployment)
     requirements = plan.recipe.recommended
     if requirements.cuda_driver:
         out.print(

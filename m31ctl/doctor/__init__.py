@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from m31ctl.deployment import Deployment, derive
 from m31ctl.doctor.base import CheckResult, Context, run_checks
 from m31ctl.doctor.checks import all_checks
 from m31ctl.errors import HostPreconditionError, UnsupportedHardware
@@ -31,10 +32,11 @@ class DoctorReport:
         return counts
 
 
-def plan_for_host(request: PlanRequest | None, probe: ProbeReport) -> tuple[Plan | None, str | None]:
-    """Resolve the plan; a host that cannot have one (no GPU, no recipe) is a finding, not a crash."""
+def plan_for_host(request: PlanRequest | None, probe: ProbeReport) -> tuple[Deployment | None, str | None]:
+    """Resolve the plan and its Deployment; a host that cannot have one (no GPU, no recipe) is a
+    finding, not a crash. Too few GPUs is not refused here: the gpus check reports it."""
     try:
-        return resolve(request or PlanRequest(hardware=probe.hardware)), None
+        return derive(resolve(request or PlanRequest(hardware=probe.hardware))), None
     except (UnsupportedHardware, HostPreconditionError) as exc:
         return None, exc.one_line()
 
@@ -48,9 +50,12 @@ def diagnose(
     """Run every check. `docker` connects to the Engine (the default: the local one); `deep`
     ("docker" | "native") adds the checks that run in the engine on the plan's GPUs."""
     probe = probe or detect()
-    plan, error = plan_for_host(request, probe)
-    ctx = Context(plan=plan, plan_error=error, probe=probe, env=os.environ, docker=docker, deep=deep)
+    deployment, error = plan_for_host(request, probe)
+    ctx = Context(
+        deployment=deployment, plan_error=error, probe=probe, env=os.environ, docker=docker, deep=deep
+    )
     checks = [c for c in all_checks() if deep or not c.deep]
+    plan = deployment.plan if deployment is not None else None
     return DoctorReport(plan, error, tuple(run_checks(checks, ctx)))
 
 
@@ -62,15 +67,15 @@ class PlanDiagnosis:
     probe_hardware: Any
 
 
-def diagnose_plan(plan: Plan) -> PlanDiagnosis:
+def diagnose_plan(deployment: Deployment) -> PlanDiagnosis:
     probe = detect()
-    ctx = Context(plan=plan, plan_error=None, probe=probe, env=os.environ)
-    report = DoctorReport(plan, None, tuple(run_checks(all_checks(), ctx)))
+    ctx = Context(deployment=deployment, plan_error=None, probe=probe, env=os.environ)
+    report = DoctorReport(deployment.plan, None, tuple(run_checks(all_checks(), ctx)))
     return PlanDiagnosis(report, probe.hardware)
 
 
 def preflight(
-    plan: Plan,
+    deployment: Deployment,
     check_ids: tuple[str, ...],
     env: Mapping[str, str],
     probe: ProbeReport | None = None,
@@ -82,7 +87,7 @@ def preflight(
     from m31ctl.errors import DockerUnreachable
 
     probe = probe or detect()
-    ctx = Context(plan=plan, plan_error=None, probe=probe, env=env, deep=deep)
+    ctx = Context(deployment=deployment, plan_error=None, probe=probe, env=env, deep=deep)
     chosen = [c for c in all_checks() if c.id in check_ids or (deep and c.deep)]
     results = run_checks(chosen, ctx)
     failed = [r for r in results if r.status == "fail"]

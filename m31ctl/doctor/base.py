@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from m31ctl.checks import CheckResult, Status
+from m31ctl.deployment import Deployment
 from m31ctl.plan import Plan
 from m31ctl.probe import ProbeReport
 from m31ctl.probe.base import Runner, run_command
@@ -40,7 +41,7 @@ class Outcome:
 class Context:
     """What checks may read. Side effects go through these callables, so tests can pass fakes."""
 
-    plan: Plan | None
+    deployment: Deployment | None
     plan_error: str | None
     probe: ProbeReport
     env: Mapping[str, str]
@@ -67,14 +68,21 @@ class Context:
             raise error
         return value
 
-    def require_plan(self) -> Plan:
-        """The plan, for checks that judge it; without one they skip."""
-        if self.plan is None:
+    @property
+    def plan(self) -> Plan | None:
+        return self.deployment.plan if self.deployment is not None else None
+
+    def require_deployment(self) -> Deployment:
+        """The deployment, for checks that judge it; without one they skip."""
+        if self.deployment is None:
             raise SkipCheck(
                 "needs a plan (none for this host: see above)",
                 "pass --hardware to check against a target host",
             )
-        return self.plan
+        return self.deployment
+
+    def require_plan(self) -> Plan:
+        return self.require_deployment().plan
 
     def engine(self) -> Any:
         """The client for checks that need Docker only as a means: when the Engine is

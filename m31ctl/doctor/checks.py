@@ -15,13 +15,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from m31ctl.deployment import Deployment
+from m31ctl.redact import SECRET_ENV
 from m31ctl.doctor.base import Check, Context, Outcome, SkipCheck
 from m31ctl.errors import M31Error
 from m31ctl.hardware import vendor_facts
 from m31ctl.netaddr import port_free
-from m31ctl.plan import Plan
 from m31ctl.runtime.engine_api import explanation, local_image, registry_error
-from m31ctl.runtime.launching import API_KEY_ENV
 from m31ctl.units import parse_size
 
 GB = 1e9
@@ -35,11 +35,13 @@ def docker_daemon(ctx: Context) -> Outcome:
 
 
 def gpu_runtime(ctx: Context) -> Outcome:
-    vendor = ctx.plan.hardware.vendor if ctx.plan else ctx.probe.hardware.vendor
-    if vendor == "cpu":
-        ctx.engine()  # still needs an engine
-        return Outcome("ok", "the CPU rehearsal needs no GPU runtime")
-    nodes = vendor_facts(vendor).device_nodes
+    facts = ctx.deployment.vendor if ctx.deployment else vendor_facts(ctx.probe.hardware.vendor)
+    if not facts.gpus:
+        if ctx.deployment is None:
+            return Outcome("skip", "no GPU vendor to check a container runtime for")
+        ctx.engine()  # the plan still needs an engine
+        return Outcome("ok", "the plan runs on no GPU: no GPU runtime needed")
+    nodes = facts.device_nodes
     if nodes:
         missing = [d for d in nodes if not os.access(d, os.R_OK | os.W_OK)]
         if missing:
@@ -49,8 +51,6 @@ def gpu_runtime(ctx: Context) -> Outcome:
                 "load the amdgpu driver and add the user to the video and render groups",
             )
         return Outcome("ok", f"{' and '.join(nodes)} are accessible")
-    if vendor == "none":
-        return Outcome("skip", "no GPU vendor to check a container runtime for")
     info = ctx.engine().info()
     runtimes = sorted((info.get("Runtimes") or {}).keys())
     cdi = [str(p) for p in info.get("CDISpecDirs") or []]
@@ -67,8 +67,8 @@ def gpu_runtime(ctx: Context) -> Outcome:
 
 def gpus(ctx: Context) -> Outcome:
     hw = ctx.probe.hardware
-    if ctx.plan is not None and ctx.plan.hardware.vendor == "cpu":
-        return Outcome("ok", "the CPU rehearsal needs no GPU")
+    if ctx.deployment is not None and not ctx.deployment.vendor.gpus:
+        return Outcome("ok", "the plan runs on no GPU")
     if hw.count == 0:
         reasons = "; ".join(f"{a.method}: {a.detail}" for a in ctx.probe.attempts if not a.ok)
         return Outcome(
@@ -79,30 +79,34 @@ def gpus(ctx: Context) -> Outcome:
     found = f"{hw.count}x {hw.product} ({hw.family or 'no recipe'}, arch {hw.arch}) via {hw.source}"
     if ctx.plan is None:
         return Outcome("fail", f"{found}: {ctx.plan_error}", "see `m31ctl probe`")
-    needed = ctx.plan.gpus_needed
-    planned = ctx.plan.hardware
-    if planned.source.startswith("simulated") and (planned.family, planned.arch) != (hw.family, hw.arch):
+    deployment = ctx.require_deployment()
+    needed = deployment.layout.gpus_per_node
+    planned = deployment.hardware
+    if planned.simulated and (planned.family, planned.arch) != (hw.family, hw.arch):
         return Outcome(
             "fail",
             f"{found}, but the plan is for {planned.count}x {planned.product} ({planned.source})",
             "drop --hardware to check this host's own plan",
         )
+    recipe = deployment.plan.recipe.recipe
+    per_node = f" on each of {deployment.layout.nodes} nodes" if deployment.layout.spans_nodes else ""
     if hw.count < needed:
         return Outcome(
             "fail",
-            f"{found}; the {ctx.plan.recipe.recipe} plan needs {needed}",
-            "use a host with enough GPUs or another profile",
+            f"{found}; the {recipe} plan needs {needed}{per_node}",
+            "use a host with enough GPUs, another profile, or spread the layout with parallelism.nodes",
         )
-    return Outcome("ok", f"{found}; the {ctx.plan.recipe.recipe} plan uses {needed}")
+    return Outcome("ok", f"{found}; the {recipe} plan uses {needed}{per_node}")
 
 
 def gpu_memory(ctx: Context) -> Outcome:
-    plan = ctx.require_plan()
+    deployment = ctx.require_deployment()
+    plan = deployment.plan
     from m31ctl.capacity.fit import plan_fit
 
-    fit = plan_fit(plan)
+    fit = plan_fit(deployment)
     need = fit.weights_per_gpu_bytes
-    gpus = ctx.probe.hardware.gpus[: plan.gpus_needed]
+    gpus = ctx.probe.hardware.gpus[: deployment.layout.gpus_per_node]
     free = [g.memory_free_bytes for g in gpus if g.memory_free_bytes is not None]
     if not free:
         return Outcome("skip", "free GPU memory unknown (no GPU, or the probe could not read it)")
@@ -130,7 +134,7 @@ def gpu_memory(ctx: Context) -> Outcome:
 
 def mig(ctx: Context) -> Outcome:
     hw = ctx.probe.hardware
-    if hw.vendor != "nvidia":
+    if vendor_facts(hw.vendor).driver_stack != "cuda":
         return Outcome("skip", "MIG applies to NVIDIA GPUs")
     if hw.mig_enabled:
         return Outcome("fail", "MIG mode is enabled", "disable it: nvidia-smi -mig 0 (then reset the GPUs)")
@@ -161,7 +165,7 @@ def image_cuda_version(ctx: Context) -> str | None:
 
 def driver(ctx: Context) -> Outcome:
     hw = ctx.probe.hardware
-    if hw.vendor != "nvidia":
+    if vendor_facts(hw.vendor).driver_stack != "cuda":
         return Outcome("skip", "no NVIDIA driver on this host")
     recommended = ctx.plan.recipe.recommended.cuda_driver if ctx.plan else None
     found = f"driver {hw.driver_version}, CUDA {hw.cuda_driver_version or 'unknown'}"
@@ -189,7 +193,7 @@ def driver(ctx: Context) -> Outcome:
 
 def rocm(ctx: Context) -> Outcome:
     hw = ctx.probe.hardware
-    if hw.vendor != "amd":
+    if vendor_facts(hw.vendor).driver_stack != "rocm":
         return Outcome("skip", "no AMD GPU on this host")
     version = hw.rocm_version
     if version is None:
@@ -204,24 +208,23 @@ def rocm(ctx: Context) -> Outcome:
     return Outcome("ok", f"ROCm {version}")
 
 
-def _hf_cache(plan: Plan) -> Path:
-    return Path(os.path.expanduser(plan.settings.runtime.hf_cache))
-
-
-def _snapshot(plan: Plan) -> Path | None:
+def _snapshot(deployment: Deployment) -> Path | None:
     """The checkpoint directory: a local one, or the newest cached snapshot of the hub repo."""
-    repo = plan.settings.model.path
-    if Path(repo).is_dir():
-        return Path(repo)
-    snapshots = _hf_cache(plan) / "hub" / f"models--{repo.replace('/', '--')}" / "snapshots"
+    model = deployment.model
+    if model.host_path is not None:
+        return Path(model.host_path) if Path(model.host_path).is_dir() else None
+    snapshots = (
+        Path(deployment.hf_cache) / "hub" / f"models--{model.reference.replace('/', '--')}" / "snapshots"
+    )
     found = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
     return found[-1] if found else None
 
 
-def checkpoint_state(plan: Plan) -> tuple[str, str]:
+def checkpoint_state(deployment: Deployment) -> tuple[str, str]:
     """("complete" | "partial" | "absent", why): every shard model.safetensors.index.json names is
     present with a plausible size, and the dspark/ draft too when the plan uses DSpark."""
-    directory = _snapshot(plan)
+    plan = deployment.plan
+    directory = _snapshot(deployment)
     if directory is None:
         return "absent", "not downloaded"
     index = directory / "model.safetensors.index.json"
@@ -245,8 +248,8 @@ def checkpoint_state(plan: Plan) -> tuple[str, str]:
 
 def _checkpoint(ctx: Context) -> tuple[str, str]:
     """checkpoint_state once per doctor run: the checkpoint, disk and hf-token checks all ask."""
-    plan = ctx.require_plan()
-    found: tuple[str, str] = ctx.once("checkpoint", lambda: checkpoint_state(plan))
+    deployment = ctx.require_deployment()
+    found: tuple[str, str] = ctx.once("checkpoint", lambda: checkpoint_state(deployment))
     return found
 
 
@@ -264,9 +267,10 @@ def checkpoint(ctx: Context) -> Outcome:
 
 
 def disk(ctx: Context) -> Outcome:
-    plan = ctx.require_plan()
-    local = plan.settings.model.path
-    if os.path.isabs(local):  # a local checkpoint directory, mounted as it is
+    deployment = ctx.require_deployment()
+    plan = deployment.plan
+    local = deployment.model.host_path
+    if local is not None:  # a local checkpoint directory, mounted as it is
         if Path(local).is_dir():
             return Outcome("ok", f"local checkpoint {local}")
         return Outcome(
@@ -275,8 +279,8 @@ def disk(ctx: Context) -> Outcome:
             "create it (scripts/rehearse makes the rehearsal model) or --set model.path=...",
         )
     if _checkpoint(ctx)[0] == "complete":
-        return Outcome("ok", f"checkpoint already in {_hf_cache(plan)}")
-    path = _hf_cache(plan)
+        return Outcome("ok", f"checkpoint already in {deployment.hf_cache}")
+    path = Path(deployment.hf_cache)
     probe_path = path
     while not probe_path.exists():
         probe_path = probe_path.parent
@@ -292,7 +296,8 @@ def disk(ctx: Context) -> Outcome:
 
 
 def shm(ctx: Context) -> Outcome:
-    plan = ctx.require_plan()
+    deployment = ctx.require_deployment()
+    plan = deployment.plan
     runtime = plan.settings.runtime
     if runtime.ipc_host:
         size = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").exists() else 0
@@ -302,11 +307,11 @@ def shm(ctx: Context) -> Outcome:
             )
         return Outcome("ok", f"host IPC namespace, /dev/shm {size / GIB:.0f} GiB")
     want = parse_size(runtime.shm_size)
-    if want < SHM_FLOOR and plan.gpus_needed > 1:
+    if want < SHM_FLOOR and deployment.layout.gpus_per_node > 1:
         # NCCL puts its intra-node buffers in /dev/shm; Docker's 64 MB default makes it fail.
         return Outcome(
             "fail",
-            f"runtime.shm_size={runtime.shm_size} is too small for {plan.gpus_needed} GPUs' NCCL buffers",
+            f"runtime.shm_size={runtime.shm_size} is too small for {deployment.layout.gpus_per_node} GPUs' NCCL buffers",
             f"at least {SHM_FLOOR // GIB} GiB: --set runtime.shm_size=64g (the recipes' default)",
         )
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -327,14 +332,14 @@ def memlock(ctx: Context) -> Outcome:
     with exactly those settings (dockerd's own limits decide, not this shell's)."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     host = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft // 1024} KiB"
-    plan = ctx.plan
-    if plan is None or (plan.hardware.vendor == "cpu" and not plan.settings.runtime.ulimits):
+    deployment = ctx.deployment
+    if deployment is None or not deployment.plan.settings.runtime.ulimits:
         return Outcome("ok", f"host locked-memory limit {host}; the plan sets no ulimits")
     from m31ctl.container import container_spec
     from m31ctl.runtime.docker import trial_run
 
     client = ctx.engine()
-    spec = container_spec(plan)
+    spec = container_spec(deployment)
     if local_image(client, spec.image) is None:
         return Outcome("skip", f"{spec.image} is not here to try the ulimits with (launch will)")
     error = trial_run(client, spec)
@@ -349,24 +354,22 @@ def memlock(ctx: Context) -> Outcome:
 
 
 def port(ctx: Context) -> Outcome:
-    plan = ctx.require_plan()
-    runtime = plan.settings.runtime
-
-    if not port_free(runtime.bind, runtime.port):
+    network = ctx.require_deployment().network
+    if not port_free(network.bind, network.port):
         return Outcome(
             "fail",
-            f"port {runtime.bind}:{runtime.port} is in use",
+            f"port {network.bind}:{network.port} is in use",
             "stop what listens there or pass --port / --set runtime.port=...",
         )
-    return Outcome("ok", f"port {runtime.bind}:{runtime.port} is free")
+    return Outcome("ok", f"port {network.bind}:{network.port} is free")
 
 
 def hf_token(ctx: Context) -> Outcome:
-    plan = ctx.require_plan()
+    deployment = ctx.require_deployment()
     if _checkpoint(ctx)[0] == "complete":
         return Outcome("ok", "checkpoint cached; no token needed to start")
-    token_file = _hf_cache(plan) / "token"
-    if ctx.env.get("HF_TOKEN") or ctx.env.get("HUGGING_FACE_HUB_TOKEN"):
+    token_file = Path(deployment.hf_cache) / "token"
+    if any(ctx.env.get(name) for name in SECRET_ENV if name != deployment.secrets.api_key):
         return Outcome("ok", "Hugging Face token present in the environment (not shown)")
     if token_file.exists():
         return Outcome("ok", f"Hugging Face token present in {token_file} (not shown)")
@@ -410,7 +413,7 @@ def engine(ctx: Context) -> Outcome:
     from m31ctl.runtime.images import engine_schema
 
     data = engine_schema(ctx.engine(), image)
-    findings = validate(build_invocation(plan), schema_from_data(data, name))
+    findings = validate(build_invocation(ctx.require_deployment()), schema_from_data(data, name))
     if findings:
         return Outcome(
             "fail",
@@ -422,26 +425,26 @@ def engine(ctx: Context) -> Outcome:
 
 
 def api_key(ctx: Context) -> Outcome:
-    plan = ctx.require_plan()
-    if not plan.settings.runtime.api_key:
+    name = ctx.require_deployment().secrets.api_key
+    if name is None:
         return Outcome("ok", "the server takes no API key (loopback only)")
-    if ctx.env.get(API_KEY_ENV):
-        return Outcome("ok", f"{API_KEY_ENV} is set (not shown)")
+    if ctx.env.get(name):
+        return Outcome("ok", f"{name} is set (not shown)")
     return Outcome(
         "fail",
-        f"runtime.api_key is set but {API_KEY_ENV} is not in the environment",
-        f"export {API_KEY_ENV} (m31ctl passes it by reference, never in argv)",
+        f"runtime.api_key is set but {name} is not in the environment",
+        f"export {name} (m31ctl passes it by reference, never in argv)",
     )
 
 
 def capacity(ctx: Context) -> Outcome:
-    plan = ctx.require_plan()
+    deployment = ctx.require_deployment()
     from m31ctl.capacity.fit import capacity_warning, plan_fit
 
-    warning = capacity_warning(plan)
+    warning = capacity_warning(deployment)
     if warning:
         return Outcome("warn", warning, "lower serving.max_model_len / max_num_seqs or add GPUs")
-    fit = plan_fit(plan)
+    fit = plan_fit(deployment)
     basis = fit.sequences_published_basis
     published = "" if basis is None else f"; {basis} on the launch post's basis (main attention only)"
     return Outcome(
@@ -469,25 +472,24 @@ def _deep_timeout(env: Mapping[str, str]) -> float:
 _NCCL_WARN = re.compile(r"NCCL (WARN|INFO.*(error|fail))|RCCL|ProcessGroup|Traceback|Error", re.IGNORECASE)
 
 
-def _collective_shape(plan: Plan) -> tuple[int, str, int]:
-    """(world size, backend, MiB): the plan's tensor-parallel group on one node, NCCL on GPUs
-    (RCCL answers to the same name on ROCm), gloo with two processes on the CPU rehearsal."""
-    if plan.hardware.vendor == "cpu":
-        return 2, "gloo", 16
-    par = plan.settings.parallelism
-    world = min(par.tensor * par.pipeline, plan.hardware.count or 1)
-    return max(1, world), "nccl", 256
+def _collective_shape(deployment: Deployment) -> tuple[int, str, int]:
+    """(world size, backend, MiB) from the vendor's row: the plan's tensor-parallel group on one
+    node over NCCL on GPUs (RCCL answers to the same name on ROCm), two gloo ranks on the CPU."""
+    facts = deployment.vendor
+    layout = deployment.layout
+    world = facts.collective_ranks or min(layout.tensor, deployment.hardware.count or 1)
+    return max(1, world), facts.collective_backend or "gloo", facts.collective_mib
 
 
 def deep_probe(ctx: Context) -> dict[str, Any]:
     """Run collective_check.py once per doctor run, where --deep says: in the engine image with
     launch's container settings, or with the native runtime's Python."""
-    plan = ctx.require_plan()
-
+    deployment = ctx.require_deployment()
+    plan = deployment.plan
     timeout = _deep_timeout(ctx.env)
 
     def run() -> dict[str, Any]:
-        world, backend, mib = _collective_shape(plan)
+        world, backend, mib = _collective_shape(deployment)
         args = ["--world", str(world), "--backend", backend, "--mib", str(mib)]
         started = time.monotonic()
         if ctx.deep == "native":
@@ -499,7 +501,7 @@ def deep_probe(ctx: Context) -> dict[str, Any]:
             from m31ctl.runtime.docker import run_in_engine
 
             client = ctx.engine()
-            spec = container_spec(plan)
+            spec = container_spec(deployment)
             if local_image(client, spec.image) is None:
                 raise SkipCheck(f"{spec.image} is not here to run the check in", "pull it, or --deep native")
             try:
@@ -565,7 +567,7 @@ def _likely_cause(stderr: str) -> str:
 
 
 def engine_image(ctx: Context) -> Outcome:
-    plan = ctx.require_plan()
+    deployment = ctx.require_deployment()
     data = deep_probe(ctx)
     engine = data.get("engine")
     if not isinstance(engine, dict):
@@ -578,11 +580,11 @@ def engine_image(ctx: Context) -> Outcome:
             f"{versions}: this Python cannot serve ({engine.get('vllm_error', 'vLLM not importable')})",
             "install vLLM there (pip install 'm31ctl[vllm]'), or use the engine image",
         )
-    if plan.hardware.vendor == "cpu":
+    if not deployment.vendor.gpus:
         return Outcome("ok", f"{versions} (CPU)")
     runtime = engine.get("hip_runtime") or engine.get("cuda_runtime")
     versions += f", {'HIP' if engine.get('hip_runtime') else 'CUDA'} {runtime}"
-    world, _backend, _mib = _collective_shape(plan)
+    world, _backend, _mib = _collective_shape(deployment)
     if not engine.get("accelerator") or int(engine.get("device_count") or 0) < world:
         return Outcome("fail", f"{versions}; {engine.get('device_count', 0)} GPUs visible, the plan needs {world}",
                        "check the GPU runtime (nvidia-container-toolkit / /dev/kfd) and *_VISIBLE_DEVICES")  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
-from m31ctl.plan import Plan
+from m31ctl.deployment import Deployment
 
 # Domain cache dtype -> vLLM's spelling, per flag (--kv-cache-dtype says bfloat16, the
 # indexer config says bf16).
@@ -56,18 +56,11 @@ class NodeRole(NamedTuple):
     supplies them, e.g. ${LWS_LEADER_ADDRESS}); the adapter only spells the flags."""
 
     leader: bool
-    gpus_per_node: int
     leader_address: str
     start_rank: str
 
 
-def spans_with_ray(plan: Plan) -> bool:
-    """Pipeline stages across nodes run as one engine over Ray; data-parallel ranks across
-    nodes need no Ray (vLLM's multi-node data-parallel deployment)."""
-    return plan.settings.parallelism.pipeline > 1
-
-
-def multi_node_args(plan: Plan, role: NodeRole) -> list[str]:
+def multi_node_args(deployment: Deployment, role: NodeRole) -> list[str]:
     """What a layout that spans nodes adds to `vllm serve` on one node.
 
     TP within a node and PP across nodes: the leader runs the engine with the Ray executor; the
@@ -75,12 +68,11 @@ def multi_node_args(plan: Plan, role: NodeRole) -> list[str]:
     docs, serving/data_parallel_deployment): every node runs `vllm serve` with its local rank
     count, the leader's address and the coordinator port; the others also `--headless` with
     their first rank. Without the local count, vLLM starts all ranks on the leader."""
-    if spans_with_ray(plan):
+    layout = deployment.layout
+    if layout.over_ray:
         return list(RAY_EXECUTOR) if role.leader else []
-    par = plan.settings.parallelism
-    local = max(1, role.gpus_per_node // (par.tensor * par.pipeline))
     args = [
-        "--data-parallel-size-local", str(local),
+        "--data-parallel-size-local", str(layout.data_local),
         "--data-parallel-address", role.leader_address,
         "--data-parallel-rpc-port", str(DP_RPC_PORT),
     ]  # fmt: skip
@@ -89,12 +81,12 @@ def multi_node_args(plan: Plan, role: NodeRole) -> list[str]:
     return args
 
 
-def build_invocation(plan: Plan, *, node: NodeRole | None = None) -> EngineInvocation:
+def build_invocation(deployment: Deployment, *, node: NodeRole | None = None) -> EngineInvocation:
     """The argv after `vllm serve` and the environment for the plan. `node`: this pod's part in
     a layout that spans nodes (the Kubernetes LeaderWorkerSet), whose flags come before the
     user's extra_args."""
-    s = plan.settings
-    args: list[str] = [s.model.path, "--served-model-name", s.model.served_name]
+    s = deployment.plan.settings
+    args: list[str] = [deployment.model.reference, "--served-model-name", s.model.served_name]
 
     par = s.parallelism
     args += ["--tensor-parallel-size", str(par.tensor)]
@@ -160,7 +152,7 @@ def build_invocation(plan: Plan, *, node: NodeRole | None = None) -> EngineInvoc
     if serving.shutdown_timeout:
         args += ["--shutdown-timeout", str(serving.shutdown_timeout)]
     if node is not None:
-        args += multi_node_args(plan, node)
+        args += multi_node_args(deployment, node)
     args += list(s.engine.extra_args)
 
     env: dict[str, str] = {}
@@ -181,20 +173,10 @@ def build_invocation(plan: Plan, *, node: NodeRole | None = None) -> EngineInvoc
     )
 
 
-def native_command(plan: Plan, python: str) -> list[str]:
+def native_command(deployment: Deployment, python: str) -> list[str]:
     """The API server run from a local Python, with the same engine flags and the bind address
     and port that the container runtime gets from its port mapping."""
-    model, *rest = build_invocation(plan).args
-    runtime = plan.settings.runtime
-    return [
-        python,
-        "-m",
-        API_SERVER_MODULE,
-        "--model",
-        model,
-        *rest,
-        "--host",
-        runtime.bind,
-        "--port",
-        str(runtime.port),
-    ]
+    model, *rest = build_invocation(deployment).args
+    network = deployment.network
+    return [python, "-m", API_SERVER_MODULE, "--model", model, *rest,
+            "--host", network.bind, "--port", str(network.port)]  # fmt: skip

@@ -15,9 +15,9 @@ from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from m31ctl.deployment import Deployment
 from m31ctl.engine.adapter import EngineInvocation, build_invocation
 from m31ctl.errors import InputError, close_matches
-from m31ctl.plan import Plan
 
 # Environment variables vLLM removed, and what replaced them (vllm-engine-facts.md). vLLM only
 # warns "Unknown vLLM environment variable" for them, so the setting silently does nothing.
@@ -298,8 +298,8 @@ class PlanValidation(NamedTuple):
         }
 
 
-def validate_plan(plan: Plan) -> PlanValidation:
+def validate_plan(deployment: Deployment) -> PlanValidation:
     """Every finding for the plan's engine invocation against the schema it names."""
-    inv = build_invocation(plan)
-    schema = schema_for(inv.image, plan.settings.engine.schema_version)
+    inv = build_invocation(deployment)
+    schema = schema_for(inv.image, deployment.plan.settings.engine.schema_version)
     return PlanValidation(schema, inv, tuple(validate(inv, schema)))

@@ -11,8 +11,9 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
-from m31ctl.errors import HostPreconditionError, InputError, RuleViolation, close_matches
-from m31ctl.hardware import PRODUCTS, SERVED_ARCHS, Hardware, cpu_host, simulated
+from m31ctl.errors import InputError, RuleViolation, close_matches
+from m31ctl.hardware import PRODUCTS, SERVED_ARCHS, Hardware, cpu_host, simulated, vendor_facts
+from m31ctl.plan.engine_rules import check_engine
 from m31ctl.plan.layers import Layer, Setting, Source, merge, parse_set, unflatten
 from m31ctl.plan.recipes import (
     ModelFacts,
@@ -23,7 +24,7 @@ from m31ctl.plan.recipes import (
     load_recipe,
     select_recipe,
 )
-from m31ctl.plan.settings import PlanSettings
+from m31ctl.plan.settings import Parallelism, PlanSettings
 from m31ctl.redact import redact
 
 DEFAULT_PROFILE = "latency"
@@ -35,7 +36,7 @@ class PlanRequest(NamedTuple):
     hardware: Hardware
     recipe: str | None = None
     variant: str | None = None
-    profile: str = DEFAULT_PROFILE
+    profile: str | None = None  # None: DEFAULT_PROFILE
     files: tuple[Path, ...] = ()
     sets: tuple[str, ...] = ()
 
@@ -166,7 +167,7 @@ def _fill_host(settings: PlanSettings, merged: Layer, hw: Hardware) -> tuple[Pla
     """parallelism.fill_host: replicate the layout with data parallelism over every GPU of the
     host (one vLLM server: DP ranks on disjoint GPU sets; vLLM's data-parallel deployment)."""
     par = settings.parallelism
-    if not par.fill_host:
+    if not par.fill_host or par.nodes > 1:
         return settings, merged
     replicas = hw.count // par.gpus if par.gpus else 0
     if replicas < 2:
@@ -193,12 +194,13 @@ def _with_sections(tree: dict[str, Any]) -> dict[str, Any]:
 
 
 def _split_across_nodes(settings: PlanSettings, merged: Layer, hw: Hardware) -> tuple[PlanSettings, Layer]:
-    """Nodes with fewer GPUs than the tensor-parallel group: tensor parallelism within a node and
-    pipeline parallelism across nodes, as vLLM's multi-node guide and the LeaderWorkerSet example
-    for vLLM do (TP's all-reduces stay on NVLink; PP sends one activation per stage boundary)."""
+    """Nodes with fewer GPUs than the tensor-parallel group, when parallelism.nodes asks for
+    several: tensor parallelism within a node and pipeline parallelism across nodes, as vLLM's
+    multi-node guide and the LeaderWorkerSet example for vLLM do (TP's all-reduces stay on
+    NVLink; PP sends one activation per stage boundary). One node never becomes several here."""
     par = settings.parallelism
     per_node = hw.count
-    if hw.vendor == "cpu" or not 0 < per_node < par.tensor or par.tensor % per_node or par.pipeline > 1:
+    if par.nodes == 1 or not 0 < per_node < par.tensor or par.tensor % per_node or par.pipeline > 1:
         return settings, merged
     stages = par.tensor // per_node
     source = Source(
@@ -214,12 +216,45 @@ def _split_across_nodes(settings: PlanSettings, merged: Layer, hw: Hardware) -> 
     }
 
 
+def _nodes_problem(par: Parallelism) -> str | None:
+    """Why the layout cannot fall evenly on parallelism.nodes, or None. Every node of a group
+    gets the same share (one LeaderWorkerSet template per role): pipeline stages one per node
+    (over Ray), or data-parallel ranks in equal numbers (vLLM's --data-parallel-size-local)."""
+    nodes = par.nodes
+    if nodes == 1:
+        return None
+    if par.pipeline > 1:
+        if par.pipeline != nodes or par.data > 1:
+            return (
+                f"pipeline stages span the nodes one per node: parallelism.pipeline ({par.pipeline}) must "
+                f"equal parallelism.nodes ({nodes}), with parallelism.data=1"
+            )
+        return None
+    if par.data % nodes:
+        return (
+            f"parallelism.data ({par.data}) must be a multiple of parallelism.nodes ({nodes}): each node "
+            "runs the same number of data-parallel ranks (vLLM's --data-parallel-size-local)"
+        )
+    return None
+
+
+def _check_nodes(settings: PlanSettings, merged: Layer) -> None:
+    problem = _nodes_problem(settings.parallelism)
+    if problem:
+        setting = merged.get("parallelism.nodes")
+        raise InputError(
+            problem,
+            where=str(setting.source) if setting else None,
+            hint="change parallelism.nodes, .data or .tensor so the layout divides over the nodes",
+        )
+
+
 def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
     """Merge the layers and validate. `recipe` overrides request.recipe (used by `recipes validate`)."""
     if recipe is None:
         recipe = get_recipe(request.recipe) if request.recipe else select_recipe(request.hardware)
     variant = recipe.variant(request.variant)
-    profile = recipe.profile(request.profile)
+    profile = recipe.profile(request.profile or DEFAULT_PROFILE)
     layers: list[Layer] = [defaults_layer(), recipe.layer, variant.layer, profile.layer]
     if request.files:
         from m31ctl.plan.yamlfile import load_layer_file
@@ -236,6 +271,7 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
     # After the rules: they constrain the layout the recipe asks for (TP8 on Hopper); the split
     # only maps that layout onto nodes smaller than it.
     settings, merged = _split_across_nodes(settings, merged, request.hardware)
+    _check_nodes(settings, merged)
     model = get_model(settings.model.id)
     return Plan(
         recipe=recipe,
@@ -245,7 +281,8 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
         model=model,
         settings=settings,
         provenance=MappingProxyType({k: s.source for k, s in merged.items()}),
-        warnings=_warnings(recipe, settings, request.hardware),
+        warnings=_warnings(recipe, settings, request.hardware)
+        + check_engine(settings, merged, request.hardware),
     )
 
 
@@ -255,43 +292,22 @@ def _warnings(recipe: Recipe, settings: PlanSettings, hw: Hardware) -> tuple[str
         notes.append(f"the {recipe.recipe} recipe is a preview: {recipe.description}")
     if recipe.status == "rehearsal":
         notes.append("rehearsal recipe: for CI and dry runs only, it does not serve MiniMax-M3.1-Flash")
-    needed = settings.parallelism.gpus
-    if hw.count < needed:
-        notes.append(
-            f"this {'simulated ' if hw.source.startswith('simulated') else ''}host has {hw.count} GPUs "
-            f"and the plan needs {needed}: launch will refuse it"
-        )
-    elif hw.count > needed:
+    par = settings.parallelism
+    per_node = par.gpus // par.nodes
+    # Too few GPUs is refused when the plan is deployed (deployment.require_fit), not noted here.
+    if par.nodes == 1 and hw.count > per_node:
         hint = (
             f"; --set parallelism.fill_host=true serves on all {hw.count} (data parallelism over the host)"
-            if hw.count // needed >= 2
+            if hw.count // per_node >= 2
             else ""
         )
-        notes.append(f"the plan uses {needed} of the {hw.count} GPUs{hint}")
+        notes.append(f"the plan uses {per_node} of the {hw.count} GPUs{hint}")
     return tuple(notes)
-
-
-def require_fit(plan: Plan) -> None:
-    """The host must have the GPUs the plan's layout needs (launch and doctor enforce this)."""
-    needed, have = plan.gpus_needed, plan.hardware.count
-    minimum = plan.recipe.match.min_memory_gib
-    if have and plan.hardware.memory_per_gpu_gib < minimum:
-        raise HostPreconditionError(
-            f"the {plan.recipe.recipe} recipe needs {minimum:g} GiB per GPU; "
-            f"{plan.hardware.product} has {plan.hardware.memory_per_gpu_gib:.1f} GiB",
-            hint="use GPUs with more memory",
-        )
-    if have < needed:
-        raise HostPreconditionError(
-            f"the plan needs {needed} GPUs ({plan.recipe.recipe}, profile {plan.profile}) "
-            f"but the hardware has {have}",
-            hint="use a host with more GPUs, or pass --hardware to plan for one",
-        )
 
 
 def _host_for(recipe: Recipe) -> Hardware:
     """A simulated host the recipe matches, with GPUs to spare, to resolve every combination."""
-    if recipe.match.vendor == "cpu":
+    if not vendor_facts(recipe.match.vendor).gpus:
         return cpu_host()
     archs = [a for a, fam in SERVED_ARCHS.items() if fam.id in recipe.match.families]
     product = next((p for p in PRODUCTS.values() if p.arch in archs), None)

@@ -4,6 +4,7 @@ vLLM flag spellings: those live in the engine adapter alone."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -64,9 +65,12 @@ _POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64)
 
 
 class Parallelism(_Frozen):
+    # Hosts the layout spans; the hardware (--hardware or the probe) describes one of them. A
+    # layout wider than one host is asked for here, never inferred from a small host.
+    nodes: StrictInt = Field(1, ge=1, le=64)
     tensor: StrictInt = Field(1, ge=1, le=64)
-    # Pipeline stages: only where a node has fewer GPUs than the tensor-parallel group (TP within
-    # a node, PP across nodes, as vLLM's multi-node guide does); resolved against the hardware.
+    # Pipeline stages: where nodes have fewer GPUs than the tensor-parallel group, TP stays within
+    # a node and PP spans the nodes (vLLM's multi-node guide); resolved against the hardware.
     pipeline: StrictInt = Field(1, ge=1, le=16)
     data: StrictInt = Field(1, ge=1, le=1024)
     expert: bool = False
@@ -215,9 +219,22 @@ class Runtime(_Frozen):
             raise ValueError(problem)
         return value
 
+    @field_validator("bind")
+    @classmethod
+    def _bind_is_an_address(cls, value: str) -> str:
+        # Docker's -p and Compose take an IP address only ("invalid IP address" for a name), and
+        # a name could resolve differently where the server runs.
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            raise ValueError(
+                "not an IP address: use 127.0.0.1 (this host only), "
+                "::1, or 0.0.0.0 / :: (every interface, with runtime.api_key=true)"
+            ) from None
+
     @model_validator(mode="after")
     def _exposed_needs_key(self) -> Runtime:
-        if not self.bind.startswith("127.") and self.bind not in ("::1", "localhost") and not self.api_key:
+        if not ipaddress.ip_address(self.bind).is_loopback and not self.api_key:
             raise ValueError(
                 f"runtime.bind={self.bind} exposes the server beyond this host, which requires an API key: "
                 "also set runtime.api_key=true and provide VLLM_API_KEY"

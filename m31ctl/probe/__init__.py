@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from m31ctl.errors import ProbeError, UnsupportedHardware
-from m31ctl.hardware import Hardware, describe_arch, family_for
+from m31ctl.errors import UnsupportedHardware
+from m31ctl.hardware import Hardware, describe_arch, family_for, vendor_facts
 from m31ctl.probe.base import ProbeUnavailable, Snapshot, environ
 from m31ctl.probe.visibility import apply_visibility
 
@@ -74,7 +74,7 @@ def describe(snapshot: Snapshot, env: Mapping[str, str]) -> tuple[Hardware, str 
     models = sorted({(g.name, g.arch) for g in gpus})
     if len(models) > 1:
         found = ", ".join(f"{name} ({describe_arch(arch)})" for name, arch in models)
-        var = "CUDA_VISIBLE_DEVICES" if snapshot.vendor == "nvidia" else "ROCR_VISIBLE_DEVICES"
+        var = vendor_facts(snapshot.vendor).pick_var or "CUDA_VISIBLE_DEVICES"
         raise UnsupportedHardware(
             f"this host mixes GPU models: {found}",
             hint=f"pick identical devices with {var}=0,1,... or pass --hardware",
@@ -126,10 +126,3 @@ def detect(methods: Sequence[ProbeMethod] | None = None, env: Mapping[str, str] 
             hardware, applied = describe(snapshot, env)
             return ProbeReport(hardware, tuple(attempts), applied)
     return ProbeReport(NO_GPU, tuple(attempts))
-
-
-def probe_failure_hint(report: ProbeReport) -> ProbeError:
-    reasons = "; ".join(f"{a.method}: {a.detail}" for a in report.attempts if not a.ok)
-    return ProbeError(
-        f"no GPU found ({reasons})", hint="pass --hardware (e.g. --hardware b300x4) to plan without probing"
-    )

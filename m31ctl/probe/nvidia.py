@@ -28,7 +28,6 @@ SMI_FIELDS = (
     "clocks.max.sm",
 )
 NVML_FABRIC_STATE_COMPLETED = 3
-ZERO_UUID = "00000000-0000-0000-0000-000000000000"
 
 
 def _text(value: Any) -> str:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from m31ctl.deployment import Deployment
 from m31ctl.errors import InputError
-from m31ctl.plan import Plan
 from m31ctl.render.targets import RENDERERS, SINGLE_HOST, Artifact, single_host_only
 
-Renderer = Callable[[Plan], list[Artifact]]
+Renderer = Callable[[Deployment], list[Artifact]]
 
 
 def get_target(name: str) -> Renderer:
@@ -18,10 +18,10 @@ def get_target(name: str) -> Renderer:
         raise InputError(f"unknown --target {name!r}", hint=f"choose one of: {', '.join(RENDERERS)}")
     renderer = RENDERERS[name]
 
-    def render(plan: Plan) -> list[Artifact]:
+    def render(deployment: Deployment) -> list[Artifact]:
         if name in SINGLE_HOST:
-            single_host_only(plan, name)
-        return renderer(plan)
+            single_host_only(deployment, name)
+        return renderer(deployment)
 
     return render
 

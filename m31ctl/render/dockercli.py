@@ -10,7 +10,7 @@ Mode = Literal["detached", "foreground"]
 
 
 def docker_run_argv(spec: ContainerSpec, mode: Mode, env_file: str | None = None) -> list[str]:
-    """Everything after `docker`. A hf_cache of ~/... stays ~/... for the caller to expand."""
+    """Everything after `docker`."""
     argv = ["run"]
     if mode == "detached":
         argv += ["--detach", "--restart", spec.restart]

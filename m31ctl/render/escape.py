@@ -10,15 +10,11 @@ from typing import Any
 
 from m31ctl.memo import memoized
 
-HOME_PREFIX = "~/"
-
 
 def shell_word(value: object) -> str:
-    """One shell word. A leading ~/ becomes "$HOME"/ so the path resolves on the target host."""
-    text = str(value)
-    if text.startswith(HOME_PREFIX):
-        return '"$HOME"/' + shlex.quote(text[len(HOME_PREFIX) :])
-    return shlex.quote(text)
+    """One shell word, taken literally (paths are absolute by now: the Deployment expanded `~`
+    once, so nothing here depends on who runs the script)."""
+    return shlex.quote(str(value))
 
 
 _SYSTEMD_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
@@ -26,17 +22,11 @@ _SYSTEMD_SAFE = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
 def systemd_word(value: object) -> str:
     """One word of a systemd Exec line: %-specifiers, $-expansion and quotes are escaped."""
-    text = str(value)
-    home = text.startswith(HOME_PREFIX)
-    if home:
-        text = text[len(HOME_PREFIX) :]
-    text = text.replace("%", "%%").replace("$", "$$")
+    text = str(value).replace("%", "%%").replace("$", "$$")
     if _SYSTEMD_SAFE.match(text) and "%%" not in text:
-        word = text
-    else:
-        escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
-        word = f'"{escaped}"'
-    return f"%h/{word}" if home else word
+        return text
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
+    return f'"{escaped}"'
 
 
 @cache

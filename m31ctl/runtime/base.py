@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from m31ctl.plan import Plan
+from m31ctl.deployment import Deployment
 
 Reporter = Callable[[str], None]  # progress lines for the user (the CLI decides where they go)
 
@@ -137,9 +137,9 @@ class Runtime(Protocol):
     # The doctor checks that gate a launch on this runtime (ids in m31ctl.doctor.checks).
     preflight_checks: tuple[str, ...]
 
-    def dry_run(self, plan: Plan) -> DryRun: ...
+    def dry_run(self, deployment: Deployment) -> DryRun: ...
 
-    def launch(self, plan: Plan, options: LaunchOptions) -> LaunchResult:
+    def launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
         """Converge on the plan: create, adopt, leave unchanged, recreate (after confirmation) or
         refuse; then wait until the served model answers unless options.detach."""
         ...

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from m31ctl.container import OWNER, ContainerSpec, Label, container_spec
+from m31ctl.deployment import Deployment
 from m31ctl.errors import ConflictError, HostPreconditionError, M31Error, ServerDied
 from m31ctl.netaddr import local_url
-from m31ctl.plan import Plan
 from m31ctl.render.dockercli import docker_run_argv
 from m31ctl.runtime import engine_api
 from m31ctl.runtime.base import (
@@ -222,26 +222,27 @@ class DockerRuntime:
         "api-key",
     )
 
-    def dry_run(self, plan: Plan) -> DryRun:
-        spec = container_spec(plan)
+    def dry_run(self, deployment: Deployment) -> DryRun:
+        spec = container_spec(deployment)
         return DryRun(
             "container",
             ("docker", *docker_run_argv(spec, "detached")),
             {"container": spec.to_data()},
         )
 
-    def launch(self, plan: Plan, options: LaunchOptions) -> LaunchResult:
+    def launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
         with engine_api.engine_boundary("launching"):
-            return self._launch(plan, options)
+            return self._launch(deployment, options)
 
-    def _launch(self, plan: Plan, options: LaunchOptions) -> LaunchResult:
+    def _launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
+        plan = deployment.plan
         environ = dict(options.environ)
-        spec = container_spec(plan)
-        api_key = api_key_for(plan, environ)
+        spec = container_spec(deployment)
+        api_key = api_key_for(deployment, environ)
         served = plan.settings.model.served_name
         client = engine_api.connect()
         timeout = float(options.timeout if options.timeout is not None else spec.startup_timeout)
-        watchdog = watchdog_for(plan, spec.name, options.diagnostics)
+        watchdog = watchdog_for(deployment, options.diagnostics)
         container = engine_api.find_container(client, spec.name)
         decision = decide(_existing(container, spec, api_key, served), plan.hash)
         confirm_or_refuse(decision, spec.name, plan.hash, options)

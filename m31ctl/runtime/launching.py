@@ -9,33 +9,29 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from m31ctl.errors import ConflictError, HostPreconditionError, InputError
+from m31ctl.deployment import Deployment
+from m31ctl.errors import ConflictError, HostPreconditionError
 from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
+from m31ctl.redact import header_safe
 from m31ctl.resources import state_root
 from m31ctl.runtime.base import Diagnostics, LaunchOptions
 from m31ctl.runtime.converge import Action, Decision
 from m31ctl.runtime.readiness import Watchdog
 
-API_KEY_ENV = "VLLM_API_KEY"
 
-
-def api_key_for(plan: Plan, environ: Mapping[str, str]) -> str | None:
+def api_key_for(deployment: Deployment, environ: Mapping[str, str]) -> str | None:
     """The key the server will demand (read from the environment, never stored), or None."""
-    if not plan.settings.runtime.api_key:
+    name = deployment.secrets.api_key
+    if name is None:
         return None
-    key = environ.get(API_KEY_ENV)
+    key = environ.get(name)
     if not key:
         raise HostPreconditionError(
-            f"runtime.api_key is set but {API_KEY_ENV} is not in the environment",
-            hint=f"export {API_KEY_ENV} before launching",
+            f"runtime.api_key is set but {name} is not in the environment",
+            hint=f"export {name} before launching",
         )
-    if "\r" in key or "\n" in key:
-        raise InputError(
-            f"{API_KEY_ENV} holds a line break, which no HTTP header can carry",
-            hint="fix the variable's value",
-        )
-    return key
+    return header_safe(name, key)
 
 
 def ensure_port_free(bind: str, port: int) -> None:
@@ -58,17 +54,15 @@ def confirm_or_refuse(decision: Decision, name: str, plan_hash: str, options: La
             )
 
 
-def watchdog_for(plan: Plan, name: str, diagnostics: Diagnostics | None = None) -> Watchdog:
-    """Silence budgets per startup phase, from the plan: the checkpoint download may go quiet
-    for its whole expected time at runtime.download_mbps; every other phase for
-    runtime.load_and_compile_s. The triage bundle is written under the state directory."""
-    runtime = plan.settings.runtime
-    download_s = plan.model.checkpoint_gb * 8000 / runtime.download_mbps
-    budgets = {"downloading the checkpoint": max(60.0, download_s)}
+def watchdog_for(deployment: Deployment, diagnostics: Diagnostics | None = None) -> Watchdog:
+    """Silence budgets per startup phase, from the Deployment: the checkpoint download may go
+    quiet for its whole expected time; every other phase for the load-and-compile budget. The
+    triage bundle is written under the state directory."""
+    budgets = deployment.budgets
     return Watchdog(
-        budgets,
-        float(max(1, runtime.load_and_compile_s)),
-        lambda data: write_triage(plan, name, data, diagnostics),
+        {"downloading the checkpoint": max(60.0, float(budgets.download_s))},
+        float(max(1, budgets.load_and_compile_s)),
+        lambda data: write_triage(deployment.plan, deployment.name, data, diagnostics),
     )
 
 

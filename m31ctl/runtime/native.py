@@ -19,12 +19,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from m31ctl.container import startup_budget_s
+from m31ctl.deployment import Deployment
 from m31ctl.engine.adapter import build_invocation, native_command
 from m31ctl.errors import CheckFailed, HostPreconditionError
 from m31ctl.names import check_name, name_problem
 from m31ctl.netaddr import local_url
-from m31ctl.plan import Plan
 from m31ctl.resources import state_root
 from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Reporter, ServerStatus
 from m31ctl.runtime.converge import Action, Existing, decide
@@ -155,9 +154,9 @@ class ProcessHandle:
         return "\n".join(text.splitlines()[-lines:]) + "\n"
 
 
-def command(plan: Plan) -> list[str]:
-    runtime = plan.settings.runtime
-    return native_command(plan, runtime.native_python or sys.executable)
+def command(deployment: Deployment) -> list[str]:
+    runtime = deployment.plan.settings.runtime
+    return native_command(deployment, runtime.native_python or sys.executable)
 
 
 def _existing(server: NativeServer | None, served: str, api_key: str | None) -> Existing | None:
@@ -176,20 +175,20 @@ class NativeRuntime:
     name = "native"
     preflight_checks = ("gpus", "gpu-memory", "mig", "disk", "capacity", "api-key")
 
-    def dry_run(self, plan: Plan) -> DryRun:
-        return DryRun("process", tuple(command(plan)), {"command": command(plan)})
+    def dry_run(self, deployment: Deployment) -> DryRun:
+        return DryRun("process", tuple(command(deployment)), {"command": command(deployment)})
 
-    def launch(self, plan: Plan, options: LaunchOptions) -> LaunchResult:
+    def launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
+        plan = deployment.plan
         environ = dict(options.environ)
-        runtime = plan.settings.runtime
-        name = runtime.container_name
-        api_key = api_key_for(plan, environ)
-        if plan.hardware.vendor != "cpu" and plan.hardware.source.startswith("simulated"):
+        name = deployment.name
+        api_key = api_key_for(deployment, environ)
+        if deployment.simulated:
             raise HostPreconditionError(
                 "the native runtime runs on this host's own hardware",
                 hint="drop --hardware (or use --hardware cpu for the rehearsal)",
             )
-        timeout = float(options.timeout if options.timeout is not None else startup_budget_s(plan))
+        timeout = float(options.timeout if options.timeout is not None else deployment.budgets.startup_s)
         served = plan.settings.model.served_name
         existing = load(name)
         decision = decide(_existing(existing, served, api_key), plan.hash)
@@ -206,7 +205,7 @@ class NativeRuntime:
                 options.report,
                 api_key,
                 on_phase=options.on_phase,
-                watchdog=watchdog_for(plan, name, options.diagnostics),
+                watchdog=watchdog_for(deployment, options.diagnostics),
             )
 
         if existing is not None and decision.action is Action.ADOPT:
@@ -219,11 +218,11 @@ class NativeRuntime:
             )
         if existing is not None and decision.action is Action.RECREATE:
             stop_server(existing, existing.stop_timeout, options.report)
-        ensure_port_free(runtime.bind, runtime.port)
-        argv = command(plan)
+        ensure_port_free(deployment.network.bind, deployment.network.port)
+        argv = command(deployment)
         log_path = state_dir() / f"{name}.log"
         state_dir().mkdir(parents=True, exist_ok=True)
-        env = {**environ, **dict(build_invocation(plan).env)}
+        env = {**environ, **dict(build_invocation(deployment).env)}
         with open(log_path, "ab") as log:
             # A session of its own: Ctrl-C on m31ctl leaves the server running, as a container would.
             child = subprocess.Popen(
@@ -241,12 +240,12 @@ class NativeRuntime:
             recipe=plan.recipe.recipe,
             variant=plan.variant,
             profile=plan.profile,
-            bind=runtime.bind,
-            port=runtime.port,
+            bind=deployment.network.bind,
+            port=deployment.network.port,
             log=str(log_path),
             argv=tuple(argv),
             started_at=time.time(),
-            stop_timeout=plan.settings.serving.shutdown_timeout + 30,
+            stop_timeout=deployment.budgets.stop_s,
             identity=process_identity(child.pid),
         )
         _save(server)

@@ -12,6 +12,7 @@ from typing import Any
 
 from m31ctl.checks import CheckResult, judged
 from m31ctl.errors import CheckFailed, HostPreconditionError, InputError
+from m31ctl.redact import API_KEY_ENV, header_safe
 from m31ctl.runtime import http_answers
 from m31ctl.runtime.http_answers import Unreadable, as_int, as_list, as_object, as_str, glimpse
 
@@ -64,13 +65,9 @@ def _usage_ok(usage: Any) -> tuple[bool, str]:
 
 
 def auth_headers() -> dict[str, str]:
-    """The Authorization header for a server that wants VLLM_API_KEY (none when it is unset)."""
-    key = os.environ.get("VLLM_API_KEY")
-    if key and ("\r" in key or "\n" in key):
-        raise InputError(
-            "VLLM_API_KEY holds a line break, which no HTTP header can carry", hint="fix the variable's value"
-        )
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    """The Authorization header for a server that wants the API key (none when it is unset)."""
+    key = os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {header_safe(API_KEY_ENV, key)}"} if key else {}
 
 
 def run(base: str, model: str | None, max_tokens: int = 16, timeout: float = 120.0) -> SmokeReport:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from m31ctl.checks import CheckResult, judged
+from m31ctl.deployment import Deployment
 from m31ctl.engine.adapter import KV_CACHE_DTYPE
 from m31ctl.errors import CheckFailed, InputError
 from m31ctl.plan import Plan
@@ -88,7 +89,7 @@ class VerifyReport:
 
 
 def run(
-    plan: Plan,
+    deployment: Deployment,
     base: str,
     *,
     server_plan_hash: str | None,
@@ -98,6 +99,7 @@ def run(
 ) -> VerifyReport:
     import httpx
 
+    plan = deployment.plan
     report = VerifyReport(base, plan.hash)
     served = plan.settings.model.served_name
     if server_plan_hash is not None:
@@ -112,7 +114,7 @@ def run(
         _tool_call(client, plan, report)
         _reasoning(client, plan, report)
         _image(client, plan, report)
-        _served_facts(client, plan, report)
+        _served_facts(client, deployment, report)
         if bench is None:
             report.check(
                 "load", None, "no benchmark runner (pass --bench-python, or verify a server m31ctl runs)"
@@ -268,9 +270,9 @@ def _image(client: Any, plan: Plan, report: VerifyReport) -> None:
     report.check("image-input", ok, f"HTTP {answer.status}" + _said(answer, ok))
 
 
-def _served_facts(client: Any, plan: Plan, report: VerifyReport) -> None:
+def _served_facts(client: Any, deployment: Deployment, report: VerifyReport) -> None:
     """What the engine says it runs, against the plan: served model, max length, KV cache."""
-    s = plan.settings
+    s = deployment.plan.settings
     listed = fetch(client, "GET", "/v1/models")
     entries = as_list(listed.obj().get("data"))
     entry = next((as_object(m) for m in entries if as_object(m).get("id") == s.model.served_name), {})
@@ -283,13 +285,13 @@ def _served_facts(client: Any, plan: Plan, report: VerifyReport) -> None:
         f"the engine serves {shown} tokens; the plan says {s.serving.max_model_len}"
         + _said(listed, length is not None),
     )
-    _kv_cache(served_metrics.scrape(client), plan, report)
+    _kv_cache(served_metrics.scrape(client), deployment, report)
 
 
-def _kv_cache(metrics: served_metrics.ServedMetrics, plan: Plan, report: VerifyReport) -> None:
+def _kv_cache(metrics: served_metrics.ServedMetrics, deployment: Deployment, report: VerifyReport) -> None:
     from m31ctl.capacity.fit import plan_fit
 
-    s = plan.settings
+    s = deployment.plan.settings
     info = metrics.labels("vllm:cache_config_info")
     if not info:
         report.check(
@@ -313,7 +315,7 @@ def _kv_cache(metrics: served_metrics.ServedMetrics, plan: Plan, report: VerifyR
             block == str(s.cache.block_size),
             f"the engine uses {block}-token blocks; the plan says {s.cache.block_size}",
         )
-    predicted = plan_fit(plan).kv_cache_tokens
+    predicted = plan_fit(deployment).kv_cache_tokens
     report.facts["kv_cache_tokens_predicted"] = predicted
     if tokens is not None and predicted:
         # The capacity model's figure is a prediction: reported beside the engine's, not gated.
