@@ -1,0 +1,149 @@
+"""The Deployment: facts derived once from the plan, and nodes asked for rather than implied."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from m31ctl.container import container_spec
+from m31ctl.deployment import derive, model_source, require_fit
+from m31ctl.doctor.base import Context
+from m31ctl.doctor.checks import checkpoint_state
+from m31ctl.engine.adapter import NodeRole, build_invocation
+from m31ctl.errors import ExitCode, HostPreconditionError, InputError
+from m31ctl.hardware import simulated
+from m31ctl.plan import PlanRequest, resolve
+from m31ctl.probe import detect
+from m31ctl.probe.nvidia import NvmlProbe
+from m31ctl.render import get_target
+from tests.fakes import FakeNvml
+
+H200X1 = Path(__file__).parent / "fixtures" / "gpu" / "device-h200x1"
+
+
+def plan_for(spec: str, *sets: str, profile: str | None = None):  # type: ignore[no-untyped-def]
+    return resolve(PlanRequest(hardware=simulated(spec), profile=profile, sets=sets))
+
+
+def test_the_real_single_h200_probe_does_not_invent_nodes():
+    """On the lent 1x H200 the probed plan once became TP1 x PP8 over eight imaginary nodes;
+    the Hopper recipe's TP8 stays TP8 on one node and is refused with what the host lacks."""
+    hw = detect([NvmlProbe(FakeNvml.from_file(H200X1 / "nvml-capture.json"))], env={}).hardware
+    assert (hw.count, hw.simulated) == (1, False)
+    plan = resolve(PlanRequest(hardware=hw))
+    par = plan.settings.parallelism
+    assert (par.nodes, par.tensor, par.pipeline) == (1, 8, 1)
+    deployment = derive(plan)
+    assert not deployment.layout.fits
+    with pytest.raises(HostPreconditionError, match="needs 8 GPUs .* this host has 1") as caught:
+        require_fit(deployment)
+    assert caught.value.exit_code == ExitCode.HOST_PRECONDITION
+    assert "parallelism.nodes" in (caught.value.hint or "")
+
+
+def test_the_plan_command_refuses_a_layout_wider_than_the_host(cli):
+    result = cli(
+        "plan", "--hardware", "b300x4", "--set", "parallelism.data=8", "--set", "parallelism.tensor=1"
+    )
+    assert result.returncode == ExitCode.HOST_PRECONDITION
+    assert "needs 8 GPUs" in result.stderr and "has 4" in result.stderr
+
+
+def test_two_nodes_of_data_parallelism_are_asked_for_and_laid_out():
+    plan = plan_for("b300x4", "parallelism.nodes=2", "parallelism.data=8", "parallelism.tensor=1")
+    layout = derive(plan).layout
+    assert (layout.nodes, layout.gpus_per_node, layout.data_local, layout.gpus) == (2, 4, 4, 8)
+    assert layout.spans_nodes and not layout.over_ray and layout.fits
+    assert [layout.start_rank(i) for i in range(2)] == [0, 4]
+    worker = build_invocation(derive(plan), node=NodeRole(False, "leader", "4")).args
+    assert worker[worker.index("--data-parallel-size-local") + 1] == "4"
+    assert worker[worker.index("--data-parallel-start-rank") + 1] == "4"
+
+
+def test_tensor_parallelism_wider_than_a_node_becomes_pipeline_stages_only_when_asked():
+    split = plan_for("b300x4", "parallelism.nodes=2", "parallelism.tensor=8")
+    par = split.settings.parallelism
+    assert (par.tensor, par.pipeline) == (4, 2)
+    assert derive(split).layout.over_ray
+    one_node = plan_for("b300x4", "parallelism.tensor=8")
+    assert one_node.settings.parallelism.pipeline == 1
+    with pytest.raises(HostPreconditionError):
+        require_fit(derive(one_node))
+
+
+@pytest.mark.parametrize(
+    ("sets", "match"),
+    [
+        (
+            ("parallelism.nodes=2", "parallelism.data=3", "parallelism.tensor=1"),
+            "multiple of parallelism.nodes",
+        ),
+        (("parallelism.nodes=3", "parallelism.tensor=8"), "must\\s+equal parallelism.nodes"),
+        (("parallelism.nodes=2", "parallelism.tensor=8", "parallelism.data=2"), "parallelism.data=1"),
+    ],
+)
+def test_layouts_that_do_not_divide_over_the_nodes_are_refused(sets, match):
+    with pytest.raises(InputError, match=match):
+        plan_for("b300x4", *sets)
+
+
+def test_a_home_relative_model_path_is_one_absolute_path_everywhere(tmp_path, monkeypatch):
+    """`model.path=~/tiny`: launch once mounted the expanded path while vLLM's first argument
+    stayed the literal `~/tiny`, and doctor called the checkpoint absent."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\0" * 4096)
+    plan = resolve(PlanRequest(hardware=simulated("cpu"), sets=("model.path=~/tiny",)))
+    deployment = derive(plan)
+    where = str(model)
+    assert deployment.model.reference == where and deployment.model.local
+    assert build_invocation(deployment).args[0] == where
+    spec = container_spec(deployment)
+    assert (where, where) in [(m.source, m.target) for m in spec.mounts]
+    assert checkpoint_state(deployment)[0] == "complete"
+    for target in ("script", "compose", "systemd", "k8s"):
+        (artifact,) = [
+            a for a in get_target(target)(deployment) if a.name.endswith((".sh", ".yaml", ".service"))
+        ]
+        assert where in artifact.content and "~/tiny" not in artifact.content, target
+
+
+def test_model_sources():
+    assert model_source("MiniMaxAI/MiniMax-M3.1-Flash", "/h", "/w") == ("MiniMaxAI/MiniMax-M3.1-Flash", False)
+    assert model_source("~/m", "/home/u", "/w") == ("/home/u/m", True)
+    assert model_source("./m", "/h", "/work/dir") == ("/work/dir/m", True)
+    assert model_source("/data//m/", "/h", "/w") == ("/data/m", True)
+    with pytest.raises(InputError, match="current user's home"):
+        model_source("~other/m", "/h", "/w")
+
+
+def test_budgets_and_stop_margin_come_from_one_place():
+    deployment = derive(plan_for("b300x4", "runtime.download_mbps=500", "serving.shutdown_timeout=45"))
+    budgets = deployment.budgets
+    assert budgets.download_s == 4002  # 250.1 GB at 500 Mbit/s
+    assert budgets.startup_s == budgets.download_s + budgets.load_and_compile_s
+    assert container_spec(deployment).stop_timeout == budgets.stop_s == 45 + 30
+    local = derive(resolve(PlanRequest(hardware=simulated("cpu"), sets=("model.path=/models/tiny",))))
+    assert local.budgets.download_s == 0  # nothing to download: no download phase in the budget
+
+
+def test_doctor_reads_the_deployment_not_the_raw_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    plan = resolve(PlanRequest(hardware=simulated("cpu"), sets=("model.path=~/absent",)))
+    ctx = Context(deployment=derive(plan), plan_error=None, probe=detect([], env={}), env={})
+    from m31ctl.doctor.checks import disk
+
+    outcome = disk(ctx)
+    assert outcome.status == "fail" and str(tmp_path / "absent") in outcome.message
+
+
+def test_plan_json_says_how_many_nodes(cli):
+    result = cli(
+        "plan", "--hardware", "b300x4", "--json", "--no-validate",
+        "--set", "parallelism.nodes=2", "--set", "parallelism.data=8", "--set", "parallelism.tensor=1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["nodes"] == 2
