@@ -3,11 +3,13 @@ Kubernetes apply) offers to the commands, and the data that crosses it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from m31ctl.deployment import Deployment
+from m31ctl.errors import HostPreconditionError
 
 Reporter = Callable[[str], None]  # progress lines for the user (the CLI decides where they go)
 
@@ -129,6 +131,27 @@ class DryRun:
     detail: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ScriptRun:
+    """A script run with the engine's own Python (doctor --deep's probes): what it printed, how it
+    ended, and where it ran, in words for the user ("in the engine image", "natively")."""
+
+    exit_code: int | None  # None: killed at its time limit, with every process it started
+    stdout: str
+    stderr: str
+    seconds: float
+    where: str
+
+    @property
+    def timed_out(self) -> bool:
+        return self.exit_code is None
+
+
+class ScriptUnavailable(HostPreconditionError):
+    """The runtime has no engine Python to run a script with here (the image is not present, or
+    has no python3): the probe cannot be asked, which is not a finding about the plan."""
+
+
 class Runtime(Protocol):
     """A way to run the plan's server. Implementations live in this package, one module each,
     and are registered in m31ctl.runtime.RUNTIMES."""
@@ -154,4 +177,19 @@ class Runtime(Protocol):
 
     def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
         """Stop the named server; returns only when it no longer runs (else raises)."""
+        ...
+
+    def run_engine_script(
+        self,
+        deployment: Deployment,
+        script: Path,
+        args: Sequence[str],
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+    ) -> ScriptRun:
+        """Run a standalone `script` (its folder readable beside it) with the Python the server
+        would run on, with the server's settings (in the engine image with launch's GPUs,
+        devices, shared memory, ulimits and mounts; or the native runtime's Python with the
+        plan's environment) plus `env`. Past `timeout` it is killed with everything it
+        started. Raises ScriptUnavailable when there is no engine Python to ask."""
         ...

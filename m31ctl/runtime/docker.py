@@ -10,7 +10,8 @@ exit codes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from m31ctl.container import OWNER, ContainerSpec, Label, container_spec
@@ -26,6 +27,8 @@ from m31ctl.runtime.base import (
     PullEvent,
     PullProgress,
     Reporter,
+    ScriptRun,
+    ScriptUnavailable,
     ServerStatus,
 )
 from m31ctl.runtime.converge import Action, Decision, Existing, decide
@@ -369,6 +372,16 @@ class DockerRuntime:
                 if not engine_api.is_not_found(exc):  # removed meanwhile: stopped all the same
                     raise
 
+    def run_engine_script(
+        self,
+        deployment: Deployment,
+        script: Path,
+        args: Sequence[str],
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+    ) -> ScriptRun:
+        return run_script(deployment, script, args, timeout, env)
+
 
 def _our_containers(client: Any) -> list[Any]:
     return list(client.containers.list(all=True, filters={"label": f"{Label.OWNER}={OWNER}"}))
@@ -488,4 +501,44 @@ def _pull_error(image: str, text: str) -> M31Error:
     )
 
 
-__all__ = ["Decision", "DockerRuntime", "create_container"]
+# Where a script's folder is mounted (read-only) in the engine image.
+SCRIPTS_IN_CONTAINER = "/m31ctl"
+
+
+def run_script(
+    deployment: Deployment,
+    script: Path,
+    args: Sequence[str],
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+) -> ScriptRun:
+    """`python3 SCRIPT` in the engine image with launch's container settings (run_in_engine) and
+    the server's environment plus `env`; the script's folder is mounted read-only."""
+    spec = container_spec(deployment)
+    spec = spec._replace(env=tuple(sorted({**dict(spec.env), **dict(env or {})}.items())))
+    argv = ["python3", f"{SCRIPTS_IN_CONTAINER}/{script.name}", *args]
+    with engine_api.engine_boundary(f"running {script.name} in the engine image"):
+        client = engine_api.connect(timeout=5)
+        if engine_api.local_image(client, spec.image) is None:
+            raise ScriptUnavailable(
+                f"{spec.image} is not here to run {script.name} in",
+                hint="pull it (launch does), or use --runtime native",
+            )
+        started = time.monotonic()
+        try:
+            code, out, err = run_in_engine(
+                client, spec, argv, {str(script.parent): SCRIPTS_IN_CONTAINER}, timeout
+            )
+        except Exception as exc:
+            text = engine_api.explanation(exc)
+            if "executable file not found" in text or "no such file or directory" in text.lower():
+                # Every vLLM image has python3; an image without it is not an engine.
+                raise ScriptUnavailable(
+                    f"{spec.image} has no python3 to run {script.name} with",
+                    hint="engine.image must be a vLLM image",
+                ) from None
+            raise
+    return ScriptRun(code, out, err, time.monotonic() - started, "in the engine image")
+
+
+__all__ = ["Decision", "DockerRuntime", "create_container", "run_script"]

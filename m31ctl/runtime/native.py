@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from m31ctl.errors import CheckFailed, HostPreconditionError
 from m31ctl.names import check_name, name_problem
 from m31ctl.netaddr import local_url
 from m31ctl.resources import state_root
-from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Reporter, ServerStatus
+from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Reporter, ScriptRun, ServerStatus
 from m31ctl.runtime.converge import Action, Existing, decide
 from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
 from m31ctl.runtime.readiness import ProcessState, health, models, wait_ready
@@ -300,6 +300,16 @@ class NativeRuntime:
         server = _named(name)
         stop_server(server, timeout if timeout is not None else server.stop_timeout, report)
 
+    def run_engine_script(
+        self,
+        deployment: Deployment,
+        script: Path,
+        args: Sequence[str],
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+    ) -> ScriptRun:
+        return run_script(deployment, script, args, timeout, env)
+
 
 def _named(name: str) -> NativeServer:
     server = load(name)
@@ -333,3 +343,48 @@ def _wait_gone(server: NativeServer, seconds: float) -> bool:
             return False
         time.sleep(0.2)
     return True
+
+
+def run_script(
+    deployment: Deployment,
+    script: Path,
+    args: Sequence[str],
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+) -> ScriptRun:
+    """`script` with the native runtime's Python (runtime.native_python, else this one) and the
+    environment launch gives the server, plus the plan's Hugging Face cache (what a script
+    reads of the checkpoint comes from there) and `env`. A session of its own, so a hang is
+    ended with every process it spawned (exit None)."""
+    python = deployment.plan.settings.runtime.native_python or sys.executable
+    environ = {
+        **os.environ,
+        "HF_HOME": deployment.hf_cache,
+        **dict(build_invocation(deployment).env),
+        **dict(env or {}),
+    }
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            [python, str(script), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environ,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise HostPreconditionError(
+            f"cannot run the native runtime's Python {python}: {exc.strerror or exc}",
+            hint="set runtime.native_python to a Python with vLLM",
+        ) from None
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        code = None
+    return ScriptRun(code, out, err, time.monotonic() - started, "natively")
