@@ -14,6 +14,7 @@ from m31ctl.cli.views import plan_json, print_plan
 from m31ctl.deployment import Deployment
 from m31ctl.runtime import Survey
 from m31ctl.runtime.base import DryRun, LaunchResult, PullEvent, PullProgress, Reporter
+from m31ctl.runtime.phases import Phase
 
 
 def reporter() -> Reporter:
@@ -38,9 +39,9 @@ class PhaseDisplay:
             self._status = console(stderr=True).status("starting", spinner="dots")
             self._status.start()
 
-    def on_phase(self, name: str, elapsed: float) -> None:
+    def on_phase(self, phase: Phase, elapsed: float) -> None:
         if self._status is not None:
-            self._status.update(f"{name} ({elapsed:.0f} s since start)")
+            self._status.update(f"{phase.value} ({elapsed:.0f} s since start)")
 
     def close(self) -> None:
         if self._status is not None:
@@ -101,12 +102,12 @@ def print_dry_run(deployment: Deployment, dry: DryRun, as_json: bool) -> None:
     out.print(shlex.join(dry.argv), markup=False, soft_wrap=True)
 
 
-def phase_events() -> Callable[[str, float], None]:
+def phase_events() -> Callable[[Phase, float], None]:
     """launch --json: each startup phase as one JSON line on stdout, as it begins (for CI logs)."""
     from m31ctl.cli.output import emit_json_line
 
-    def on_phase(name: str, elapsed: float) -> None:
-        emit_json_line({"event": "phase", "phase": name, "elapsed_s": round(elapsed, 3)})
+    def on_phase(phase: Phase, elapsed: float) -> None:
+        emit_json_line({"event": "phase", "phase": phase.value, "elapsed_s": round(elapsed, 3)})
 
     return on_phase
 

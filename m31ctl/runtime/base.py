@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from m31ctl.deployment import Deployment
 from m31ctl.errors import HostPreconditionError
+from m31ctl.runtime.phases import Phase
 
 Reporter = Callable[[str], None]  # progress lines for the user (the CLI decides where they go)
 
@@ -32,12 +33,12 @@ def _no_progress(event: PullEvent | None) -> None:
     del event
 
 
-PhaseCallback = Callable[[str, float], None]
+PhaseCallback = Callable[[Phase, float], None]
 # What a stalled launch's triage bundle adds beyond the log and timeline (deploy: doctor's report).
 Diagnostics = Callable[[], dict[str, Any]]
 
 
-def _no_phase(_name: str, _elapsed: float) -> None:
+def _no_phase(_phase: Phase, _elapsed: float) -> None:
     pass
 
 
@@ -67,17 +68,19 @@ class LaunchResult:
     plan_hash: str
     ready: bool
     timings: Mapping[str, float] = field(default_factory=dict)
-    phases: tuple[str, ...] = ()
+    phases: tuple[Phase, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "action": self.action,
+            "server": self.server,
+            # The older key, kept for pipelines that read it: it names native servers too.
             "container": self.server,
             "runtime": self.runtime,
             "endpoint": self.endpoint,
             "plan_hash": self.plan_hash,
             "ready": self.ready,
-            "phases": list(self.phases),
+            "phases": [p.value for p in self.phases],
             "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
         }
 

@@ -34,6 +34,7 @@ from m31ctl.runtime.base import (
 from m31ctl.runtime.converge import Action, Decision, Existing, decide
 from m31ctl.runtime.exits import diagnose
 from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
+from m31ctl.runtime.phases import Phase
 from m31ctl.runtime.readiness import ProcessState, Watchdog, health, models, wait_ready
 
 # What `docker stop` waits for when the container does not say (vLLM's drain + margin).
@@ -251,7 +252,10 @@ class DockerRuntime:
         confirm_or_refuse(decision, spec.name, plan.hash, options)
 
         def result(
-            action: Action, ready: bool, timings: dict[str, float] | None = None, phases: tuple[str, ...] = ()
+            action: Action,
+            ready: bool,
+            timings: dict[str, float] | None = None,
+            phases: tuple[Phase, ...] = (),
         ) -> LaunchResult:
             return LaunchResult(
                 action.value, spec.name, self.name, endpoint(spec), plan.hash, ready, timings or {}, phases
@@ -267,7 +271,7 @@ class DockerRuntime:
         try:
             ensure_port_free(spec.bind, spec.host_port)
             if engine_api.local_image(client, spec.image) is None:
-                options.on_phase("pulling the image", 0.0)
+                options.on_phase(Phase.PULLING, 0.0)
             _ensure_image(client, spec.image, options.report, options.pull_progress)
             started = time.monotonic()
             created = _create_and_start(client, spec, environ)
@@ -316,7 +320,7 @@ class DockerRuntime:
         options: LaunchOptions,
         api_key: str | None,
         watchdog: Watchdog,
-    ) -> tuple[dict[str, float], tuple[str, ...]]:
+    ) -> tuple[dict[str, float], tuple[Phase, ...]]:
         try:
             return wait_ready(
                 ContainerHandle(container),
@@ -454,7 +458,7 @@ def _start_error(exc: Exception, spec: ContainerSpec) -> Exception:
         return exc
     d = diagnose(text, None, False)
     return HostPreconditionError(
-        f"Docker could not start {spec.name}: {d.cause} ({text[:200]})", hint=d.remedy
+        f"Docker could not start {spec.name}: {d.summary} ({text[:200]})", hint=d.remedy
     )
 
 

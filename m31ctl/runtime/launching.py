@@ -17,6 +17,7 @@ from m31ctl.redact import header_safe
 from m31ctl.resources import state_root
 from m31ctl.runtime.base import Diagnostics, LaunchOptions
 from m31ctl.runtime.converge import Action, Decision
+from m31ctl.runtime.phases import Phase
 from m31ctl.runtime.readiness import Watchdog
 
 
@@ -60,7 +61,7 @@ def watchdog_for(deployment: Deployment, diagnostics: Diagnostics | None = None)
     triage bundle is written under the state directory."""
     budgets = deployment.budgets
     return Watchdog(
-        {"downloading the checkpoint": max(60.0, float(budgets.download_s))},
+        {Phase.DOWNLOADING: max(60.0, float(budgets.download_s))},
         float(max(1, budgets.load_and_compile_s)),
         lambda data: write_triage(deployment.plan, deployment.name, data, diagnostics),
     )

@@ -28,6 +28,7 @@ from m31ctl.resources import state_root
 from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Reporter, ScriptRun, ServerStatus
 from m31ctl.runtime.converge import Action, Existing, decide
 from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
+from m31ctl.runtime.phases import Phase
 from m31ctl.runtime.readiness import ProcessState, health, models, wait_ready
 
 # After SIGKILL, how long the kernel may take to reap the process group before stop gives up.
@@ -196,7 +197,7 @@ class NativeRuntime:
         if existing is not None and decision.action is Action.UNCHANGED:
             return LaunchResult(Action.UNCHANGED.value, name, self.name, existing.base, plan.hash, True)
 
-        def wait(handle: ProcessHandle, base: str) -> tuple[dict[str, float], tuple[str, ...]]:
+        def wait(handle: ProcessHandle, base: str) -> tuple[dict[str, float], tuple[Phase, ...]]:
             return wait_ready(
                 handle,
                 base,

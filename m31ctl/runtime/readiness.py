@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from m31ctl.errors import NotReadyError, ServerDied
-from m31ctl.runtime.base import Reporter
-from m31ctl.runtime.exits import diagnose, phase
+from m31ctl.runtime.base import PhaseCallback, Reporter
+from m31ctl.runtime.exits import diagnose
+from m31ctl.runtime.phases import Phase, latest_phase
 
 POLL_S = 0.25
 LOG_TAIL_ON_FAILURE = 20
@@ -70,9 +71,45 @@ class Watchdog(NamedTuple):
     """How long the engine's log may stay silent in each phase before the wait stops, and where
     the triage bundle goes (launching.watchdog_for builds it from the plan)."""
 
-    budgets: Mapping[str, float]  # phase -> seconds of silence allowed
+    budgets: Mapping[Phase, float]  # seconds of silence allowed in a phase (default_s elsewhere)
     default_s: float
     triage: Callable[[dict[str, Any]], str]  # writes the bundle, returns its path
+
+
+class _Progress:
+    """What the wait has seen so far: phases in order (with when), the log's last change."""
+
+    def __init__(self, report: Reporter, on_phase: PhaseCallback | None) -> None:
+        self.start = time.monotonic()
+        self.seen: list[Phase] = []
+        self.timeline: list[dict[str, Any]] = []
+        self.last_log = ""
+        self.last_change = self.start
+        self.current: Phase | None = None
+        self._report = report
+        self._on_phase = on_phase
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def read(self, tail: str) -> None:
+        """Note the log's tail: when it last changed, and a phase it reached for the first time."""
+        now = time.monotonic()
+        if tail != self.last_log:
+            self.last_log, self.last_change = tail, now
+        self.current = latest_phase(tail)
+        if self.current is not None and self.current not in self.seen:
+            self.seen.append(self.current)
+            self.timeline.append({"phase": self.current.value, "elapsed_s": round(now - self.start, 3)})
+            self._report(f"phase: {self.current.value} ({now - self.start:.1f} s)")
+            self.announce(self.current, now - self.start)
+
+    def announce(self, phase: Phase, elapsed: float) -> None:
+        if self._on_phase is not None:
+            self._on_phase(phase, elapsed)
+
+    def silent_s(self) -> float:
+        return time.monotonic() - self.last_change
 
 
 def wait_ready(
@@ -83,59 +120,38 @@ def wait_ready(
     report: Reporter,
     api_key: str | None,
     *,
-    on_phase: Callable[[str, float], None] | None = None,
+    on_phase: PhaseCallback | None = None,
     watchdog: Watchdog | None = None,
-) -> tuple[dict[str, float], tuple[str, ...]]:
+) -> tuple[dict[str, float], tuple[Phase, ...]]:
     """Poll until /v1/models lists `served_name` (ready), the server dies (NotReadyError with its
     last log lines and a diagnosis), its log makes no progress for the current phase's budget
     (the watchdog: a classified stall and a triage bundle), or `timeout` seconds pass
     (NotReadyError saying how far it got). Returns the timings of each milestone and the
     startup phases seen in the log."""
-    start = time.monotonic()
+    progress = _Progress(report, on_phase)
     timings: dict[str, float] = {}
-    seen: list[str] = []
-    timeline: list[dict[str, Any]] = []
-    health_ok = False
-    last_log, last_change = "", start
     while True:
         state = handle.state()
         if state.dead:
             died(handle, state)
         tail = handle.log_tail(200)
-        now = time.monotonic()
-        if tail != last_log:
-            last_log, last_change = tail, now
-        current = phase(tail)
-        if current and current not in seen:
-            seen.append(current)
-            timeline.append({"phase": current, "elapsed_s": round(now - start, 3)})
-            report(f"phase: {current} ({now - start:.1f} s)")
-            if on_phase:
-                on_phase(current, now - start)
-        if state.running:
-            timings.setdefault("running", time.monotonic() - start)
-            if not health_ok and health(base) == 200:
-                health_ok = True
-                timings["health"] = time.monotonic() - start
-                report(f"/health answers 200 ({timings['health']:.1f} s)")
-            if health_ok:
-                listed = models(base, api_key)
-                if listed is not None:
-                    timings.setdefault("models_first_answer", time.monotonic() - start)
-                    if served_name in listed:
-                        timings["ready"] = time.monotonic() - start
-                        if on_phase:
-                            on_phase("ready", timings["ready"])
-                        return timings, tuple(seen)
-        if watchdog is not None and not health_ok:
-            budget = watchdog.budgets.get(current or "", watchdog.default_s)
-            if now - last_change > budget:
-                stalled(handle, current, tail, now - last_change, timeline, watchdog)
-        if time.monotonic() - start > timeout:
+        progress.read(tail)
+        if state.running and _answers(base, served_name, api_key, timings, progress, report):
+            timings["ready"] = progress.elapsed()
+            progress.announce(Phase.READY, timings["ready"])
+            return timings, tuple(progress.seen)
+        healthy = "health" in timings
+        if watchdog is not None and not healthy:
+            current = progress.current
+            budget = watchdog.budgets.get(current, watchdog.default_s) if current else watchdog.default_s
+            if progress.silent_s() > budget:
+                stalled(handle, progress.current, tail, progress.silent_s(), progress.timeline, watchdog)
+        if progress.elapsed() > timeout:
+            last = progress.seen[-1].value if progress.seen else "none"
             case = (
                 "unhealthy: /health answers but /v1/models does not list the model"
-                if health_ok
-                else f"still loading (last phase: {seen[-1] if seen else 'none'})"
+                if healthy
+                else f"still loading (last phase: {last})"
             )
             raise NotReadyError(
                 f"not ready after {timeout:g} s: {case}", hint="raise --timeout, or look at `m31ctl logs`"
@@ -143,9 +159,32 @@ def wait_ready(
         time.sleep(POLL_S)
 
 
+def _answers(
+    base: str,
+    served_name: str,
+    api_key: str | None,
+    timings: dict[str, float],
+    progress: _Progress,
+    report: Reporter,
+) -> bool:
+    """One look at a running server: /health first (once it answers 200, never again), then
+    whether /v1/models lists the served name. Milestones go into `timings`."""
+    timings.setdefault("running", progress.elapsed())
+    if "health" not in timings:
+        if health(base) != 200:
+            return False
+        timings["health"] = progress.elapsed()
+        report(f"/health answers 200 ({timings['health']:.1f} s)")
+    listed = models(base, api_key)
+    if listed is None:
+        return False
+    timings.setdefault("models_first_answer", progress.elapsed())
+    return served_name in listed
+
+
 def stalled(
     handle: ServerHandle,
-    current: str | None,
+    current: Phase | None,
     tail: str,
     silent_s: float,
     timeline: list[dict[str, Any]],
@@ -154,7 +193,7 @@ def stalled(
     """Stop waiting on an engine whose log has not moved for its phase's budget: classify the
     stall from the log, write the triage bundle, and say where it is."""
     cause, remedy = classify_stall(current, tail)
-    where = current or "starting"
+    where = current.value if current else "starting"
     path = watchdog.triage(
         {
             "server": handle.name,
@@ -174,28 +213,28 @@ def stalled(
     )
 
 
-def classify_stall(current: str | None, tail: str) -> tuple[str, str]:
+def classify_stall(current: Phase | None, tail: str) -> tuple[str, str]:
     last = "\n".join(tail.splitlines()[-30:])
     if _NCCL.search(last):
         return (
             "a collective (NCCL/RCCL) hang: process-group setup or an all-reduce made no progress",
             "rerun with NCCL_DEBUG=INFO; check shm size, P2P/ACS and GPU visibility (`m31ctl doctor`)",
         )
-    if current == "downloading the checkpoint":
+    if current is Phase.DOWNLOADING:
         return (
             "the checkpoint download stalled",
             "check the network path to Hugging Face, HF_TOKEN, and runtime.download_mbps",
         )
     d = diagnose(tail, None, False)
-    if not d.cause.startswith("the engine exited"):
-        return d.cause, d.remedy
-    if current in ("compiling", "capturing CUDA graphs"):
+    if d.known:
+        return d.summary, d.remedy
+    if current in (Phase.COMPILING, Phase.CUDA_GRAPHS):
         return (
-            f"{current} made no progress",
+            f"{current.value} made no progress",
             "raise runtime.load_and_compile_s, or serve eagerly (engine.extra_args: --enforce-eager)",
         )
     return (
-        f"no progress while {current or 'starting'}",
+        f"no progress while {current.value if current else 'starting'}",
         "read the log tail in the bundle; `m31ctl logs` shows the rest",
     )
 
@@ -215,7 +254,7 @@ def died(handle: ServerHandle, state: ProcessState) -> None:
     lines = tuple(tail.rstrip().splitlines()[-LOG_TAIL_ON_FAILURE:])
     how = "restarted" if state.restarted else f"exited (code {state.exit_code})"
     raise ServerDied(
-        f"{handle.name} {how} while starting: {d.cause}",
+        f"{handle.name} {how} while starting: {d.summary}",
         hint=d.remedy,
         details=(f"the {handle.kind} {how} while starting; last log lines:", *("    " + ln for ln in lines)),
     )
