@@ -12,7 +12,8 @@ from typing import Any
 from m31ctl.deployment import Deployment, require_fit
 from m31ctl.doctor import preflight
 from m31ctl.runtime import get_runtime
-from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult
+from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Runtime
+from m31ctl.runtime.gates import unknown_gates
 
 
 def launch(
@@ -24,15 +25,28 @@ def launch(
     Nothing starts if a check fails."""
     runtime = get_runtime(runtime_name)
     require_fit(deployment)
-    checks = preflight(
-        deployment, runtime.preflight_checks, options.environ, deep=runtime_name if deep else None
-    )
+    checks = preflight(deployment, gate_ids(runtime), options.environ, deep=runtime_name if deep else None)
     for result in checks:
         if result.status == "warn":
             options.report(f"warning: {result.title}: {result.message}")
     if options.diagnostics is None:
         options = dataclasses.replace(options, diagnostics=lambda: _diagnostics(deployment))
     return runtime.launch(deployment, options)
+
+
+def gate_ids(runtime: Runtime) -> tuple[str, ...]:
+    """The ids of the checks that gate a launch on `runtime`. A gate that no registered check
+    carries is a bug (a check renamed in doctor), refused here rather than left out of the
+    preflight: a launch must never start with fewer checks than its runtime asked for."""
+    from m31ctl.doctor.checks import all_checks
+
+    missing = unknown_gates(runtime.gates, {check.id for check in all_checks()})
+    if missing:
+        raise RuntimeError(
+            f"the {runtime.name} runtime gates launches on checks doctor does not have: "
+            + ", ".join(gate.value for gate in missing)
+        )
+    return tuple(gate.value for gate in runtime.gates)
 
 
 def _diagnostics(deployment: Deployment) -> dict[str, Any]:

@@ -44,11 +44,37 @@ def test_decide(existing, action, confirm):
 def test_registry_builds_every_runtime_and_refuses_unknown_names():
     for name in RUNTIMES:
         runtime = get_runtime(name)
-        assert runtime.name == name and runtime.preflight_checks
+        assert runtime.name == name and runtime.gates
         for method in ("dry_run", "launch", "servers", "foreign", "logs", "stop"):
             assert callable(getattr(runtime, method))
     with pytest.raises(InputError, match="unknown --runtime 'k8s'"):
         get_runtime("k8s")
+
+
+def test_every_launch_gate_is_a_registered_doctor_check():
+    """A gate is a typed check id; each must name a check doctor runs (a renamed check would
+    otherwise drop out of every launch's preflight without a word)."""
+    from m31ctl.deploy import gate_ids
+    from m31ctl.doctor.checks import all_checks
+    from m31ctl.runtime.gates import CheckId, unknown_gates
+
+    registered = {check.id for check in all_checks()}
+    assert {member.value for member in CheckId} <= registered
+    for name in RUNTIMES:
+        runtime = get_runtime(name)
+        assert all(isinstance(gate, CheckId) for gate in runtime.gates)
+        assert set(gate_ids(runtime)) <= registered
+    assert unknown_gates((CheckId.GPUS, CheckId.DISK), registered - {"disk"}) == [CheckId.DISK]
+
+
+def test_a_gate_doctor_lost_refuses_the_launch(monkeypatch):
+    from m31ctl import deploy
+    from m31ctl.doctor import checks
+
+    kept = [c for c in checks.all_checks() if c.id != "disk"]
+    monkeypatch.setattr(checks, "all_checks", lambda: kept)
+    with pytest.raises(RuntimeError, match="gates launches on checks doctor does not have: disk"):
+        deploy.gate_ids(get_runtime("native"))
 
 
 def free_port() -> int:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from m31ctl.deployment import Deployment
 from m31ctl.errors import HostPreconditionError
+from m31ctl.runtime.gates import CheckId
 from m31ctl.runtime.phases import Phase
 
 Reporter = Callable[[str], None]  # progress lines for the user (the CLI decides where they go)
@@ -160,8 +161,8 @@ class Runtime(Protocol):
     and are registered in m31ctl.runtime.RUNTIMES."""
 
     name: str
-    # The doctor checks that gate a launch on this runtime (ids in m31ctl.doctor.checks).
-    preflight_checks: tuple[str, ...]
+    # The doctor checks that gate a launch on this runtime (deploy.py runs them first).
+    gates: tuple[CheckId, ...]
 
     def dry_run(self, deployment: Deployment) -> DryRun: ...
 

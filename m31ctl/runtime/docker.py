@@ -33,6 +33,7 @@ from m31ctl.runtime.base import (
 )
 from m31ctl.runtime.converge import Action, Decision, Existing, decide
 from m31ctl.runtime.exits import diagnose
+from m31ctl.runtime.gates import CheckId
 from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
 from m31ctl.runtime.phases import Phase
 from m31ctl.runtime.readiness import ProcessState, Watchdog, health, models, wait_ready
@@ -214,16 +215,16 @@ def _existing(
 
 class DockerRuntime:
     name = "docker"
-    preflight_checks = (
-        "docker",
-        "gpu-runtime",
-        "gpus",
-        "gpu-memory",
-        "mig",
-        "disk",
-        "shm",
-        "capacity",
-        "api-key",
+    gates = (
+        CheckId.DOCKER,
+        CheckId.GPU_RUNTIME,
+        CheckId.GPUS,
+        CheckId.GPU_MEMORY,
+        CheckId.MIG,
+        CheckId.DISK,
+        CheckId.SHM,
+        CheckId.CAPACITY,
+        CheckId.API_KEY,
     )
 
     def dry_run(self, deployment: Deployment) -> DryRun:

@@ -27,6 +27,7 @@ from m31ctl.netaddr import local_url
 from m31ctl.resources import state_root
 from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Reporter, ScriptRun, ServerStatus
 from m31ctl.runtime.converge import Action, Existing, decide
+from m31ctl.runtime.gates import CheckId
 from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
 from m31ctl.runtime.phases import Phase
 from m31ctl.runtime.readiness import ProcessState, health, models, wait_ready
@@ -174,7 +175,7 @@ def _existing(server: NativeServer | None, served: str, api_key: str | None) -> 
 
 class NativeRuntime:
     name = "native"
-    preflight_checks = ("gpus", "gpu-memory", "mig", "disk", "capacity", "api-key")
+    gates = (CheckId.GPUS, CheckId.GPU_MEMORY, CheckId.MIG, CheckId.DISK, CheckId.CAPACITY, CheckId.API_KEY)
 
     def dry_run(self, deployment: Deployment) -> DryRun:
         return DryRun("process", tuple(command(deployment)), {"command": command(deployment)})
