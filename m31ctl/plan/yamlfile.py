@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from m31ctl.errors import InputError
-from m31ctl.inputs import read_text
+from m31ctl.inputs import MAX_DEPTH, read_text
 from m31ctl.plan.layers import Layer, Setting, Source
 
 
@@ -41,16 +41,18 @@ def compose_yaml(text: str, file: str) -> yaml.Node | None:
     except RecursionError:
         raise InputError("the YAML is nested too deeply", where=file) from None
     if node is not None:
-        _refuse_aliases(node, file)
+        _refuse_aliases_and_depth(node, file)
     return node
 
 
-def _refuse_aliases(root: yaml.Node, file: str) -> None:
-    """An alias makes the composer share one node; meeting a node twice means an alias."""
+def _refuse_aliases_and_depth(root: yaml.Node, file: str) -> None:
+    """An alias makes the composer share one node; meeting a node twice means an alias. Depth is
+    bounded here, before anything recursive (construction, flattening, validation) walks the tree:
+    libyaml stops at 1,000 levels, far past Python's recursion limit for those walks."""
     seen: set[int] = set()
-    stack = [root]
+    stack: list[tuple[yaml.Node, int]] = [(root, 1)]
     while stack:
-        node = stack.pop()
+        node, depth = stack.pop()
         if isinstance(node, yaml.ScalarNode):
             continue
         if id(node) in seen:
@@ -59,11 +61,18 @@ def _refuse_aliases(root: yaml.Node, file: str) -> None:
                 where=f"{file}:{node.start_mark.line + 1}",
                 hint="write the value out in full",
             )
+        if depth > MAX_DEPTH:
+            raise InputError(
+                f"the YAML is nested more than {MAX_DEPTH} levels deep",
+                where=f"{file}:{node.start_mark.line + 1}",
+                hint="settings are a few levels of mappings and short lists",
+            )
         seen.add(id(node))
         if isinstance(node, yaml.MappingNode):
-            stack.extend(value for _key, value in node.value)
+            for key, value in node.value:
+                stack.extend(((key, depth + 1), (value, depth + 1)))
         elif isinstance(node, yaml.SequenceNode):
-            stack.extend(node.value)
+            stack.extend((item, depth + 1) for item in node.value)
 
 
 def construct(node: yaml.Node, file: str = "<yaml>") -> Any:
@@ -123,10 +132,34 @@ def flatten_node(node: yaml.Node, file: str, make_source: Any, prefix: str = "")
     return out
 
 
+# A layer file's top-level `provenance: TEXT` is not a setting: it says where the file's values
+# came from (`m31ctl bench --write-profile` writes "measured by m31ctl bench on HOST, DATE"), and
+# every value of the file carries it as its source's label, so `plan --explain` shows it.
+PROVENANCE_KEY = "provenance"
+
+
 def load_layer_file(path: Path, layer: str = "file") -> Layer:
-    """A user override file: YAML whose keys are plan settings."""
+    """A user override file: YAML whose keys are plan settings (and an optional provenance)."""
     text = read_text(path, "override file", hint="check the path given to -f")
     node = compose_yaml(text, str(path))
     if node is None:
         return {}
-    return flatten_node(node, str(path), lambda f, line: Source(layer, f, line, detail=layer))
+    label = _take_provenance(node, str(path)) or layer
+    return flatten_node(node, str(path), lambda f, line: Source(layer, f, line, detail=label))
+
+
+def _take_provenance(node: yaml.Node, file: str) -> str | None:
+    """Remove the top-level provenance key from the mapping node and return its text."""
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    for index, (key_node, value_node) in enumerate(node.value):
+        if isinstance(key_node, yaml.ScalarNode) and key_node.value == PROVENANCE_KEY:
+            value = construct(value_node, file)
+            if not isinstance(value, str) or not value.strip():
+                raise InputError(
+                    f"{PROVENANCE_KEY} must be a line of text saying where the values came from",
+                    where=f"{file}:{key_node.start_mark.line + 1}",
+                )
+            del node.value[index]
+            return value.strip()
+    return None
