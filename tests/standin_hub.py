@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import threading
 import time
 from collections import Counter
@@ -82,12 +83,7 @@ class Repo:
 
 def _weights(seed: int, size: int) -> bytes:
     """Deterministic bytes that do not compress (a corrupted byte anywhere changes the hash)."""
-    out = bytearray()
-    counter = 0
-    while len(out) < size:
-        out += hashlib.sha256(b"%d:%d" % (seed, counter)).digest()
-        counter += 1
-    return bytes(out[:size])
+    return random.Random(seed).randbytes(size)
 
 
 def small_checkpoint(repo_id: str = "standin/tiny-m31", shard_bytes: int = 1 << 20) -> Repo:
@@ -180,7 +176,8 @@ class StandinHub:
 
         server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, name=f"standin-{role}", daemon=True).start()
+        serve = lambda: server.serve_forever(poll_interval=0.05)  # noqa: E731 (a quick shutdown)
+        threading.Thread(target=serve, name=f"standin-{role}", daemon=True).start()
         return server
 
     # --- routing -----------------------------------------------------------------------------------

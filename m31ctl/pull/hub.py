@@ -2,8 +2,8 @@
 the cache it writes is the one vLLM reads). Imported lazily: the planning commands never load it.
 
 What is used: `HfApi.model_info(files_metadata=True)` for the listing (sizes, LFS sha256, commit),
-`get_hf_file_metadata` for a file's location (the same HEAD /resolve hf_hub_download makes),
-`file_download.http_get` for plain-HTTP bytes with a resume offset, and `hf_hub_download` for Xet
+`get_hf_file_metadata` for a file's location (the same HEAD /resolve hf_hub_download makes), its
+HTTP session and headers for plain-HTTP bytes from a resume offset, and `hf_hub_download` for Xet
 transfers and to link a blob into the snapshot. Its errors become m31ctl's, with exit codes.
 """
 
@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from m31ctl.errors import HostPreconditionError, InputError, M31Error
@@ -22,14 +22,22 @@ from m31ctl.pull.model import Listing, Location, RepoFile
 if TYPE_CHECKING:
     from types import TracebackType
 
-# Bytes per write during a plain-HTTP transfer. huggingface_hub reads 10 MiB per chunk and writes
-# nothing until a chunk is full: on a slow link that is a long silence for the stall watchdog, and
-# up to 10 MiB lost to an interruption. 1 MiB keeps progress fine-grained at ~1000 writes/s at 1 GB/s.
+# Bytes per write during a plain-HTTP transfer. huggingface_hub's http_get reads 10 MiB per chunk and
+# writes nothing until a chunk is full: on a slow link a long silence for the progress display, and up
+# to 10 MiB lost to an interruption. 1 MiB keeps both small at ~1000 writes/s at 1 GB/s.
 CHUNK_BYTES = 1 << 20
 
 
 class TransientError(Exception):
     """A transfer failed in a way a retry may mend (timeout, reset, early close, 5xx)."""
+
+
+class Writer(Protocol):
+    """Where plain-HTTP bytes go: the partial file (transfer.Sink)."""
+
+    def write(self, data: bytes) -> int: ...
+    def seek(self, offset: int) -> int: ...
+    def truncate(self, size: int | None = None) -> int: ...
 
 
 class Transport(Protocol):
@@ -39,7 +47,7 @@ class Transport(Protocol):
 
     def listing(self, repo: str, revision: str) -> Listing: ...
     def locate(self, repo: str, commit: str, path: str) -> Location: ...
-    def fetch_http(self, location: Location, sink: BinaryIO, resume_from: int) -> None: ...
+    def fetch_http(self, location: Location, sink: Writer, resume_from: int) -> None: ...
     def fetch_xet(self, repo: str, commit: str, path: str, count: Callable[[int], None]) -> None: ...
     def abort_xet(self) -> None: ...
     def link(self, repo: str, commit: str, path: str) -> None: ...
@@ -55,33 +63,18 @@ class HubTransport:
         self.token = token
         self.stall_timeout_s = stall_timeout_s
         self.xet_available = _xet_available()
-        self._saved: dict[str, Any] = {}
+        self._level = logging.NOTSET
 
-    # The library reads these module constants at call time: set for the pull, restored after.
     def __enter__(self) -> HubTransport:
-        from huggingface_hub import constants
-
-        self._saved = {
-            "HF_HUB_DOWNLOAD_TIMEOUT": constants.HF_HUB_DOWNLOAD_TIMEOUT,
-            "DOWNLOAD_CHUNK_SIZE": constants.DOWNLOAD_CHUNK_SIZE,
-        }
-        # A read that waits longer than the stall timeout fails inside the library, so a stalled
-        # transfer ends by itself and the watchdog's retry starts on a clean connection.
-        constants.HF_HUB_DOWNLOAD_TIMEOUT = self.stall_timeout_s  # type: ignore[assignment]
-        constants.DOWNLOAD_CHUNK_SIZE = CHUNK_BYTES
         logger = logging.getLogger("huggingface_hub")
-        self._saved["level"] = logger.level
+        self._level = logger.level
         logger.setLevel(logging.ERROR)  # its retry warnings would repeat what the pull reports
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
     ) -> None:
-        from huggingface_hub import constants
-
-        logging.getLogger("huggingface_hub").setLevel(self._saved.pop("level", logging.NOTSET))
-        for name, saved in self._saved.items():
-            setattr(constants, name, saved)
+        logging.getLogger("huggingface_hub").setLevel(self._level)
 
     def listing(self, repo: str, revision: str) -> Listing:
         from huggingface_hub import HfApi
@@ -110,24 +103,36 @@ class HubTransport:
             )
         return Location(meta.location, meta.etag, meta.size, meta.xet_file_data is not None)
 
-    def fetch_http(self, location: Location, sink: BinaryIO, resume_from: int) -> None:
-        from huggingface_hub.file_download import http_get
+    def fetch_http(self, location: Location, sink: Writer, resume_from: int) -> None:
+        """The file's bytes after `resume_from`, over plain HTTP, into `sink`: one GET through
+        huggingface_hub's session (its proxies, certificates, user agent) and its error mapping.
+        Not its http_get: that one retries internally, resuming, up to five times after every chunk
+        it receives, each retry waiting out a read timeout, so a stall would never reach the watchdog."""
+        from huggingface_hub import get_session, hf_raise_for_status
         from huggingface_hub.utils._headers import build_hf_headers
 
         headers = build_hf_headers(token=self.token)
         if _origin(location.url) != _origin(self.endpoint or "https://huggingface.co"):
             headers.pop("authorization", None)  # a signed CDN URL: the token stays with the hub
-        with _transfer_errors():
-            # _nb_retries=0: the library's own retries would hide stalls from the watchdog.
-            http_get(
-                location.url,
-                sink,
-                resume_size=resume_from,
-                headers=headers,
-                expected_size=location.size,
-                tqdm_class=_silent_bar(),
-                _nb_retries=0,
-            )
+        headers["Accept-Encoding"] = "identity"  # offsets count the file's bytes, not a compressed body
+        if resume_from:
+            headers["Range"] = f"bytes={resume_from}-"
+        received = resume_from
+        # A read that waits longer than the stall timeout fails here, so a stalled transfer ends by
+        # itself and the watchdog's retry starts on a fresh connection.
+        stream = get_session().stream(
+            "GET", location.url, headers=headers, timeout=self.stall_timeout_s, follow_redirects=True
+        )
+        with _transfer_errors(), stream as response:
+            hf_raise_for_status(response)
+            if resume_from and response.status_code == 200:  # the Range was ignored: start over
+                sink.seek(0)
+                sink.truncate(0)
+                received = 0
+            for chunk in response.iter_bytes(CHUNK_BYTES):
+                received += sink.write(chunk)
+        if location.size is not None and received != location.size:
+            raise TransientError(f"the connection closed at byte {received} of {location.size}")
 
     def fetch_xet(self, repo: str, commit: str, path: str, count: Callable[[int], None]) -> None:
         """hf_hub_download through Xet (it writes the blob and the link); `count` hears its bytes."""

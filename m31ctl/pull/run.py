@@ -108,6 +108,7 @@ def _pull(
     cache = RepoCache(target.cache_dir, target.repo)
     cached = [f for f in files if cache.complete(listing.commit, f)]
     todo = [f for f in files if f not in cached]
+    damaged = _damaged(cache, listing.commit, todo)
     partial = sum(cache.partial_bytes(f) for f in todo)
     total = sum(f.size for f in files)
     needed = sum(f.size for f in todo) - partial
@@ -131,10 +132,15 @@ def _pull(
     xet = hub.xet_available and (options.environ or {}).get("HF_HUB_DISABLE_XET", "") in ("", "0")
     watch = Watch(options.stall_timeout_s, options.retries)
     fetcher = Fetcher(hub, cache, listing, watch, tally, on_event, xet=xet)
+    for f, problem in damaged:
+        on_event(Corrupt(f.path, problem, refetch=True))
+        cache.forget(listing.commit, f)
     for f in todo:
         fetcher.fetch(f)
     cache.write_ref(listing.revision, listing.commit)
-    refetched = _verify(fetcher, cache, listing, files) if options.verify else ()
+    refetched = tuple(f.path for f, _problem in damaged)
+    if options.verify:
+        refetched += _verify(fetcher, cache, listing, files)
     return PullResult(
         listing.repo,
         listing.revision,
@@ -151,6 +157,19 @@ def _pull(
         options.verify,
         refetched,
     )
+
+
+def _damaged(cache: RepoCache, commit: str, todo: list[RepoFile]) -> list[tuple[RepoFile, str]]:
+    """Files in the snapshot at another size than the hub's (a truncated copy): named, then fetched
+    again. A stat each; --verify also reads the contents."""
+    found = []
+    for f in todo:
+        try:
+            size = cache.pointer(commit, f.path).stat().st_size
+        except OSError:
+            continue
+        found.append((f, f"{size} bytes, the hub has {f.size}" + (" (truncated)" if size < f.size else "")))
+    return found
 
 
 def _check_disk(cache_dir: Path, needed: int) -> int:

@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, cast
 
 from m31ctl.errors import ConflictError
 from m31ctl.pull.cache import RepoCache
@@ -252,7 +251,7 @@ class Fetcher:
         try:
             if sink.start < size:
                 start = sink.start
-                work = lambda: self.transport.fetch_http(location, cast(BinaryIO, sink), start)  # noqa: E731
+                work = lambda: self.transport.fetch_http(location, sink, start)  # noqa: E731
                 problem = self._watched(f, work, lambda: sink.written, sink.cancel)
                 if problem is not None:
                     return problem
