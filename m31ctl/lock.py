@@ -131,13 +131,9 @@ def to_text(lock: LockFile) -> str:
 
 def read(path: Path) -> LockFile:
     """A lock file, or exit 2 naming the file and the problem."""
-    from m31ctl.inputs import read_text
+    from m31ctl.inputs import read_json
 
-    text = read_text(path, "lock file")
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise InputError(f"not a lock file: invalid JSON ({exc})", where=str(path)) from None
+    data = read_json(path, "lock file")  # bounded in size and depth
     if not isinstance(data, dict):
         raise InputError("not a lock file: expected a JSON object", where=str(path))
     version = data.get("lock_version")

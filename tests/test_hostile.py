@@ -473,3 +473,232 @@ def test_redact_data_masks_secret_keys_and_argv_items():
     }
     assert "k3y-v4lue" not in json.dumps(redact_data(data, {}))
     assert redact_data(data, {})["argv"][2:] == ["--port", "8"]  # type: ignore[index]
+
+
+# What sits at a render target path: compared only when it is a regular UTF-8 file.
+
+
+def _render(*extra: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("render", "--target", "systemd", "--hardware", "b300x4", *extra)
+
+
+def _rendered_file(tmp_path: Path) -> Path:
+    assert _render("-o", str(tmp_path)).returncode == 0
+    [target] = tmp_path.iterdir()
+    return target
+
+
+def test_non_utf8_file_at_a_render_target_differs(tmp_path):
+    target = _rendered_file(tmp_path)
+    rendered = target.read_text()
+    target.write_bytes(b"\xff\xfe not UTF-8\n")
+    written = _render("-o", str(tmp_path))
+    assert written.returncode == 4 and "not UTF-8" in written.stderr, written.stderr
+    checked = _render("--check", str(tmp_path))
+    assert checked.returncode == 1 and str(target) in checked.stdout, checked.stderr
+    assert _render("-o", str(tmp_path), "--force").returncode == 0
+    assert target.read_text() == rendered
+
+
+def _render_process(*extra: str) -> subprocess.CompletedProcess[str]:
+    """In a process of its own, with a time limit: the old code blocked on a FIFO for ever."""
+    return subprocess.run(
+        [sys.executable, "-m", "m31ctl", "render", "--target", "systemd", "--hardware", "b300x4", *extra],
+        capture_output=True, text=True, cwd=ROOT, timeout=60, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link-to-device", "link-to-file", "oversized"])
+def test_anything_but_a_regular_file_at_a_render_target_is_a_conflict(tmp_path, kind):
+    target = _rendered_file(tmp_path)
+    rendered = target.read_text()
+    target.unlink()
+    decoy = tmp_path.parent / f"decoy-{kind}"
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "link-to-device":
+        target.symlink_to("/dev/zero")
+    elif kind == "link-to-file":
+        decoy.write_text(rendered)  # even the very same text behind a link is not ours to follow
+        target.symlink_to(decoy)
+    else:
+        with target.open("wb") as handle:
+            handle.truncate(64 << 20)  # sparse: large, costs no disk
+    written = _render_process("-o", str(tmp_path))
+    assert written.returncode == 4 and "not the rendered file" in written.stderr, written.stderr
+    checked = _render_process("--check", str(tmp_path))
+    assert checked.returncode == 1 and str(target) in checked.stdout, checked.stderr
+    forced = _render_process("-o", str(tmp_path), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert not target.is_symlink() and target.read_text() == rendered
+    if kind == "link-to-file":
+        assert decoy.read_text() == rendered  # replaced the link, not what it pointed to
+
+
+def test_directory_at_a_render_target_is_never_replaced(tmp_path):
+    target = _rendered_file(tmp_path)
+    target.unlink()
+    target.mkdir()
+    (target / "keep").write_text("x")
+    for extra in ((), ("--force",)):
+        result = _render("-o", str(tmp_path), *extra)
+        assert result.returncode == 4 and "is a directory" in result.stderr, result.stderr
+    assert (target / "keep").read_text() == "x"
+
+
+# Bounded input: every read has a size limit, every parse a depth limit, shapes are checked first.
+
+
+def _limited_process(*args: str, seconds: int = 60) -> subprocess.CompletedProcess[str]:
+    """m31ctl in a process whose memory is capped at 2 GiB: reading an endless file whole fails
+    there (exit 70, MemoryError) instead of taking the machine's memory."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    return subprocess.run(
+        [sys.executable, "-m", "m31ctl", *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=seconds, check=False, preexec_fn=cap,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "what"),
+    [
+        (["lock", "--hardware", "b300x4", "--check", "/dev/zero"], "lock file"),
+        (["plan", "--hardware", "b300x4", "-f", "/dev/zero"], "override file"),
+        (["render", "--target", "k8s", "--hardware", "b300x4", "--locked", "/dev/zero"], "lock file"),
+        (
+            ["verify", "--hardware", "b300x4", "--url", "http://127.0.0.1:9", "--baseline", "/dev/zero"],
+            "report",
+        ),
+        (["recipes", "validate", "/dev/zero"], "recipe file"),
+    ],
+)
+def test_endless_input_files_are_bad_input(args, what):
+    result = _limited_process(*args)
+    assert result.returncode == 2, result.stderr
+    assert "/dev/zero" in result.stderr and what in result.stderr and "larger than" in result.stderr
+
+
+def _deep_json(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [40, 900, 100_000])
+def test_deeply_nested_lock_and_baseline_are_bad_input(tmp_path, depth):
+    lock = tmp_path / "deep.lock"
+    lock.write_text('{"lock_version": 1, "settings": {"x": ' + _deep_json(depth) + "}}")
+    result = run_cli("lock", "--hardware", "b300x4", "--check", str(lock))
+    assert result.returncode == 2 and str(lock) in result.stderr and "levels deep" in result.stderr, (
+        result.stderr
+    )
+    baseline = tmp_path / "deep.json"
+    baseline.write_text('{"checks": [], "bench": {"x": ' + _deep_json(depth) + "}}")
+    result = run_cli(
+        "verify", "--hardware", "b300x4", "--url", "http://127.0.0.1:9", "--baseline", str(baseline)
+    )
+    assert result.returncode == 2 and str(baseline) in result.stderr and "levels deep" in result.stderr, (
+        result.stderr
+    )
+
+
+@pytest.mark.parametrize("depth", [40, 900])
+def test_deeply_nested_yaml_is_bad_input(tmp_path, depth):
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("serving:\n  max_num_seqs: " + _deep_json(depth) + "\n")
+    block = tmp_path / "block.yaml"
+    block.write_text("serving:\n" + "".join("  " * level + "k:\n" for level in range(1, depth)))
+    for path in (flow, block):
+        result = run_cli("plan", "--hardware", "b300x4", "-f", str(path))
+        assert result.returncode == 2 and str(path) in result.stderr, result.stderr
+        assert "levels deep" in result.stderr and "internal" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("report", "problem"),
+    [
+        ({"checks": [], "bench": []}, "'bench' must be an object"),
+        ({"checks": [], "bench": "fast"}, "'bench' must be an object"),
+        ({"checks": [], "bench": {"output_throughput": "fast"}}, "bench.output_throughput must be a number"),
+        ({"checks": {}, "bench": {}}, "'checks' must be a list"),
+        ({"checks": ["x"], "bench": {}}, "'checks' must be a list"),
+        ([], "expected a JSON object"),
+    ],
+)
+def test_baseline_of_the_wrong_shape_is_refused_before_verify_runs(tmp_path, report, problem):
+    baseline = tmp_path / "baseline.json"
+    baseline.write_text(json.dumps(report))
+    start = time.monotonic()
+    result = run_cli(
+        "verify", "--hardware", "b300x4", "--url", "http://127.0.0.1:9", "--baseline", str(baseline)
+    )
+    assert result.returncode == 2 and problem in result.stderr and str(baseline) in result.stderr, (
+        result.stderr
+    )
+    assert time.monotonic() - start < 10
+
+
+def test_a_good_baseline_loads(tmp_path):
+    from m31ctl.runtime.verify import read_baseline
+
+    path = tmp_path / "baseline.json"
+    report = {"checks": [{"check": "chat", "status": "pass"}], "bench": {"output_throughput": 12.5}}
+    path.write_text(json.dumps(report))
+    assert read_baseline(path) == report
+    path.write_text(json.dumps({"checks": [], "bench": None}))
+    assert read_baseline(path)["bench"] is None
+
+
+# The disk memo answers only with entries m31ctl wrote.
+
+
+def test_memo_entries_that_m31ctl_did_not_write_are_misses(tmp_path, monkeypatch):
+    from m31ctl import memo
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    calls: list[int] = []
+
+    def work() -> dict[str, object]:
+        calls.append(1)
+        return {"recipe": "blackwell", "layer": [1, 2]}
+
+    assert memo.memoized("t", b"k", work) == work()
+    [entry] = (tmp_path / "cache" / "m31ctl" / "t").glob("*.json")
+    good = entry.read_bytes()
+    header, _, payload = good.partition(b"\n")
+    bad_entries = [
+        b"{}",  # valid JSON, not what m31ctl wrote
+        header + b"\n{}",  # the right header over another payload
+        b"m31ctl-memo " + b"0" * 32 + b" " + header.split()[-1] + b"\n" + payload,  # another key's entry
+        good[:-3],  # truncated
+        b"\xff\xfe",
+    ]
+    for bad in bad_entries:
+        entry.write_bytes(bad)
+        calls.clear()
+        assert memo.memoized("t", b"k", work) == work() and len(calls) == 2, bad
+        assert entry.read_bytes() == good  # and the bad entry was replaced
+    for plant in ("fifo", "link"):
+        entry.unlink()
+        os.mkfifo(entry) if plant == "fifo" else entry.symlink_to("/dev/zero")
+        calls.clear()
+        assert memo.memoized("t", b"k", work) == work() and len(calls) == 2, plant
+
+
+def test_plans_are_right_with_a_tampered_memo(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first = run_cli_process("plan", "--hardware", "b300x4", "--json", env=env)
+    assert first.returncode == 0, first.stderr
+    rendered = run_cli_process("render", "--target", "k8s", "--hardware", "b300x4", env=env)
+    entries = list((tmp_path / "cache" / "m31ctl").glob("*/*.json"))
+    assert {e.parent.name for e in entries} == {"parsed", "yaml"}
+    for entry in entries:
+        entry.write_text("{}")
+    again = run_cli_process("plan", "--hardware", "b300x4", "--json", env=env)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr
+    assert (
+        run_cli_process("render", "--target", "k8s", "--hardware", "b300x4", env=env).stdout
+        == rendered.stdout
+    )

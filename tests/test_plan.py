@@ -364,9 +364,9 @@ def test_memo_keys_on_code_and_stays_bounded(tmp_path, monkeypatch):
     for n in range(6):
         memo.memoized("bounded", str(n).encode(), lambda n=n: n)
         for entry in folder.glob("*.json"):  # entry n is n seconds old on a clock of its own
-            if entry.read_text() == str(n):
+            if entry.read_text().split("\n", 1)[-1] == str(n):  # below the header
                 os.utime(entry, ns=(n * 10**9, n * 10**9))
-    assert sorted(int(e.read_text()) for e in folder.glob("*.json")) == [3, 4, 5]
+    assert sorted(int(e.read_text().split("\n", 1)[-1]) for e in folder.glob("*.json")) == [3, 4, 5]
 
 
 def test_parsed_recipe_cache_changes_nothing(tmp_path, monkeypatch):

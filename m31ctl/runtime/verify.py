@@ -425,12 +425,32 @@ def _regression(report: VerifyReport, baseline: Mapping[str, Any], tolerance: fl
 
 
 def read_baseline(path: Path) -> dict[str, Any]:
-    from m31ctl.inputs import read_text
+    """A saved verify report (`verify -o`), bounded in size and depth and checked for the shape
+    `_regression` reads before any check runs: exit 2 naming the file and what is wrong."""
+    from m31ctl.inputs import read_json
 
-    try:
-        data = json.loads(read_text(path, "baseline report"))
-    except ValueError as exc:
-        raise InputError(f"not a verify report: {exc}", where=str(path)) from None
-    if not isinstance(data, dict) or "checks" not in data:
-        raise InputError("not a verify report (no checks)", where=str(path))
-    return data
+    data = read_json(path, "verify report")
+    problem = _baseline_problem(data)
+    if problem:
+        raise InputError(
+            f"not a verify report: {problem}", where=str(path), hint="pass a file `verify -o` wrote"
+        )
+    return dict(data)
+
+
+def _baseline_problem(data: object) -> str | None:
+    if not isinstance(data, dict):
+        return "expected a JSON object"
+    checks = data.get("checks")
+    if not isinstance(checks, list) or not all(isinstance(c, dict) for c in checks):
+        return "'checks' must be a list of objects" if "checks" in data else "no checks"
+    bench = data.get("bench")
+    if bench is None:
+        return None
+    if not isinstance(bench, dict):
+        return f"'bench' must be an object or null, not {type(bench).__name__}"
+    for key, _higher_is_better in REGRESSION_METRICS:
+        value = bench.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"bench.{key} must be a number, not {type(value).__name__}"
+    return None
