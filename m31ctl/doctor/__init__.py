@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from m31ctl.deployment import Deployment, derive
-from m31ctl.doctor.base import CheckResult, Context, run_checks
+from m31ctl.doctor.base import CheckResult, Context, EngineScripts, run_checks
 from m31ctl.doctor.checks import all_checks
 from m31ctl.errors import HostPreconditionError, UnsupportedHardware
+from m31ctl.hardware import Hardware
 from m31ctl.plan import Plan, PlanRequest, resolve
 from m31ctl.probe import ProbeReport, detect
 
@@ -46,13 +47,21 @@ def diagnose(
     probe: ProbeReport | None = None,
     docker: Callable[[], Any] | None = None,
     deep: str | None = None,
+    scripts: EngineScripts | None = None,
 ) -> DoctorReport:
-    """Run every check. `docker` connects to the Engine (the default: the local one); `deep`
-    ("docker" | "native") adds the checks that run in the engine on the plan's GPUs."""
+    """Run every check. `docker` connects to the Engine (the default: the local one); `deep` (a
+    runtime's name) adds the checks that run the engine's Python on the plan's GPUs, through that
+    runtime unless `scripts` stands in for it."""
     probe = probe or detect()
     deployment, error = plan_for_host(request, probe)
     ctx = Context(
-        deployment=deployment, plan_error=error, probe=probe, env=os.environ, docker=docker, deep=deep
+        deployment=deployment,
+        plan_error=error,
+        probe=probe,
+        env=os.environ,
+        docker=docker,
+        deep=deep,
+        scripts=scripts,
     )
     checks = [c for c in all_checks() if deep or not c.deep]
     plan = deployment.plan if deployment is not None else None
@@ -64,7 +73,7 @@ class PlanDiagnosis:
     """doctor's report on an already-resolved plan, with the probe it ran against."""
 
     report: DoctorReport
-    probe_hardware: Any
+    probe_hardware: Hardware
 
 
 def diagnose_plan(deployment: Deployment) -> PlanDiagnosis:

@@ -9,15 +9,26 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from m31ctl.checks import CheckResult, Status
 from m31ctl.deployment import Deployment
 from m31ctl.plan import Plan
 from m31ctl.probe import ProbeReport
 from m31ctl.probe.base import Runner, run_command
+from m31ctl.runtime.base import ScriptRun
 
-__all__ = ["Check", "CheckResult", "Context", "Outcome", "SkipCheck", "Status", "run_checks"]
+__all__ = [
+    "Check",
+    "CheckResult",
+    "Context",
+    "EngineScripts",
+    "Outcome",
+    "SkipCheck",
+    "Status",
+    "run_checks",
+]
 
 _CONNECT_LOCK = threading.Lock()
 
@@ -37,6 +48,20 @@ class Outcome:
     remedy: str = ""
 
 
+class EngineScripts(Protocol):
+    """What the deep checks need of a runtime (m31ctl.runtime.base.Runtime has it): a script run
+    with the engine's own Python and the server's settings. Tests pass a replay of captures."""
+
+    def run_engine_script(
+        self,
+        deployment: Deployment,
+        script: Path,
+        args: Sequence[str],
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+    ) -> ScriptRun: ...
+
+
 @dataclass
 class Context:
     """What checks may read. Side effects go through these callables, so tests can pass fakes."""
@@ -47,9 +72,11 @@ class Context:
     env: Mapping[str, str]
     run: Runner = run_command
     docker: Callable[[], Any] | None = None  # returns a connected client or raises DockerUnreachable
-    # doctor --deep: where the image-and-GPU checks run ("docker": in the engine image with
-    # launch's container settings; "native": the local Python's torch); None: not run.
+    # doctor --deep: the runtime (a name in m31ctl.runtime.RUNTIMES) whose engine Python the
+    # deep checks run with; None: they are not run.
     deep: str | None = None
+    # Overrides the runtime's scripts (tests replay captured probe output through it).
+    scripts: EngineScripts | None = None
     _memo: dict[str, Any] = field(default_factory=dict, init=False)
     _memo_lock: Any = field(default_factory=threading.Lock, init=False)
     _docker_client: Any = field(default=None, init=False)
@@ -83,6 +110,16 @@ class Context:
 
     def require_plan(self) -> Plan:
         return self.require_deployment().plan
+
+    def engine_scripts(self) -> EngineScripts:
+        """The runtime --deep names, from the runtime registry (the checks never ask its name)."""
+        if self.scripts is not None:
+            return self.scripts
+        if self.deep is None:
+            raise SkipCheck("runs with --deep only")
+        from m31ctl.runtime import get_runtime
+
+        return get_runtime(self.deep)
 
     def engine(self) -> Any:
         """The client for checks that need Docker only as a means: when the Engine is
