@@ -21,6 +21,7 @@ from m31ctl.errors import InputError
 from m31ctl.inputs import read_bytes
 from m31ctl.plan import Plan
 from m31ctl.plan.layers import Source
+from m31ctl.redact import redact, redact_setting
 from m31ctl.resources import recipes_dir
 from m31ctl.runtime.images import ImageFacts
 
@@ -53,13 +54,21 @@ class LockFile(_Strict):
 
 
 class Drift(NamedTuple):
+    """One difference. `drift()` returns its values redacted (m31ctl.redact): a lock that holds a
+    secret by value (edited by hand, or older than a guard) must not print it back, in the lines
+    of `lock --check`, `--locked` and doctor's lock check, nor in their JSON."""
+
     what: str
     old: Any
     new: Any
     source: str  # where the new value came from
 
     def line(self) -> str:
-        return f"{self.what}: {_show(self.old)} -> {_show(self.new)} ({self.source})"
+        return redact(f"{self.what}: {_show(self.old)} -> {_show(self.new)} ({self.source})")
+
+    def redacted(self) -> Drift:
+        key = self.what.split(" ", 1)[-1]  # "setting runtime.env.HF_TOKEN": the setting's key
+        return self._replace(old=redact_setting(key, self.old), new=redact_setting(key, self.new))
 
 
 def _show(value: Any) -> str:
@@ -191,7 +200,7 @@ def drift(locked: LockFile, current: LockFile, plan: Plan) -> list[Drift]:
                     "--hardware" if plan.hardware.simulated else "probe",
                 )
             )
-    return found
+    return [d.redacted() for d in found]  # compared in full, reported redacted
 
 
 def pinned_reference(lock: LockFile) -> str | None:

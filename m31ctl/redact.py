@@ -133,6 +133,13 @@ def _secret_key(key: object) -> bool:
     return name.upper() in SECRET_ENV or "--" + name.replace("_", "-").lower() in SECRET_FLAGS
 
 
+def redact_setting(key: str, value: object, environ: Mapping[str, str] | None = None) -> object:
+    """A setting's value as it may be shown: masked whole under a secret key
+    (`runtime.env.HF_TOKEN`), else redacted like any data."""
+    masked = redact_data({key: value}, environ)
+    return masked[key] if isinstance(masked, dict) else masked
+
+
 def redact_data(data: object, environ: Mapping[str, str] | None = None) -> object:
     """`redact` over every string of a JSON-able structure; besides, the string value of a secret
     key (`{"HF_TOKEN": ...}`) and the item after a secret flag in a list (argv) are masked whole."""

@@ -92,8 +92,8 @@ def test_native_stop_never_signals_a_reused_pid(tmp_path):
     try:
         real = process_identity(bystander.pid)
         assert real is not None
-        boot, start = real.split(":")
-        env = _state(tmp_path, "m31ctl-stale", bystander.pid, f"{boot}:{int(start) + 1}")
+        boot, start, command = real.split(":")
+        env = _state(tmp_path, "m31ctl-stale", bystander.pid, f"{boot}:{int(start) + 1}:{command}")
         status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)
         assert [(s["name"], s["state"]) for s in status["containers"]] == [("m31ctl-stale", "exited")]
         stopped = run_cli("stop", "--runtime", "native", "--name", "m31ctl-stale", env=env)
@@ -702,3 +702,48 @@ def test_plans_are_right_with_a_tampered_memo(tmp_path):
         run_cli_process("render", "--target", "k8s", "--hardware", "b300x4", env=env).stdout
         == rendered.stdout
     )
+
+
+# Drift reports show what changed, never a secret the lock holds.
+
+LOCKED_SECRETS = ("plainsecretvalue1", "plainsecretvalue2", "plainsecretvalue3", "plainsecretvalue4")
+
+
+def _lock_with_secrets(tmp_path: Path) -> Path:
+    lock = tmp_path / "m31ctl.lock"
+    assert run_cli("lock", "--hardware", "b300x4", "-o", str(lock)).returncode == 0
+    data = json.loads(lock.read_text())
+    # As a lock edited by hand, or written before a guard existed, could hold them.
+    data["settings"]["runtime.env.VLLM_API_KEY"] = LOCKED_SECRETS[0]
+    data["settings"]["engine.extra_args"] = ["--api_key", LOCKED_SECRETS[1]]
+    data["settings"]["runtime.env"] = {"HF_TOKEN": LOCKED_SECRETS[2]}
+    data["settings"]["model.path"] = f"--hf-token={LOCKED_SECRETS[3]}"
+    lock.write_text(json.dumps(data))
+    return lock
+
+
+def _no_secrets(result: subprocess.CompletedProcess[str]) -> None:
+    shown = result.stdout + result.stderr
+    assert not [s for s in LOCKED_SECRETS if s in shown], shown
+    assert "***" in shown, shown
+
+
+def test_lock_check_drift_is_redacted(tmp_path):
+    lock = _lock_with_secrets(tmp_path)
+    for extra in ((), ("--json",)):
+        result = run_cli("lock", "--hardware", "b300x4", "--check", str(lock), *extra)
+        assert result.returncode == 1, result.stderr
+        assert "runtime.env.VLLM_API_KEY" in result.stdout and "engine.extra_args" in result.stdout
+        _no_secrets(result)
+
+
+def test_locked_render_and_doctor_drift_is_redacted(tmp_path):
+    lock = _lock_with_secrets(tmp_path)
+    for command in (("render", "--target", "k8s"), ("launch", "--dry-run", "--json")):
+        refused = run_cli(*command, "--hardware", "b300x4", "--locked", str(lock))
+        assert refused.returncode == 4 and "drift" in refused.stderr, refused.stderr
+        _no_secrets(refused)
+    for extra in ((), ("--json",)):
+        doctor = run_cli("doctor", "--hardware", "b300x4", "--locked", str(lock), *extra)
+        assert "differences from" in doctor.stdout, doctor.stdout
+        _no_secrets(doctor)

@@ -11,6 +11,7 @@ from m31ctl.cli.output import write_file
 from m31ctl.errors import ConflictError, DockerUnreachable, M31Error
 from m31ctl.lock import Drift, LockFile, build, drift, pin, pinned_reference, read, to_text
 from m31ctl.plan import Plan
+from m31ctl.redact import redact
 
 if TYPE_CHECKING:
     from m31ctl.doctor import DoctorReport
@@ -40,6 +41,7 @@ def write_lock(path: Path, lock: LockFile) -> None:
 
 
 def drift_lines(found: list[Drift]) -> tuple[str, ...]:
+    """The printed form of drift: each line redacted (Drift.line), as the JSON forms are."""
     return tuple(f"  {d.line()}" for d in found)
 
 
@@ -77,7 +79,7 @@ def lock_check(report: DoctorReport, files: tuple[Path, ...], path: Path) -> Doc
         try:
             _locked, _now, found = compare(path, report.plan, files)
         except M31Error as exc:
-            problem = exc.one_line()
+            problem = redact(exc.one_line())  # the check's message is printed as it stands
         took = time.monotonic() - start
         if problem:
             result = CheckResult(
