@@ -12,6 +12,7 @@ from m31ctl.deployment import Deployment
 from m31ctl.errors import HostPreconditionError
 from m31ctl.runtime.gates import CheckId
 from m31ctl.runtime.phases import Phase
+from m31ctl.runtime.planrecord import PlanRecord
 
 Reporter = Callable[[str], None]  # progress lines for the user (the CLI decides where they go)
 
@@ -103,6 +104,8 @@ class ServerStatus:
     started_at: str | None = None
     restart_count: int = 0
     pid: int | None = None
+    # The plan it was launched with (None for a server started before m31ctl recorded it).
+    plan: PlanRecord | None = None
 
     @property
     def running(self) -> bool:
@@ -123,6 +126,7 @@ class ServerStatus:
             "started_at": self.started_at,
             "restart_count": self.restart_count,
             "pid": self.pid,
+            "plan_recorded": self.plan is not None,
         }
 
 

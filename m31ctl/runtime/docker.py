@@ -9,6 +9,8 @@ exit codes.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -31,12 +33,13 @@ from m31ctl.runtime.base import (
     ScriptUnavailable,
     ServerStatus,
 )
-from m31ctl.runtime.converge import Action, Decision, Existing, decide
+from m31ctl.runtime.converge import Decision, Existing
 from m31ctl.runtime.exits import diagnose
+from m31ctl.runtime.flow import Found, converge
 from m31ctl.runtime.gates import CheckId
-from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
 from m31ctl.runtime.phases import Phase
-from m31ctl.runtime.readiness import ProcessState, Watchdog, health, models, wait_ready
+from m31ctl.runtime.planrecord import PLAN_LABEL, PlanRecord, record_of
+from m31ctl.runtime.readiness import ProcessState, health, models
 
 # What `docker stop` waits for when the container does not say (vLLM's drain + margin).
 DEFAULT_STOP_TIMEOUT_S = 60
@@ -126,9 +129,12 @@ def run_in_engine(
         engine_api.remove_if_present(container)
 
 
-def create_container(client: Any, spec: ContainerSpec, environ: dict[str, str]) -> Any:
-    """Create (not start) the container through the Engine API. Secret values come from our
-    environment into the API request, never into any process's argv."""
+def create_container(
+    client: Any, spec: ContainerSpec, environ: dict[str, str], labels: dict[str, str] | None = None
+) -> Any:
+    """Create (not start) the container through the Engine API, labelled with `labels` (default:
+    the spec's). Secret values come from our environment into the API request, never into any
+    process's argv."""
     from docker.types import LogConfig
 
     env = dict(spec.env)
@@ -146,7 +152,7 @@ def create_container(client: Any, spec: ContainerSpec, environ: dict[str, str]) 
         image=spec.image,
         command=list(spec.args),
         name=spec.name,
-        labels=spec.label_dict,
+        labels=labels if labels is not None else spec.label_dict,
         environment=env,
         ports=[spec.container_port],
         host_config=client.api.create_host_config(**host),
@@ -213,6 +219,63 @@ def _existing(
     )
 
 
+class _ContainerLaunch:
+    """The docker runtime's launch primitives (runtime/flow.py runs the flow)."""
+
+    def __init__(self, deployment: Deployment, options: LaunchOptions, client: Any) -> None:
+        self.spec = container_spec(deployment)
+        self.options = options
+        self.client = client
+        self.served = deployment.plan.settings.model.served_name
+        self.labels = {**self.spec.label_dict, PLAN_LABEL: record_of(deployment, os.getcwd()).to_json()}
+
+    def claim(self) -> contextlib.AbstractContextManager[object]:
+        return contextlib.nullcontext()  # the engine's create-by-name is atomic: the loser joins
+
+    def find(self, api_key: str | None) -> Found[Any] | None:
+        container = engine_api.find_container(self.client, self.spec.name)
+        existing = _existing(container, self.spec, api_key, self.served)
+        return None if existing is None else Found(existing, container)
+
+    def resume(self, container: Any) -> None:
+        if container.status == "created":
+            container.start()  # a second start of a started container is a no-op (304)
+
+    def remove(self, container: Any) -> None:
+        engine_api.remove_if_present(container)
+
+    def prepare(self) -> None:
+        if engine_api.local_image(self.client, self.spec.image) is None:
+            self.options.on_phase(Phase.PULLING, 0.0)
+        _ensure_image(self.client, self.spec.image, self.options.report, self.options.pull_progress)
+
+    def create(self) -> Any:
+        return _create_and_start(self.client, self.spec, dict(self.options.environ), self.labels)
+
+    def handle(self, container: Any) -> ContainerHandle:
+        return ContainerHandle(container)
+
+    def endpoint(self, container: Any) -> str:
+        return endpoint(self.spec)
+
+    def died(self, container: Any, error: ServerDied) -> ServerDied:
+        # Leave a server that died while loading stopped, with its logs: under a restart policy
+        # it would load (and die) again and again, each time re-reading the checkpoint.
+        engine_api.stop_for_good(container)
+        retry = (
+            f"it is stopped, with its logs (m31ctl logs --name {self.spec.name}); m31ctl launch replaces it"
+        )
+        return ServerDied(
+            error.message, hint=f"{error.hint}; {retry}" if error.hint else retry, details=error.details
+        )
+
+    def describe(self, container: Any) -> str:
+        return self.spec.name
+
+    def started(self, container: Any) -> str:
+        return f"started {self.spec.name} ({container.short_id}) from {self.spec.image}"
+
+
 class DockerRuntime:
     name = "docker"
     gates = (
@@ -237,112 +300,8 @@ class DockerRuntime:
 
     def launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
         with engine_api.engine_boundary("launching"):
-            return self._launch(deployment, options)
-
-    def _launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
-        plan = deployment.plan
-        environ = dict(options.environ)
-        spec = container_spec(deployment)
-        api_key = api_key_for(deployment, environ)
-        served = plan.settings.model.served_name
-        client = engine_api.connect()
-        timeout = float(options.timeout if options.timeout is not None else spec.startup_timeout)
-        watchdog = watchdog_for(deployment, options.diagnostics)
-        container = engine_api.find_container(client, spec.name)
-        decision = decide(_existing(container, spec, api_key, served), plan.hash)
-        confirm_or_refuse(decision, spec.name, plan.hash, options)
-
-        def result(
-            action: Action,
-            ready: bool,
-            timings: dict[str, float] | None = None,
-            phases: tuple[Phase, ...] = (),
-        ) -> LaunchResult:
-            return LaunchResult(
-                action.value, spec.name, self.name, endpoint(spec), plan.hash, ready, timings or {}, phases
-            )
-
-        if decision.action is Action.UNCHANGED:
-            return result(Action.UNCHANGED, True)
-        if decision.action is Action.ADOPT and container is not None:
-            return self._adopt(container, spec, served, timeout, api_key, options, result, watchdog)
-        if decision.action is Action.RECREATE and container is not None:
-            options.report(f"removing {spec.name} ({decision.reason})")
-            engine_api.remove_if_present(container)
-        try:
-            ensure_port_free(spec.bind, spec.host_port)
-            if engine_api.local_image(client, spec.image) is None:
-                options.on_phase(Phase.PULLING, 0.0)
-            _ensure_image(client, spec.image, options.report, options.pull_progress)
-            started = time.monotonic()
-            created = _create_and_start(client, spec, environ)
-        except ConflictError:
-            # Another launch of this name won the race (the engine's create-by-name is atomic; the
-            # port check sees its container once it starts): join it when it runs this plan.
-            winner = engine_api.find_container(client, spec.name)
-            joined = decide(_existing(winner, spec, api_key, served), plan.hash)
-            if winner is None or joined.action not in (Action.ADOPT, Action.UNCHANGED):
-                raise
-            if joined.action is Action.UNCHANGED:
-                return result(Action.UNCHANGED, True)
-            return self._adopt(winner, spec, served, timeout, api_key, options, result, watchdog)
-        options.report(f"started {spec.name} ({created.short_id}) from {spec.image}")
-        if options.detach:
-            return result(decision.action, False)
-        timings, phases = self._wait(created, spec, served, timeout, options, api_key, watchdog)
-        timings["total_since_create"] = time.monotonic() - started
-        return result(decision.action, True, timings, phases)
-
-    def _adopt(
-        self,
-        container: Any,
-        spec: ContainerSpec,
-        served: str,
-        timeout: float,
-        api_key: str | None,
-        options: LaunchOptions,
-        result: Callable[..., LaunchResult],
-        watchdog: Watchdog,
-    ) -> LaunchResult:
-        options.report(f"{spec.name} runs this plan already; waiting for it")
-        if container.status == "created":
-            container.start()  # a second start of a started container is a no-op (304)
-        if options.detach:
-            return result(Action.ADOPT, False)
-        timings, phases = self._wait(container, spec, served, timeout, options, api_key, watchdog)
-        return result(Action.ADOPT, True, timings, phases)
-
-    def _wait(
-        self,
-        container: Any,
-        spec: ContainerSpec,
-        served: str,
-        timeout: float,
-        options: LaunchOptions,
-        api_key: str | None,
-        watchdog: Watchdog,
-    ) -> tuple[dict[str, float], tuple[Phase, ...]]:
-        try:
-            return wait_ready(
-                ContainerHandle(container),
-                endpoint(spec),
-                served,
-                timeout,
-                options.report,
-                api_key,
-                on_phase=options.on_phase,
-                watchdog=watchdog,
-            )
-        except ServerDied as exc:
-            # Leave a server that died while loading stopped, with its logs: under a restart policy
-            # it would load (and die) again and again, each time re-reading the checkpoint.
-            engine_api.stop_for_good(container)
-            retry = (
-                f"it is stopped, with its logs (m31ctl logs --name {spec.name}); m31ctl launch replaces it"
-            )
-            raise ServerDied(
-                exc.message, hint=f"{exc.hint}; {retry}" if exc.hint else retry, details=exc.details
-            ) from None
+            backend = _ContainerLaunch(deployment, options, engine_api.connect())
+            return converge(self.name, backend, deployment, options)
 
     def servers(self) -> list[ServerStatus]:
         with engine_api.engine_boundary("listing containers"):
@@ -430,15 +389,18 @@ def _status(container: Any) -> ServerStatus:
         image=(container.attrs.get("Config") or {}).get("Image"),
         started_at=(container.attrs.get("State") or {}).get("StartedAt"),
         restart_count=int(container.attrs.get("RestartCount", 0) or 0),
+        plan=PlanRecord.parse(labels.get(PLAN_LABEL)),
     )
 
 
-def _create_and_start(client: Any, spec: ContainerSpec, environ: dict[str, str]) -> Any:
+def _create_and_start(
+    client: Any, spec: ContainerSpec, environ: dict[str, str], labels: dict[str, str]
+) -> Any:
     """Create then start. A name taken meanwhile is a ConflictError (the caller may join the
     winner); a container of ours that fails to start is removed by its id, never by name, so a
     concurrent launch's container is never touched."""
     try:
-        container = create_container(client, spec, environ)
+        container = create_container(client, spec, environ, labels)
     except Exception as exc:
         if engine_api.is_conflict(exc):
             raise ConflictError(

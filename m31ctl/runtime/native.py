@@ -1,130 +1,57 @@
 """The `native` runtime: vLLM from a local Python as a supervised process.
 
-It behaves like the container runtime: the same plan, argv (from the engine adapter) and
-readiness; a state file per server (pid, plan hash, port, log) stands in for the container's
-labels, so status, logs and stop act on our processes only and a relaunch of the same plan
-changes nothing.
+It behaves like the container runtime: the same plan, argv (from the engine adapter), launch flow
+(runtime/flow.py) and readiness; a record per server (runtime/native_state.py: pid and the
+process's identity, plan, port, log) stands in for the container's labels, so status, logs and
+stop act on our processes only, a relaunch of the same plan changes nothing, and a pid that cannot
+be confirmed as the process m31ctl started is never signalled.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from m31ctl.deployment import Deployment
 from m31ctl.engine.adapter import build_invocation, native_command
-from m31ctl.errors import CheckFailed, HostPreconditionError
-from m31ctl.names import check_name, name_problem
-from m31ctl.netaddr import local_url
-from m31ctl.resources import state_root
-from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Reporter, ScriptRun, ServerStatus
-from m31ctl.runtime.converge import Action, Existing, decide
+from m31ctl.errors import CheckFailed, ConflictError, HostPreconditionError, ServerDied
+from m31ctl.runtime.base import (
+    DryRun,
+    LaunchOptions,
+    LaunchResult,
+    Reporter,
+    ScriptRun,
+    ServerStatus,
+)
+from m31ctl.runtime.converge import Existing
+from m31ctl.runtime.flow import Found, converge
 from m31ctl.runtime.gates import CheckId
-from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
-from m31ctl.runtime.phases import Phase
-from m31ctl.runtime.readiness import ProcessState, health, models, wait_ready
+from m31ctl.runtime.native_state import (
+    Liveness,
+    NativeServer,
+    claim,
+    forget,
+    load,
+    process_identity,
+    recorded,
+    save,
+    state_dir,
+)
+from m31ctl.runtime.planrecord import PlanRecord, record_of
+from m31ctl.runtime.readiness import ProcessState, health, models
 
 # After SIGKILL, how long the kernel may take to reap the process group before stop gives up.
 KILL_GRACE_S = 5.0
+# How long an engine we started but could not record gets to leave on SIGTERM before SIGKILL.
+ABANDON_GRACE_S = 5.0
 
-
-def state_dir() -> Path:
-    return state_root() / "native"
-
-
-@dataclass(frozen=True)
-class NativeServer:
-    name: str
-    pid: int
-    plan_hash: str
-    recipe: str
-    variant: str
-    profile: str
-    bind: str
-    port: int
-    log: str
-    argv: tuple[str, ...]
-    started_at: float
-    stop_timeout: int
-    # Which process the pid meant when we started it (boot id and kernel start time): after a
-    # crash or a reboot the pid may belong to someone else, whom status must not show and stop
-    # must never signal. None on a system without /proc (the pid alone is trusted there).
-    identity: str | None = None
-
-    @property
-    def base(self) -> str:
-        return local_url(self.bind, self.port)
-
-    def alive(self) -> bool:
-        if self.identity is not None and process_identity(self.pid) != self.identity:
-            return False  # gone, or the pid was reused by another process
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return _not_zombie(self.pid)
-
-
-def process_identity(pid: int) -> str | None:
-    """'BOOT_ID:STARTTIME' of a live process: the kernel's start time (in clock ticks since boot,
-    field 22 of /proc/PID/stat) is fixed for the life of a process and differs for a reused pid."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()
-    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
-
-
-def _not_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _path(name: str) -> Path:
-    # Names are checked at plan time; checked again here because this one becomes a file path.
-    return state_dir() / f"{check_name(name, 'server name')}.json"
-
-
-def load(name: str) -> NativeServer | None:
-    """The recorded server, or None (a missing or unreadable state file records nothing)."""
-    try:
-        data = json.loads(_path(name).read_text(encoding="utf-8"))
-        data["argv"] = tuple(data["argv"])
-        return NativeServer(**data)
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-
-
-def recorded() -> list[NativeServer]:
-    directory = state_dir()
-    if not directory.is_dir():
-        return []
-    found = [load(p.stem) for p in sorted(directory.glob("*.json")) if name_problem(p.stem) is None]
-    return [s for s in found if s is not None]
-
-
-def _save(server: NativeServer) -> None:
-    directory = state_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = _path(server.name).with_suffix(".tmp")
-    data = {**asdict(server), "argv": list(server.argv)}
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, _path(server.name))
+__all__ = ["NativeRuntime", "NativeServer", "process_identity", "run_script", "stop_server"]
 
 
 class ProcessHandle:
@@ -161,16 +88,130 @@ def command(deployment: Deployment) -> list[str]:
     return native_command(deployment, runtime.native_python or sys.executable)
 
 
-def _existing(server: NativeServer | None, served: str, api_key: str | None) -> Existing | None:
-    if server is None:
-        return None
-    alive = server.alive()
+def _existing(server: NativeServer, served: str, api_key: str | None) -> Existing:
+    liveness = server.liveness()
+    alive = liveness is Liveness.RUNNING
     return Existing(
-        owned=True,  # state files are ours by construction
+        owned=True,  # records are ours by construction
         plan_hash=server.plan_hash,
-        state="running" if alive else "exited",
+        state=liveness.value,
         serving=alive and served in (models(server.base, api_key) or []),
     )
+
+
+class _ProcessLaunch:
+    """The native runtime's launch primitives (runtime/flow.py runs the flow)."""
+
+    def __init__(self, deployment: Deployment, options: LaunchOptions) -> None:
+        self.deployment = deployment
+        self.options = options
+        self.name = deployment.name
+        self.child: subprocess.Popen[bytes] | None = None
+
+    def claim(self) -> contextlib.AbstractContextManager[object]:
+        return claim(self.name)
+
+    def find(self, api_key: str | None) -> Found[NativeServer] | None:
+        server = load(self.name)
+        if server is None:
+            return None
+        return Found(_existing(server, self.deployment.plan.settings.model.served_name, api_key), server)
+
+    def resume(self, server: NativeServer) -> None:
+        pass  # a process is started when it is created
+
+    def remove(self, server: NativeServer) -> None:
+        stop_server(server, server.stop_timeout, self.options.report)
+
+    def prepare(self) -> None:
+        pass
+
+    def create(self) -> NativeServer:
+        """Start the engine, then record it. An engine that cannot be recorded (a full disk, an
+        interrupt) is stopped again before the error goes on: nothing runs that m31ctl does not
+        know of."""
+        d = self.deployment
+        argv = command(d)
+        log_path = state_dir() / f"{self.name}.log"
+        env = {**self.options.environ, "HF_HOME": d.hf_cache, **dict(build_invocation(d).env)}
+        try:
+            with open(log_path, "ab") as log:
+                # A session of its own: Ctrl-C on m31ctl leaves the server running, as a container would.
+                child = subprocess.Popen(
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
+        except OSError as exc:
+            raise HostPreconditionError(
+                f"cannot start the engine: {exc.strerror or exc} ({exc.filename or argv[0]})",
+                hint="check runtime.native_python, and that M31CTL_STATE_DIR is writable",
+            ) from None
+        try:
+            server = self._record(child, argv, str(log_path))
+        except BaseException as exc:
+            _abandon(child)
+            if isinstance(exc, HostPreconditionError):
+                raise HostPreconditionError(
+                    f"{exc.message}; the engine it had started (pid {child.pid}) was stopped",
+                    hint=exc.hint,
+                ) from None
+            raise
+        self.child = child
+        return server
+
+    def _record(self, child: subprocess.Popen[bytes], argv: list[str], log: str) -> NativeServer:
+        d = self.deployment
+        plan = d.plan
+        server = NativeServer(
+            name=self.name,
+            pid=child.pid,
+            plan_hash=plan.hash,
+            recipe=plan.recipe.recipe,
+            variant=plan.variant,
+            profile=plan.profile,
+            bind=d.network.bind,
+            port=d.network.port,
+            log=log,
+            argv=tuple(argv),
+            started_at=time.time(),
+            stop_timeout=d.budgets.stop_s,
+            identity=process_identity(child.pid),
+            plan=record_of(d, os.getcwd()).to_json(),
+        )
+        save(server)
+        return server
+
+    def handle(self, server: NativeServer) -> ProcessHandle:
+        own = self.child if self.child is not None and self.child.pid == server.pid else None
+        return ProcessHandle(server, own)
+
+    def endpoint(self, server: NativeServer) -> str:
+        return server.base
+
+    def died(self, server: NativeServer, error: ServerDied) -> ServerDied:
+        return error  # the process is gone; its record says so, and the next launch replaces it
+
+    def describe(self, server: NativeServer) -> str:
+        return f"{server.name} (pid {server.pid})"
+
+    def started(self, server: NativeServer) -> str:
+        return f"started {server.name} (pid {server.pid}): {' '.join(server.argv[:3])}; log {server.log}"
+
+
+def _abandon(child: subprocess.Popen[bytes]) -> None:
+    """Stop an engine we started and could not record: our own child, so its pid is certain."""
+    for sig, grace in ((signal.SIGTERM, ABANDON_GRACE_S), (signal.SIGKILL, KILL_GRACE_S)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)
+        try:
+            child.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 class NativeRuntime:
@@ -181,109 +222,18 @@ class NativeRuntime:
         return DryRun("process", tuple(command(deployment)), {"command": command(deployment)})
 
     def launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
-        plan = deployment.plan
-        environ = dict(options.environ)
-        name = deployment.name
-        api_key = api_key_for(deployment, environ)
         if deployment.simulated:
             raise HostPreconditionError(
                 "the native runtime runs on this host's own hardware",
                 hint="drop --hardware (or use --hardware cpu for the rehearsal)",
             )
-        timeout = float(options.timeout if options.timeout is not None else deployment.budgets.startup_s)
-        served = plan.settings.model.served_name
-        existing = load(name)
-        decision = decide(_existing(existing, served, api_key), plan.hash)
-        confirm_or_refuse(decision, name, plan.hash, options)
-        if existing is not None and decision.action is Action.UNCHANGED:
-            return LaunchResult(Action.UNCHANGED.value, name, self.name, existing.base, plan.hash, True)
-
-        def wait(handle: ProcessHandle, base: str) -> tuple[dict[str, float], tuple[Phase, ...]]:
-            return wait_ready(
-                handle,
-                base,
-                served,
-                timeout,
-                options.report,
-                api_key,
-                on_phase=options.on_phase,
-                watchdog=watchdog_for(deployment, options.diagnostics),
-            )
-
-        if existing is not None and decision.action is Action.ADOPT:
-            options.report(f"{name} (pid {existing.pid}) runs this plan already; waiting for it")
-            if options.detach:
-                return LaunchResult(Action.ADOPT.value, name, self.name, existing.base, plan.hash, False)
-            timings, phases = wait(ProcessHandle(existing), existing.base)
-            return LaunchResult(
-                Action.ADOPT.value, name, self.name, existing.base, plan.hash, True, timings, phases
-            )
-        if existing is not None and decision.action is Action.RECREATE:
-            stop_server(existing, existing.stop_timeout, options.report)
-        ensure_port_free(deployment.network.bind, deployment.network.port)
-        argv = command(deployment)
-        log_path = state_dir() / f"{name}.log"
-        state_dir().mkdir(parents=True, exist_ok=True)
-        env = {**environ, **dict(build_invocation(deployment).env)}
-        with open(log_path, "ab") as log:
-            # A session of its own: Ctrl-C on m31ctl leaves the server running, as a container would.
-            child = subprocess.Popen(
-                argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
-        server = NativeServer(
-            name=name,
-            pid=child.pid,
-            plan_hash=plan.hash,
-            recipe=plan.recipe.recipe,
-            variant=plan.variant,
-            profile=plan.profile,
-            bind=deployment.network.bind,
-            port=deployment.network.port,
-            log=str(log_path),
-            argv=tuple(argv),
-            started_at=time.time(),
-            stop_timeout=deployment.budgets.stop_s,
-            identity=process_identity(child.pid),
-        )
-        _save(server)
-        options.report(f"started {name} (pid {child.pid}): {' '.join(argv[:3])}; log {log_path}")
-        if options.detach:
-            return LaunchResult(decision.action.value, name, self.name, server.base, plan.hash, False)
-        started = time.monotonic()
-        timings, phases = wait(ProcessHandle(server, child), server.base)
-        timings["total_since_create"] = time.monotonic() - started
-        return LaunchResult(
-            decision.action.value, name, self.name, server.base, plan.hash, True, timings, phases
-        )
+        return converge(self.name, _ProcessLaunch(deployment, options), deployment, options)
 
     def servers(self) -> list[ServerStatus]:
-        rows = []
-        for s in recorded():
-            alive = s.alive()
-            rows.append(
-                ServerStatus(
-                    name=s.name,
-                    runtime=self.name,
-                    state="running" if alive else "exited",
-                    plan_hash=s.plan_hash,
-                    recipe=s.recipe,
-                    variant=s.variant,
-                    profile=s.profile,
-                    endpoint=s.base,
-                    health=health(s.base, timeout=1.0) if alive else None,
-                    started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.started_at)),
-                    pid=s.pid,
-                )
-            )
-        return rows
+        return [_status(s) for s in recorded()]
 
     def foreign(self, name: str) -> bool:
-        return False  # every state file was written by m31ctl
+        return False  # every record was written by m31ctl
 
     def logs(self, name: str, follow: bool, tail: int, write: Callable[[str], None]) -> None:
         server = _named(name)
@@ -313,6 +263,25 @@ class NativeRuntime:
         return run_script(deployment, script, args, timeout, env)
 
 
+def _status(s: NativeServer) -> ServerStatus:
+    liveness = s.liveness()
+    alive = liveness is Liveness.RUNNING
+    return ServerStatus(
+        name=s.name,
+        runtime=NativeRuntime.name,
+        state=liveness.value,
+        plan_hash=s.plan_hash,
+        recipe=s.recipe,
+        variant=s.variant,
+        profile=s.profile,
+        endpoint=s.base,
+        health=health(s.base, timeout=1.0) if alive else None,
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.started_at)),
+        pid=s.pid,
+        plan=PlanRecord.parse(s.plan),
+    )
+
+
 def _named(name: str) -> NativeServer:
     server = load(name)
     if server is None:
@@ -321,9 +290,19 @@ def _named(name: str) -> NativeServer:
 
 
 def stop_server(server: NativeServer, timeout: int, report: Reporter) -> None:
-    """SIGTERM to the process group (vLLM drains), then SIGKILL after the timeout. The state
-    file goes only once the process is gone; if it survives SIGKILL, stop fails."""
-    if server.alive():
+    """SIGTERM to the process group (vLLM drains), then SIGKILL after the timeout, only to a
+    process confirmed as the one m31ctl started. The record goes once the process is gone; a
+    process that survives SIGKILL fails the stop; a live pid that cannot be confirmed is never
+    signalled: the record is reported as stale, with the way to remove it."""
+    liveness = server.liveness()
+    if liveness is Liveness.UNCONFIRMED:
+        raise ConflictError(
+            f"{server.name}: its record names pid {server.pid}, which runs but cannot be confirmed as the "
+            "server m31ctl started (the record lacks its boot, start time or command line, or /proc "
+            "cannot tell); not signalled",
+            hint=f"if that server is gone, remove the stale record: rm {server.path}",
+        )
+    if liveness is Liveness.RUNNING:
         report(f"stopping {server.name} (pid {server.pid}: SIGTERM, then SIGKILL after {timeout} s)")
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
@@ -335,7 +314,7 @@ def stop_server(server: NativeServer, timeout: int, report: Reporter) -> None:
                     f"{server.name} (pid {server.pid}) is still running after SIGKILL",
                     hint="it may be stuck in the kernel (D state); see `ps -o stat -p PID`",
                 )
-    _path(server.name).unlink(missing_ok=True)
+    forget(server)
 
 
 def _wait_gone(server: NativeServer, seconds: float) -> bool:

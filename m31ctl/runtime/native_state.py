@@ -1,0 +1,215 @@
+"""What the native runtime keeps about its servers: one JSON record per server name in the state
+directory (pid, the process's identity, plan, port, log), standing in for a container's labels.
+
+Three rules keep the records honest:
+- A pid is trusted only while its identity is confirmed: the boot, the kernel's start time and the
+  command line recorded when m31ctl started it must all match the live process. A record missing
+  any of them, or a process that cannot be read, is *unconfirmed*: never signalled, reported with
+  the way to remove the record (`liveness`).
+- Load, decide and save happen under a per-name lock (`claim`, fcntl), so concurrent launches of
+  one name start one engine; each writer has its own temporary file, renamed into place.
+- The directory is checked before anything starts (`claim` creates and locks in it), and a save
+  that fails removes its temporary file and raises: the caller stops what it started.
+
+Test seam: every record's bytes are written by `_write_record(fd, data)`; tests replace it with a
+write to /dev/full to meet a real ENOSPC from the kernel (a full disk), which no unprivileged test
+can otherwise arrange.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+
+from m31ctl.errors import HostPreconditionError
+from m31ctl.names import check_name, name_problem
+from m31ctl.netaddr import local_url
+from m31ctl.resources import state_root
+
+# A record is a few kilobytes (the plan's settings); anything far larger is not ours.
+MAX_RECORD_BYTES = 1 << 20
+
+
+def state_dir() -> Path:
+    return state_root() / "native"
+
+
+class Liveness(Enum):
+    RUNNING = "running"  # the process m31ctl started, confirmed
+    GONE = "exited"  # no such process, or the pid now belongs to another process
+    UNCONFIRMED = "unconfirmed"  # a live pid the record cannot prove is ours: never signalled
+
+
+@dataclass(frozen=True)
+class NativeServer:
+    name: str
+    pid: int
+    plan_hash: str
+    recipe: str
+    variant: str
+    profile: str
+    bind: str
+    port: int
+    log: str
+    argv: tuple[str, ...]
+    started_at: float
+    stop_timeout: int
+    # Which process the pid meant when m31ctl started it ('BOOT:STARTTIME:CMDLINE-SHA256',
+    # process_identity); None where /proc could not tell.
+    identity: str | None = None
+    # The plan it was launched with (runtime/planrecord.py, as JSON): verify re-resolves it.
+    plan: str | None = None
+
+    @property
+    def base(self) -> str:
+        return local_url(self.bind, self.port)
+
+    @property
+    def path(self) -> Path:
+        return record_path(self.name)
+
+    def liveness(self) -> Liveness:
+        if not _exists(self.pid):
+            return Liveness.GONE
+        now = process_identity(self.pid)
+        if not _complete(self.identity) or now is None:
+            return Liveness.UNCONFIRMED
+        return Liveness.RUNNING if now == self.identity else Liveness.GONE
+
+    def alive(self) -> bool:
+        """Running and confirmed ours (what may be waited on, followed and signalled)."""
+        return self.liveness() is Liveness.RUNNING
+
+
+def _complete(identity: str | None) -> bool:
+    return identity is not None and len(identity.split(":")) == 3 and all(identity.split(":"))
+
+
+def process_identity(pid: int) -> str | None:
+    """'BOOT_ID:STARTTIME:CMDLINE_SHA256' of a live process. The kernel's start time (clock ticks
+    since boot, field 22 of /proc/PID/stat) is fixed for the life of a process and differs for a
+    reused pid; the boot id tells boots apart; the command line tells a pid reused within one
+    clock tick, or a record written by hand, from the process m31ctl started."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    if len(fields) <= 19 or not cmdline:
+        return None  # a kernel thread, or a zombie: no command line to confirm
+    return f"{boot}:{fields[19]}:{hashlib.sha256(cmdline).hexdigest()}"
+
+
+def _exists(pid: int) -> bool:
+    """A process with this pid exists and is not a zombie (signal 0 sends nothing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def record_path(name: str) -> Path:
+    # Names are checked at plan time; checked again here because this one becomes a file path.
+    return state_dir() / f"{check_name(name, 'server name')}.json"
+
+
+def load(name: str) -> NativeServer | None:
+    """The recorded server, or None (a missing, unreadable or malformed record records nothing)."""
+    try:
+        with record_path(name).open("rb") as handle:
+            data = json.loads(handle.read(MAX_RECORD_BYTES + 1)[:MAX_RECORD_BYTES])
+        data["argv"] = tuple(data["argv"])
+        server = NativeServer(**data)
+    except (OSError, ValueError, TypeError, KeyError, RecursionError):
+        return None
+    return server if isinstance(server.pid, int) and server.pid > 0 else None
+
+
+def recorded() -> list[NativeServer]:
+    directory = state_dir()
+    if not directory.is_dir():
+        return []
+    found = [load(p.stem) for p in sorted(directory.glob("*.json")) if name_problem(p.stem) is None]
+    return [s for s in found if s is not None]
+
+
+def _state_error(exc: OSError, directory: Path) -> HostPreconditionError:
+    why = exc.strerror or str(exc)
+    if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+        why = "it is not a directory"
+    return HostPreconditionError(
+        f"cannot keep native server state in {directory}: {why}",
+        hint="point M31CTL_STATE_DIR (or XDG_STATE_HOME) at a writable directory, or free space there",
+    )
+
+
+@contextlib.contextmanager
+def claim(name: str) -> Iterator[None]:
+    """Hold the per-name lock for a load-decide-save: a second launch of the name waits here until
+    the first has recorded what it started, then finds it. Creating the directory and the lock
+    file is also the check that the state directory can be written, before anything starts."""
+    directory = state_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / f"{check_name(name, 'server name')}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise _state_error(exc, directory) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays (removing it would race a waiter)
+
+
+def _write_record(fd: int, data: bytes) -> None:
+    """The one write of a record's bytes (the test seam for a full disk, see the module's doc)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def save(server: NativeServer) -> None:
+    """Write the record atomically: a temporary file of this writer's own, flushed to disk, then
+    renamed over the record. On any failure the temporary file is removed and the error raised
+    (a HostPreconditionError naming the directory for an OSError)."""
+    directory = state_dir()
+    data = json.dumps({**asdict(server), "argv": list(server.argv)}, indent=1, sort_keys=True) + "\n"
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{server.name}.", suffix=".tmp", dir=directory)
+    except OSError as exc:
+        raise _state_error(exc, directory) from None
+    try:
+        try:
+            _write_record(fd, data.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, server.path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise _state_error(exc, directory) from None
+        raise
+
+
+def forget(server: NativeServer) -> None:
+    server.path.unlink(missing_ok=True)
