@@ -191,7 +191,8 @@ def goodput_args(slo: Sequence[Limit]) -> list[str]:
 
 def violations(point: Point, slo: Sequence[Limit]) -> list[str]:
     """What keeps the point from being an operating point under the SLO (empty: it qualifies)."""
-    found = [] if point.complete else [f"{point.failed or point.requests - point.completed} requests failed"]
+    missing = point.failed or max(0, point.requests - point.completed)
+    found = [] if point.complete else [f"{missing} of {point.requests} requests failed"]
     return found + [limit.describe(point) for limit in slo if not limit.holds(point)]
 
 
