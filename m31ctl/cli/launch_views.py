@@ -150,9 +150,12 @@ def print_unreachable(found: Survey) -> None:
 
 def print_status(found: Survey, as_json: bool) -> None:
     if as_json:
+        rows = [s.to_json() for s in found.servers]
         emit_json(
             {
-                "containers": [s.to_json() for s in found.servers],
+                "servers": rows,
+                # The older key, kept for pipelines that read it: it lists native servers too.
+                "containers": rows,
                 "unreachable": {name: error.one_line() for name, error in found.unreachable.items()},
             }
         )
