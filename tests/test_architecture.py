@@ -116,6 +116,8 @@ FORBIDDEN = {
     "m31ctl.render": ("m31ctl.runtime", "m31ctl.doctor", "m31ctl.cli"),
     "m31ctl.runtime": ("m31ctl.doctor", "m31ctl.cli", "m31ctl.deploy"),
     "m31ctl.doctor": ("m31ctl.cli", "m31ctl.deploy"),
+    # pull reads the plan and writes the cache; the runtime, doctor and CLI may call it, not the reverse
+    "m31ctl.pull": ("m31ctl.runtime", "m31ctl.doctor", "m31ctl.render", "m31ctl.cli", "m31ctl.deploy"),
     # bench measures a running server: plan, engine and runtime below it, never the CLI or launch.
     "m31ctl.bench": ("m31ctl.cli", "m31ctl.deploy", "m31ctl.doctor", "m31ctl.render"),
 }

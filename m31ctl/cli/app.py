@@ -585,7 +585,8 @@ def pull(
     """Download the plan's checkpoint (and its dspark/ draft) into its Hugging Face cache: resumable, watched, pinned."""
     from m31ctl.cli.pulling import run_pull
 
-    return run_pull(_resolve(plan_options.request()), revision, verify, stall_timeout, retries, json)
+    deployment = _deploy(_resolve(plan_options.request()), validate=False, fit=False)  # no GPU needed
+    return run_pull(deployment, revision, verify, stall_timeout, retries, json)
 
 
 @command

@@ -27,11 +27,11 @@ from m31ctl.pull import (
 )
 
 if TYPE_CHECKING:
-    from m31ctl.plan import Plan
+    from m31ctl.deployment import Deployment
 
 
 def run_pull(
-    plan: Plan, revision: str, verify: bool, stall_timeout: float, retries: int, as_json: bool
+    deployment: Deployment, revision: str, verify: bool, stall_timeout: float, retries: int, as_json: bool
 ) -> int:
     if not (0 < stall_timeout < math.inf):
         raise InputError(f"--stall-timeout {stall_timeout:g} is not a positive number of seconds")
@@ -40,7 +40,7 @@ def run_pull(
     options = PullOptions(revision, verify, stall_timeout, retries, dict(os.environ))
     view: _View = _JsonView() if as_json else _LiveView() if sys.stderr.isatty() else _PlainView()
     try:
-        result = pull(plan, options, view.on_event)
+        result = pull(deployment, options, view.on_event)
     except M31Error as exc:
         view.close()
         if as_json:  # the stream stays JSON Lines: the error is its last line, as a result would be

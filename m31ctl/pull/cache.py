@@ -17,8 +17,8 @@ from m31ctl.pull.model import RepoFile
 
 
 def hub_cache(hf_home: str) -> Path:
-    """The hub cache under the plan's runtime.hf_cache (HF_HOME: the container mounts it whole)."""
-    return Path(os.path.expanduser(hf_home)) / "hub"
+    """The hub cache under the deployment's hf_cache (HF_HOME: the container mounts it whole)."""
+    return Path(hf_home) / "hub"
 
 
 class RepoCache:

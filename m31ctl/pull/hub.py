@@ -22,10 +22,9 @@ from m31ctl.pull.model import Listing, Location, RepoFile
 if TYPE_CHECKING:
     from types import TracebackType
 
-# Bytes per write during a plain-HTTP transfer. huggingface_hub's http_get reads 10 MiB per chunk and
-# writes nothing until a chunk is full: on a slow link a long silence for the progress display, and up
-# to 10 MiB lost to an interruption. 1 MiB keeps both small at ~1000 writes/s at 1 GB/s.
-CHUNK_BYTES = 1 << 20
+# The watchdog speaks first: a read waits this much longer than the stall timeout before it fails
+# by itself, which then only ends a transfer the watchdog has already given up on.
+READ_GRACE_S = 0.5  # the watchdog looks every 0.1 s
 
 
 class TransientError(Exception):
@@ -118,10 +117,9 @@ class HubTransport:
         if resume_from:
             headers["Range"] = f"bytes={resume_from}-"
         received = resume_from
-        # A read that waits longer than the stall timeout fails here, so a stalled transfer ends by
-        # itself and the watchdog's retry starts on a fresh connection.
+        timeout = self.stall_timeout_s + READ_GRACE_S  # a stalled read ends its thread by itself
         stream = get_session().stream(
-            "GET", location.url, headers=headers, timeout=self.stall_timeout_s, follow_redirects=True
+            "GET", location.url, headers=headers, timeout=timeout, follow_redirects=True
         )
         with _transfer_errors(), stream as response:
             hf_raise_for_status(response)
@@ -129,7 +127,9 @@ class HubTransport:
                 sink.seek(0)
                 sink.truncate(0)
                 received = 0
-            for chunk in response.iter_bytes(CHUNK_BYTES):
+            # Written as it arrives (not in huggingface_hub's 10 MiB chunks): the watchdog counts
+            # every byte, and a stop keeps all that reached the disk.
+            for chunk in response.iter_bytes():
                 received += sink.write(chunk)
         if location.size is not None and received != location.size:
             raise TransientError(f"the connection closed at byte {received} of {location.size}")

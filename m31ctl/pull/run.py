@@ -26,7 +26,7 @@ from m31ctl.pull.transfer import Fetcher, Meter, Tally, Watch
 from m31ctl.pull.verify import file_problem, index_problems
 
 if TYPE_CHECKING:
-    from m31ctl.plan import Plan
+    from m31ctl.deployment import Deployment
 
 GB = 1e9
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -53,27 +53,26 @@ class PullTarget(NamedTuple):
         return self.with_draft or not (self.draft_dir and f.path.startswith(self.draft_dir))
 
 
-def pull_target(plan: Plan) -> PullTarget:
-    path = plan.settings.model.path
-    cache_dir = hub_cache(plan.settings.runtime.hf_cache)
+def pull_target(deployment: Deployment) -> PullTarget:
+    plan, model = deployment.plan, deployment.model
+    cache_dir = hub_cache(deployment.hf_cache)
     draft = (plan.model.draft or {}).get("location")
     with_draft = plan.settings.speculative.method == "dspark"
-    expanded = os.path.expanduser(path)
-    if os.path.isabs(expanded) or path.startswith((".", "~")) or os.path.isdir(expanded):
-        return PullTarget(None, expanded, cache_dir, draft, with_draft)
-    if not _REPO_ID.match(path):
+    if model.repo_id is None:
+        return PullTarget(None, model.host_path, cache_dir, draft, with_draft)
+    if not _REPO_ID.match(model.repo_id):
         raise InputError(
-            f"model.path {path!r} is neither a hub repo id (ORG/NAME) nor a local directory",
-            hint="--set model.path=ORG/NAME or an absolute path",
+            f"model.path {model.repo_id!r} is neither a hub repo id (ORG/NAME) nor a local directory",
+            hint="--set model.path=ORG/NAME, or a path starting with /, ./ or ~/",
         )
-    return PullTarget(path, None, cache_dir, draft, with_draft)
+    return PullTarget(model.repo_id, None, cache_dir, draft, with_draft)
 
 
 def pull(
-    plan: Plan, options: PullOptions, on_event: OnEvent, transport: Transport | None = None
+    deployment: Deployment, options: PullOptions, on_event: OnEvent, transport: Transport | None = None
 ) -> PullResult:
-    """Download the plan's checkpoint into its cache; a local model.path has nothing to pull."""
-    target = pull_target(plan)
+    """Download the deployment's checkpoint into its cache; a local model.path has nothing to pull."""
+    target = pull_target(deployment)
     started = time.monotonic()
     if target.repo is None:
         return _local(target)
