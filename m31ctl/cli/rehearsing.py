@@ -42,7 +42,9 @@ def summary(result: RehearsalResult) -> str:
         lines += [f"    {rank}" for rank in node.ranks]
     passed = sum(1 for p in result.probes if p.passed)
     lines.append(f"probes passed: {passed} of {len(result.probes)}")
-    lines += [f"  {'ok  ' if p.passed else 'FAIL'} {p.pod} {p.probe} ({p.attempts} tries)" for p in result.probes]
+    lines += [
+        f"  {'ok  ' if p.passed else 'FAIL'} {p.pod} {p.probe} ({p.attempts} tries)" for p in result.probes
+    ]
     if result.served:
         lines.append(f"{result.completions} completions and smoke answered through {result.endpoint}")
     else:

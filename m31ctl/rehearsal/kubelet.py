@@ -27,7 +27,10 @@ def container_name(session: str, pod: PodRun) -> str:
 def _mount(volume: Volume, session: str) -> list[str]:
     if volume.kind == "claim":
         ro = ",readonly" if volume.read_only else ""
-        return ["--mount", f"type=volume,source={claim_volume(session, volume.source)},target={volume.target}{ro}"]
+        return [
+            "--mount",
+            f"type=volume,source={claim_volume(session, volume.source)},target={volume.target}{ro}",
+        ]
     if volume.kind == "host":
         ro = ",readonly" if volume.read_only else ""
         return ["--mount", f"type=bind,source={volume.source},target={volume.target}{ro}"]
@@ -130,7 +133,9 @@ def exec_probe(docker: DockerCLI, container: str, probe: Probe) -> tuple[bool, s
 class Kubelet:
     """Starts pods and probes them; `clock` is injectable for tests."""
 
-    def __init__(self, docker: DockerCLI, session: str, network: str, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, docker: DockerCLI, session: str, network: str, clock: Callable[[], float] = time.monotonic
+    ):
         self.docker, self.session, self.network, self.clock = docker, session, network, clock
 
     def start(self, pod: PodRun, secrets: dict[str, str]) -> PodState:
@@ -173,7 +178,9 @@ class Kubelet:
             if ps.probe.action == "exec":
                 ok, detail = exec_probe(self.docker, state.name, ps.probe)
             else:
-                ok, detail = http_probe(state.ip, ps.probe, ps.probe.timeout_s) if state.ip else (False, "no IP")
+                ok, detail = (
+                    http_probe(state.ip, ps.probe, ps.probe.timeout_s) if state.ip else (False, "no IP")
+                )
             if ok:
                 ps.passes += 1
                 ps.failures_in_row = 0
@@ -183,5 +190,9 @@ class Kubelet:
                 ps.failures_in_row += 1
                 ps.last_error = detail
         readiness = [p for p in state.probes if p.probe.kind == "readiness"]
-        if state.ready_s is None and state.started and all(p.passes and not p.failures_in_row for p in readiness):
+        if (
+            state.ready_s is None
+            and state.started
+            and all(p.passes and not p.failures_in_row for p in readiness)
+        ):
             state.ready_s = round(self.clock() - state.started_at, 1)

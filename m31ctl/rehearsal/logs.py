@@ -32,24 +32,42 @@ _ENGINE_READY = re.compile(
 )
 # What a failing node says, most specific first: (pattern, likely cause).
 CAUSES: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"ray: (?:not found|command not found)|No module named '?ray"),
-     "the image has no Ray: pipeline stages across nodes run over Ray (the real vLLM image ships it; "
-     "the CPU rehearsal image does not)"),
-    (re.compile(r"Number of experts in the model must be greater than 0"),
-     "expert parallelism on a model without experts"),
-    (re.compile(r"Illegal instruction|SIGILL|exitcode -4|exit code -4|signal 4"),
-     "an instruction this CPU lacks (SIGILL): vLLM's CPU kernels or oneDNN chose an ISA the host "
-     "does not run (docs/decisions.md, Rehearsal)"),
-    (re.compile(r"is not divisible by|must be divisible by"), "a parallel size does not divide the model's heads"),
+    (
+        re.compile(r"ray: (?:not found|command not found)|No module named '?ray"),
+        "the image has no Ray: pipeline stages across nodes run over Ray (the real vLLM image ships it; "
+        "the CPU rehearsal image does not)",
+    ),
+    (
+        re.compile(r"Number of experts in the model must be greater than 0"),
+        "expert parallelism on a model without experts",
+    ),
+    (
+        re.compile(r"Illegal instruction|SIGILL|exitcode -4|exit code -4|signal 4"),
+        "an instruction this CPU lacks (SIGILL): vLLM's CPU kernels or oneDNN chose an ISA the host "
+        "does not run (docs/decisions.md, Rehearsal)",
+    ),
+    (
+        re.compile(r"is not divisible by|must be divisible by"),
+        "a parallel size does not divide the model's heads",
+    ),
     (re.compile(r"Address already in use"), "a port on that node is already taken"),
-    (re.compile(r"Name or service not known|Temporary failure in name resolution|getaddrinfo"),
-     "the leader's address does not resolve from this node"),
-    (re.compile(r"Connection refused|timed out|Timeout|did not respond"),
-     "this node could not reach the leader (address, port, or the leader died first)"),
+    (
+        re.compile(r"Name or service not known|Temporary failure in name resolution|getaddrinfo"),
+        "the leader's address does not resolve from this node",
+    ),
+    (
+        re.compile(r"Connection refused|timed out|Timeout|did not respond"),
+        "this node could not reach the leader (address, port, or the leader died first)",
+    ),
     (re.compile(r"OutOfMemory|out of memory|Cannot allocate memory|Killed"), "memory"),
-    (re.compile(r"No such file or directory|does not appear to have a file|not a valid model"),
-     "the model path is not where the command says (volume or hostPath)"),
-    (re.compile(r"error: (?:unrecognized|argument)|invalid choice"), "vLLM rejects a flag of the rendered command"),
+    (
+        re.compile(r"No such file or directory|does not appear to have a file|not a valid model"),
+        "the model path is not where the command says (volume or hostPath)",
+    ),
+    (
+        re.compile(r"error: (?:unrecognized|argument)|invalid choice"),
+        "vLLM rejects a flag of the rendered command",
+    ),
 )
 _ERROR = re.compile(
     r"(?:^|\s)(?:[\w.]+(?:Error|Exception)|Value error|ERROR|error:|Illegal instruction|not found|"
@@ -80,7 +98,9 @@ def error_line(lines: list[str]) -> str | None:
     candidates = [ln for ln in lines if _ERROR.search(ln) and not _NOISE.search(ln)]
     if not candidates:
         return None
-    finals = [ln for ln in candidates if re.match(r"\s*(?:\(\w+ pid=\d+\)\s*)?[\w.]+(?:Error|Exception):", ln)]
+    finals = [
+        ln for ln in candidates if re.match(r"\s*(?:\(\w+ pid=\d+\)\s*)?[\w.]+(?:Error|Exception):", ln)
+    ]
     value_errors = [ln for ln in candidates if "Value error," in ln]
     pick = (value_errors or finals or candidates)[-1]
     return redact(pick.strip())[:_WIDTH]
@@ -113,6 +133,8 @@ def failure_cause(line: str | None, log_text: str, exit_code: int | None) -> str
     cause = likely_cause(line or "") or likely_cause(log_text)
     if cause:
         return cause
-    return {132: CAUSES[2][1], 137: "killed (memory, or the runtime stopped it)", 127: "a command not found"}.get(
-        exit_code if exit_code is not None else -1
-    )
+    return {
+        132: CAUSES[2][1],
+        137: "killed (memory, or the runtime stopped it)",
+        127: "a command not found",
+    }.get(exit_code if exit_code is not None else -1)

@@ -96,7 +96,9 @@ def service_links(services: list[dict[str, Any]]) -> list[tuple[str, str]]:
         out += [(f"{name}_SERVICE_HOST", host), (f"{name}_SERVICE_PORT", str(first["port"]))]
         for port in spec["ports"]:
             if port.get("name"):
-                out.append((f"{name}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}", str(port["port"])))
+                out.append(
+                    (f"{name}_SERVICE_PORT_{port['name'].upper().replace('-', '_')}", str(port["port"]))
+                )
         out.append((f"{name}_PORT", f"{first.get('protocol', 'TCP').lower()}://{host}:{first['port']}"))
         for port in spec["ports"]:
             proto = port.get("protocol", "TCP")
@@ -168,7 +170,9 @@ def _volumes(pod_spec: dict[str, Any], container: dict[str, Any]) -> tuple[Volum
         volume = declared[mount["name"]]
         read_only = bool(mount.get("readOnly", False))
         if "persistentVolumeClaim" in volume:
-            out.append(Volume("claim", volume["persistentVolumeClaim"]["claimName"], mount["mountPath"], read_only))
+            out.append(
+                Volume("claim", volume["persistentVolumeClaim"]["claimName"], mount["mountPath"], read_only)
+            )
         elif "hostPath" in volume:
             out.append(Volume("host", volume["hostPath"]["path"], mount["mountPath"], read_only))
         elif "emptyDir" in volume:
@@ -195,11 +199,15 @@ def _pod(
         env, secrets = container_env(container, injected, links)
         ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports", []) if "name" in p}
 
-        probes = [] if init else [
-            p
-            for kind in ("startup", "liveness", "readiness")
-            for p in _probe(kind, container.get(f"{kind}Probe"), ports, env)
-        ]
+        probes = (
+            []
+            if init
+            else [
+                p
+                for kind in ("startup", "liveness", "readiness")
+                for p in _probe(kind, container.get(f"{kind}Probe"), ports, env)
+            ]
+        )
         security = container.get("securityContext", {})
         runs.append(
             PodRun(
@@ -261,7 +269,11 @@ def lws_pods(lws: dict[str, Any], services: list[dict[str, Any]]) -> list[PodRun
         pods = _pod(pod_name, "leader" if leader else "worker", index, pod_template, injected,
                     _links(pod_template["spec"], services))  # fmt: skip
         # The pod's DNS names: hostname.subdomain (the LWS's headless Service) in the namespace.
-        aliases = (pod_name, f"{pod_name}.{name}.{NAMESPACE}", f"{pod_name}.{name}.{NAMESPACE}.svc.cluster.local")
+        aliases = (
+            pod_name,
+            f"{pod_name}.{name}.{NAMESPACE}",
+            f"{pod_name}.{name}.{NAMESPACE}.svc.cluster.local",
+        )
         runs += [p._replace(aliases=aliases if not p.init else ()) for p in pods]
     return runs
 

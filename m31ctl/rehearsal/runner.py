@@ -115,6 +115,13 @@ def prepare(plan: Plan, options: Options) -> Prepared:
     manifest = read_manifest(render_documents(deployment, options.target))
     if not [p for p in manifest.pods if not p.init]:
         raise InputError(f"the {options.target} render holds no pod to run")
+    refuse_secret_expansion(manifest)
+    return Prepared(twin, deployment, manifest, model_dir)
+
+
+def refuse_secret_expansion(manifest: Manifest) -> None:
+    """A command or args word the kubelet would expand into a secret's value (argv is visible
+    in ps and in the node's logs): refused before anything starts."""
     for pod in manifest.pods:
         words = [*(pod.command or ()), *(pod.args or ())]
         leaked = [name for name, _ in pod.secrets if any(secret_mark(name) in w for w in words)]
@@ -124,7 +131,6 @@ def prepare(plan: Plan, options: Options) -> Prepared:
                 "(visible in ps and the node's logs)",
                 hint="read the secret from the environment inside the process, never via $(NAME)",
             )
-    return Prepared(twin, deployment, manifest, model_dir)
 
 
 def ensure_image(docker: DockerCLI, base: str) -> str:
@@ -135,7 +141,9 @@ def ensure_image(docker: DockerCLI, base: str) -> str:
     if not docker.image_exists(SHIM_IMAGE):
         done = docker.build(SHIM_IMAGE, SHIM_DOCKERFILE.format(base=base))
         if not done.ok:
-            raise HostPreconditionError(f"building {SHIM_IMAGE} failed: {(done.err or done.out).strip()[-500:]}")
+            raise HostPreconditionError(
+                f"building {SHIM_IMAGE} failed: {(done.err or done.out).strip()[-500:]}"
+            )
     return SHIM_IMAGE
 
 
@@ -231,7 +239,9 @@ def watch(kubelet: Kubelet, states: list[PodState], deadline: float, progress: P
             if state.status != "running" and not state.pod.init:
                 return f"{state.pod.pod} ({state.pod.role}) exited with code {state.exit_code}"
             if state.pod.init and state.exit_code not in (0, None):
-                return f"init container {state.pod.container} of {state.pod.pod} exited with {state.exit_code}"
+                return (
+                    f"init container {state.pod.container} of {state.pod.pod} exited with {state.exit_code}"
+                )
         kubelet.probe_once(leader)
         if leader.ready_s is not None:
             return None
@@ -369,7 +379,9 @@ class Run(NamedTuple):
     served: Served | None
 
 
-def run_pods(docker: DockerCLI, prepared: Prepared, session: str, options: Options, progress: Progress) -> Run:
+def run_pods(
+    docker: DockerCLI, prepared: Prepared, session: str, options: Options, progress: Progress
+) -> Run:
     network = f"m31ctl-rh-{session}"
     label = f"{SESSION_LABEL}={session}"
     made = docker.run(["network", "create", "--label", label, network], timeout=60)

@@ -89,11 +89,17 @@ def twin_settings(plan: Plan, model_dir: str, image: str, startup_s: int) -> tup
     layout, why = scaled_layout(tree["parallelism"])
     ranks = layout["tensor"]
     runtime = tree["runtime"]
-    env = {**runtime["env"], **CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": _omp_bind(ranks)}
+    # The plan's own environment wins: a VLLM_CPU_* it sets is what the user means to rehearse.
+    env = {**CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": _omp_bind(ranks), **runtime["env"]}
     serving = tree["serving"]
     tree.update(
         model={"id": TINY_MODEL_ID, "path": model_dir, "served_name": tree["model"]["served_name"]},
-        engine={**tree["engine"], "image": image, "extra_args": list(CPU_EXTRA_ARGS)},
+        # The plan's extra flags stay (after the CPU ones): they are part of what would run.
+        engine={
+            **tree["engine"],
+            "image": image,
+            "extra_args": [*CPU_EXTRA_ARGS, *tree["engine"]["extra_args"]],
+        },
         parallelism=layout,
         attention_backend=None,
         cache={},
