@@ -376,3 +376,61 @@ def test_launch_on_a_terminal_shows_the_phases_live(deployment, tmp_path):
     screen = transcript.read_text(errors="replace")
     assert "\x1b[" in screen  # a live (rich) display, not plain lines
     assert "compiling (" in screen and "ready (" in screen and "ready in" in screen
+
+
+def test_throwaway_containers_are_removed_whatever_happens(images, docker_client, monkeypatch):
+    """Every container m31ctl creates for a check (doctor's ulimit trial, the deep probes, schema
+    extraction) is removed whatever happens after it is created: a start the engine refuses (the
+    old code left each one behind, 'Created'), a failed run, Ctrl-C during the wait. Counted by
+    images of this test's own, so other tests' containers do not count."""
+    import io
+
+    from docker.models.containers import Container
+
+    from m31ctl.container import container_spec
+    from m31ctl.deployment import derive
+    from m31ctl.hardware import simulated
+    from m31ctl.plan import PlanRequest, resolve
+    from m31ctl.runtime.docker import run_in_engine, trial_run
+    from m31ctl.runtime.images import engine_schema
+
+    mark = uuid.uuid4().hex[:8]
+    built = {}
+    for kind, base in (("empty", "scratch"), ("shell", images["ready"])):
+        tag = f"m31ctl-test/throwaway-{kind}:{mark}"
+        dockerfile = f"FROM {base}\nLABEL m31ctl.test.throwaway={mark}\n".encode()
+        docker_client.images.build(fileobj=io.BytesIO(dockerfile), tag=tag, rm=True)
+        built[kind] = tag
+
+    def left() -> list[str]:
+        return [
+            c.name
+            for tag in built.values()
+            for c in docker_client.containers.list(all=True, filters={"ancestor": tag})
+        ]
+
+    def spec_of(image: str):  # type: ignore[no-untyped-def]
+        plan = resolve(PlanRequest(simulated("cpu"), sets=(f"engine.image={image}",)))
+        return container_spec(derive(plan))
+
+    try:
+        # Nothing to execute in an empty image: the engine refuses every start.
+        assert trial_run(docker_client, spec_of(built["empty"])) is not None
+        with pytest.raises(Exception, match=r"no such file|not found"):
+            run_in_engine(docker_client, spec_of(built["empty"]), ["/bin/nothing"], {}, 10)
+        with pytest.raises(Exception, match=r"no such file|not found"):
+            engine_schema(docker_client, docker_client.images.get(built["empty"]))
+        assert left() == []
+
+        def interrupted(self, **kwargs):  # type: ignore[no-untyped-def]
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(Container, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run_in_engine(docker_client, spec_of(built["shell"]), ["/bin/sleep", "30"], {}, 60)
+        assert left() == []
+    finally:
+        for name in left():
+            docker_client.containers.get(name).remove(force=True)
+        for tag in built.values():
+            docker_client.images.remove(tag, force=True)

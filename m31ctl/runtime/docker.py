@@ -49,19 +49,25 @@ def endpoint(spec: ContainerSpec) -> str:
     return local_url(spec.bind, spec.host_port)
 
 
+# How long the trial container (/bin/true) may take to start and exit.
+TRIAL_TIMEOUT_S = 60
+
+
 def trial_run(client: Any, spec: ContainerSpec) -> str | None:
     """Start and remove a throwaway container of the engine image with the plan's ulimits and
     shared-memory settings (entrypoint /bin/true, no network, no GPUs): the engine's error, or
-    None when it accepts them. An engine that cannot set an rlimit fails here, not at launch."""
+    None when it accepts them. An engine that cannot set an rlimit fails here, not at launch.
+    The container is removed whatever happens once it is created (engine_api.throwaway)."""
     try:
-        client.containers.run(
-            spec.image,
-            entrypoint=["/bin/true"],
-            command=[],
-            remove=True,
-            network_mode="none",
-            **_limits(spec),
-        )
+        host = client.api.create_host_config(**_limits(spec), network_mode="none")
+        with engine_api.throwaway(
+            client, "trial", image=spec.image, entrypoint=["/bin/true"], command=[], host_config=host
+        ) as container:
+            container.start()
+            code = int(container.wait(timeout=TRIAL_TIMEOUT_S).get("StatusCode", -1))
+            if code != 0:
+                said = container.logs(stdout=False, stderr=True).decode("utf-8", "replace").strip()
+                return f"the trial container exited with code {code}" + (f": {said}" if said else "")
     except Exception as exc:
         return engine_api.explanation(exc)
     return None
@@ -107,15 +113,19 @@ def run_in_engine(
 ) -> tuple[int | None, str, str]:
     """Run `argv` in the engine image with launch's host settings (no port, no network beyond
     loopback) and read-only `mounts` (host -> container). (exit code or None on timeout, stdout,
-    stderr); the container is removed either way."""
+    stderr); the container is removed whatever happens once it is created (engine_api.throwaway)."""
     binds = {source: {"bind": target, "mode": "ro"} for source, target in mounts.items()}
     binds.update({m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts})
     host = client.api.create_host_config(**_host_settings(spec), binds=binds, network_mode="none")
-    created = client.api.create_container(
-        image=spec.image, entrypoint=argv[:1], command=argv[1:], environment=dict(spec.env), host_config=host
-    )
-    container = client.containers.get(created["Id"])
-    try:
+    with engine_api.throwaway(
+        client,
+        "probe",
+        image=spec.image,
+        entrypoint=argv[:1],
+        command=argv[1:],
+        environment=dict(spec.env),
+        host_config=host,
+    ) as container:
         container.start()
         try:
             code: int | None = int(container.wait(timeout=timeout).get("StatusCode", -1))
@@ -125,8 +135,6 @@ def run_in_engine(
         out = container.logs(stdout=True, stderr=False).decode("utf-8", "replace")
         err = container.logs(stdout=False, stderr=True).decode("utf-8", "replace")
         return code, out, err
-    finally:
-        engine_api.remove_if_present(container)
 
 
 def create_container(

@@ -110,6 +110,39 @@ def remove_if_present(container: Any) -> None:
         container.remove(force=True)
 
 
+# What every throwaway container m31ctl creates carries, besides a name of its own: `docker ps
+# -a --filter label=io.m31ctl.throwaway` finds any that a killed m31ctl (SIGKILL) left.
+THROWAWAY_LABEL = "io.m31ctl.throwaway"
+
+
+@contextlib.contextmanager
+def throwaway(client: Any, purpose: str, **create: Any) -> Iterator[Any]:
+    """A container created for a check (`create`: the Engine API's create_container arguments),
+    removed whatever happens after the Engine is asked to create it: an error in start or wait,
+    a timeout, Ctrl-C. It gets a unique name first, so that even an interrupt that lands while the
+    create request is in flight (the Engine made it, its id never reached us) removes it."""
+    import uuid
+
+    name = f"m31ctl-{purpose}-{uuid.uuid4().hex[:12]}"
+    labels = {**create.pop("labels", {}), THROWAWAY_LABEL: purpose}
+    try:
+        created = client.api.create_container(name=name, labels=labels, **create)
+        yield client.containers.get(created["Id"])
+    finally:
+        _remove_named(client, name)
+
+
+def _remove_named(client: Any, name: str) -> None:
+    from docker.errors import APIError, NotFound
+
+    try:
+        client.api.remove_container(name, force=True)
+    except NotFound:
+        pass  # never created, or gone already
+    except APIError:
+        pass  # the engine refuses now (removal already in progress): nothing more to do here
+
+
 def stop_for_good(container: Any) -> None:
     """Stop a container and take its restart policy away, keeping it and its logs."""
     from docker.errors import APIError

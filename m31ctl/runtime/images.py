@@ -19,6 +19,10 @@ class ImageFacts(NamedTuple):
     vllm_version: str | None  # None when the image cannot tell (no vLLM, or not runnable here)
 
 
+# vLLM's imports take about 8 s on a fast host; a hung import must not hang doctor or lock.
+SCHEMA_TIMEOUT_S = 300
+
+
 def _cache_dir() -> Path:
     return cache_root() / "engine-schemas"
 
@@ -33,16 +37,24 @@ def engine_schema(client: Any, image: Any) -> dict[str, Any]:
         return data
     script = resources.files("m31ctl.engine").joinpath("extract_schema.py")
     with resources.as_file(script) as path:
-        output = client.containers.run(
-            image.id,
+        host = client.api.create_host_config(
+            binds={str(path.parent): {"bind": "/m31ctl", "mode": "ro"}}, network_mode="none"
+        )
+        # Removed whatever happens once created (a failed start, a timeout, Ctrl-C).
+        with engine_api.throwaway(
+            client,
+            "schema",
+            image=image.id,
             entrypoint=["python3", "/m31ctl/extract_schema.py"],
             command=[],
-            remove=True,
-            volumes={str(path.parent): {"bind": "/m31ctl", "mode": "ro"}},
-            network_mode="none",
-            stdout=True,
-            stderr=False,
-        )
+            host_config=host,
+        ) as container:
+            container.start()
+            code = int(container.wait(timeout=SCHEMA_TIMEOUT_S).get("StatusCode", -1))
+            output = container.logs(stdout=True, stderr=False)
+            if code != 0:
+                said = container.logs(stdout=False, stderr=True).decode("utf-8", "replace").strip()
+                raise RuntimeError(f"schema extraction exited with code {code}: {said[-300:]}")
     data = json.loads(output.decode())
     cached.parent.mkdir(parents=True, exist_ok=True)
     cached.write_text(json.dumps(data))
