@@ -328,6 +328,8 @@ def test_amd_group_add_works_where_the_image_lacks_a_render_group(images, docker
         docker_client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True)
         with pytest.raises(APIError, match="render"):
             docker_client.containers.run(tag, entrypoint=["/bin/true"], group_add=["render"], remove=True)
+        for refused in docker_client.containers.list(all=True, filters={"ancestor": tag}):
+            refused.remove(force=True)  # run(remove=True) leaves a container whose start failed
         from m31ctl.deployment import derive
 
         spec = container_spec(derive(resolve(PlanRequest(hardware=simulated("mi355xx8")))))
