@@ -45,7 +45,7 @@ def test_registry_builds_every_runtime_and_refuses_unknown_names():
     for name in RUNTIMES:
         runtime = get_runtime(name)
         assert runtime.name == name and runtime.gates
-        for method in ("dry_run", "launch", "servers", "foreign", "logs", "stop"):
+        for method in ("dry_run", "launch", "servers", "foreign", "logs", "stop", "bench_runner"):
             assert callable(getattr(runtime, method))
     with pytest.raises(InputError, match="unknown --runtime 'k8s'"):
         get_runtime("k8s")
@@ -164,3 +164,36 @@ def test_stop_of_an_unknown_name_is_not_success(native_env):
     env, *_ = native_env
     result = run_cli("stop", "--runtime", "native", "--name", "nobody-here", env=env)
     assert result.returncode == 6 and "no m31ctl server named nobody-here" in result.stderr
+
+
+def test_verify_smoke_and_status_use_the_servers_recorded_plan(native_env):
+    """After a launch with plan options, bare `verify` and `smoke` act on the plan the server was
+    launched with (before, verify probed this host for a plan: exit 6, no GPU); with plan options
+    verify and status name the setting that differs."""
+    env, name, port, args, _state = native_env
+    launched = run_cli(*args, "--json", env=env)
+    assert launched.returncode == 0, launched.stderr
+    plan_hash = last_json(launched.stdout)["plan_hash"]
+
+    bare = run_cli("verify", "--no-load", "--json", env=env)
+    report = json.loads(bare.stdout)
+    checks = {c["check"]: c for c in report["checks"]}
+    assert report["plan_hash"] == plan_hash and "no GPU" not in bare.stderr, bare.stderr
+    assert checks["plan"]["status"] == "pass", checks["plan"]
+    smoke = run_cli("smoke", "--json", env=env)
+    assert smoke.returncode == 0 and json.loads(smoke.stdout)["ok"], smoke.stdout
+
+    model = args[args.index("--set") + 1]
+    changed = [
+        "--hardware", "cpu", "--set", model, "--set", f"runtime.container_name={name}",
+        "--set", f"runtime.port={port}", "--set", "serving.max_model_len=1024",
+    ]  # fmt: skip
+    other = run_cli("verify", *changed, "--no-load", "--json", env=env)
+    checks = {c["check"]: c for c in json.loads(other.stdout)["checks"]}
+    assert other.returncode == 1 and checks["plan"]["status"] == "fail"
+    assert "serving.max_model_len: 2048 -> 1024" in checks["plan"]["detail"], checks["plan"]
+    status = json.loads(run_cli("status", *changed, "--runtime", "native", "--json", env=env).stdout)
+    [row] = status["servers"]
+    assert row["runs_plan"] is False and row["plan_differences"] == ["serving.max_model_len: 2048 -> 1024"]
+    same = json.loads(run_cli("status", *changed[:-2], "--runtime", "native", "--json", env=env).stdout)
+    assert same["servers"][0]["runs_plan"] is True and same["servers"][0]["plan_recorded"] is True

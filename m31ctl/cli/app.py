@@ -395,13 +395,18 @@ def launch(
 
 
 @command
-def status(json: JsonOpt = False, runtime: AnyRuntimeOpt = None) -> int:
-    """The servers m31ctl runs, in every runtime: state, plan, endpoint, health."""
+def status(plan_options: PlanOptions, json: JsonOpt = False, runtime: AnyRuntimeOpt = None) -> int:
+    """The servers m31ctl runs, in every runtime: state, plan, endpoint, health; with plan options,
+    which settings of each server's recorded plan differ from theirs."""
     from m31ctl.cli import launch_views
-    from m31ctl.runtime import survey
+    from m31ctl.runtime import compare_plans, survey
 
     found = survey(runtime)
-    launch_views.print_status(found, json)
+    differences = None
+    if plan_options.given:
+        asked = _deploy(_resolve(plan_options.request()), validate=False, fit=False)
+        differences = compare_plans(found, asked.plan)
+    launch_views.print_status(found, json, differences)
     return _incomplete_exit(found)
 
 
@@ -470,11 +475,15 @@ def smoke(
 ) -> int:
     """Send a chat completion and a streamed one; check their shape; measure TTFT and tokens/s."""
     from m31ctl.cli.views import print_smoke
-    from m31ctl.runtime import running_endpoint
+    from m31ctl.runtime import running_server
     from m31ctl.runtime import smoke as smoke_test
 
-    base = url or running_endpoint(name, runtime)
-    report = smoke_test.run(base.rstrip("/"), model, max_tokens)
+    if url is None:
+        server = running_server(name, runtime)
+        url = str(server.endpoint)
+        # The model the server was launched to serve (its recorded plan), not merely the first listed.
+        model = model or (server.plan.served_model if server.plan else None)
+    report = smoke_test.run(url.rstrip("/"), model, max_tokens)
     print_smoke(report, json)
     return int(ExitCode.OK if report.ok else ExitCode.CHECK_FAILED)
 
@@ -501,9 +510,12 @@ def verify(
     """Prove the running server is the plan's: function, served facts, vllm bench serve load, regression."""
     from m31ctl.cli.verifying import run_verify
 
-    request = plan_options.request()
+    def asked() -> Deployment:
+        return _deploy(_resolve(plan_options.request()), validate=False, fit=False)
+
+    # Without plan options a server's recorded plan is verified (no probe of this host for one).
     return run_verify(
-        _deploy(_resolve(request), validate=False, fit=False),
+        asked, plan_options.given,
         url, name, runtime, bench_python, no_load, output, baseline, tolerance, json,
     )  # fmt: skip
 

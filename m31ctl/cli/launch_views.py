@@ -148,9 +148,14 @@ def print_unreachable(found: Survey) -> None:
         sys.stderr.write(f"m31ctl: {name} runtime not asked: {error.one_line()}\n")
 
 
-def print_status(found: Survey, as_json: bool) -> None:
+def print_status(found: Survey, as_json: bool, differences: dict[str, tuple[str, ...]] | None = None) -> None:
+    """The servers; with `differences` (status given plan options), how each one's plan differs."""
     if as_json:
         rows = [s.to_json() for s in found.servers]
+        if differences is not None:
+            for row in rows:
+                changed = differences.get(row["name"], ())
+                row.update({"runs_plan": not changed, "plan_differences": list(changed)})
         emit_json(
             {
                 "servers": rows,
@@ -164,9 +169,10 @@ def print_status(found: Survey, as_json: bool) -> None:
     if not found.servers:
         console().print("no m31ctl servers")
         return
-    t = table(None, ["name", "runtime", "state", "health", "plan", "recipe", "endpoint", "restarts"])
+    columns = ["name", "runtime", "state", "health", "plan", "recipe", "endpoint", "restarts"]
+    t = table(None, columns + (["vs the plan given"] if differences is not None else []))
     for s in found.servers:
-        t.add_row(
+        cells = [
             s.name,
             s.runtime,
             s.state,
@@ -175,5 +181,9 @@ def print_status(found: Survey, as_json: bool) -> None:
             f"{s.recipe}/{s.variant}/{s.profile}",
             s.endpoint or "-",
             str(s.restart_count),
-        )
+        ]
+        if differences is not None:
+            changed = differences.get(s.name, ())
+            cells.append("\n".join(changed) if changed else "same")
+        t.add_row(*cells)
     console().print(t)

@@ -3,19 +3,68 @@
 from __future__ import annotations
 
 import math
-import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from m31ctl.deployment import Deployment
 from m31ctl.errors import ExitCode, InputError
 
 if TYPE_CHECKING:
+    from m31ctl.checks import CheckResult
+    from m31ctl.runtime.load_run import BenchRunner
     from m31ctl.runtime.verify import VerifyReport
 
 
+class _Target(NamedTuple):
+    """What verify checks: the plan, where the server answers, and how to load it."""
+
+    deployment: Deployment
+    base: str
+    server_hash: str | None  # for verify's own plan check, when the server recorded no plan
+    plan_check: CheckResult | None  # the plan check against the server's recorded plan
+    bench: BenchRunner | None
+
+
+def _target(
+    asked: Callable[[], Deployment],
+    given: bool,
+    url: str | None,
+    name: str | None,
+    runtime: str | None,
+    bench_python: str | None,
+) -> _Target:
+    """The server and its bench runner. A server m31ctl runs is verified against the plan it was
+    launched with (recorded with it) unless plan options are given; then against theirs, with the
+    settings that differ named. Its runtime supplies the bench runner (its engine's vLLM)."""
+    from m31ctl.checks import judged
+    from m31ctl.runtime import get_runtime, running_server
+    from m31ctl.runtime.load_run import native_bench
+    from m31ctl.runtime.planrecord import comparison, recorded_deployment
+
+    chosen = native_bench(bench_python) if bench_python else None
+    if url is not None:
+        return _Target(asked(), url.rstrip("/"), None, None, chosen)
+    server = running_server(name, runtime)
+    own: Deployment | None = None
+    if server.plan is not None:
+        try:
+            own = recorded_deployment(server.plan)
+        except InputError:
+            if not given:
+                raise
+    deployment = asked() if given or own is None else own
+    check = None
+    if own is not None:
+        ok, message = comparison(server.plan_hash or "?", own.plan, deployment.plan)
+        check = judged("plan", ok, message)
+    bench = chosen or get_runtime(server.runtime).bench_runner(own or deployment)
+    return _Target(deployment, str(server.endpoint), server.plan_hash, check, bench)
+
+
 def run_verify(
-    deployment: Deployment,
+    asked: Callable[[], Deployment],
+    given: bool,
     url: str | None,
     name: str | None,
     runtime: str | None,
@@ -26,39 +75,24 @@ def run_verify(
     tolerance: float,
     as_json: bool,
 ) -> int:
-    from m31ctl.runtime import running_server, verify
-
-    plan = deployment.plan
+    """`asked()` resolves the plan options (`given`: any were passed); without them, a server's
+    recorded plan is verified, so a bare `m31ctl verify` never probes this host for one."""
+    from m31ctl.runtime import verify
 
     if not (0 <= tolerance < math.inf):
         raise InputError(f"--tolerance {tolerance:g} must be a non-negative fraction", hint="e.g. 0.25")
     old = verify.read_baseline(baseline) if baseline is not None else None
-    server_hash: str | None = None
-    bench: verify.BenchRunner | None = None
-    if url is not None:
-        base = url.rstrip("/")
-        if bench_python:
-            bench = verify.native_bench(bench_python)
-    else:
-        server = running_server(name, runtime)
-        base, server_hash = str(server.endpoint), server.plan_hash
-        if bench_python:
-            bench = verify.native_bench(bench_python)
-        elif server.runtime == "native":
-            bench = verify.native_bench(plan.settings.runtime.native_python or sys.executable)
-        elif server.runtime == "docker":
-            from m31ctl.container import container_spec
-
-            spec = container_spec(deployment)
-            bench = verify.container_bench(spec.image, [(m.source, m.target) for m in spec.mounts])
+    target = _target(asked, given, url, name, runtime, bench_python)
     report = verify.run(
-        deployment,
-        base,
-        server_plan_hash=server_hash,
-        bench=None if no_load else bench,
+        target.deployment,
+        target.base,
+        server_plan_hash=None if target.plan_check else target.server_hash,
+        bench=None if no_load else target.bench,
         baseline=old,
         tolerance=tolerance,
     )
+    if target.plan_check is not None:
+        report.checks.insert(0, target.plan_check)
     if output is not None:
         import json
 

@@ -23,6 +23,7 @@ from m31ctl.errors import (
     M31Error,
 )
 from m31ctl.names import check_name
+from m31ctl.plan import Plan
 from m31ctl.runtime.base import Reporter, Runtime, ServerStatus
 
 # name -> (module, class): imported on use, so the Docker SDK loads only when Docker is asked.
@@ -122,6 +123,30 @@ def running_server(name: str | None, runtime: str | None) -> ServerStatus:
     return running[0]
 
 
+def compare_plans(found: Survey, asked: Plan) -> dict[str, tuple[str, ...]]:
+    """Per server (by name): what the asked plan changes in the plan it runs, 'key: server's ->
+    asked', empty when it runs the asked plan. A server with no record (launched by an older
+    m31ctl) can only be compared by hash."""
+    from m31ctl.runtime.planrecord import plan_differences, recorded_plan
+
+    out: dict[str, tuple[str, ...]] = {}
+    for server in found.servers:
+        if server.plan_hash == asked.hash:
+            out[server.name] = ()
+        elif server.plan is None:
+            out[server.name] = (
+                f"plan: {server.plan_hash or '?'} -> {asked.hash} (no recorded plan to compare)",
+            )
+        else:
+            try:
+                out[server.name] = plan_differences(recorded_plan(server.plan), asked) or (
+                    f"plan: {server.plan_hash} -> {asked.hash}",
+                )
+            except InputError as exc:
+                out[server.name] = (exc.message,)
+    return out
+
+
 def running_endpoint(name: str | None, runtime: str | None) -> str:
     """The endpoint of the one running server (or of the named one)."""
     return str(running_server(name, runtime).endpoint)
@@ -131,6 +156,7 @@ __all__ = [
     "DEFAULT_RUNTIME",
     "RUNTIMES",
     "Survey",
+    "compare_plans",
     "get_runtime",
     "logs",
     "running_endpoint",

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from m31ctl.deployment import Deployment
 from m31ctl.errors import HostPreconditionError
 from m31ctl.runtime.gates import CheckId
+from m31ctl.runtime.load_run import BenchRunner
 from m31ctl.runtime.phases import Phase
 from m31ctl.runtime.planrecord import PlanRecord
 
@@ -185,6 +186,11 @@ class Runtime(Protocol):
 
     def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
         """Stop the named server; returns only when it no longer runs (else raises)."""
+        ...
+
+    def bench_runner(self, deployment: Deployment) -> BenchRunner:
+        """`vllm bench serve` with this runtime's engine (verify's load): the native Python, or a
+        sibling container of the engine image."""
         ...
 
     def run_engine_script(

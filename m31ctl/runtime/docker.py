@@ -37,6 +37,7 @@ from m31ctl.runtime.converge import Decision, Existing
 from m31ctl.runtime.exits import diagnose
 from m31ctl.runtime.flow import Found, converge
 from m31ctl.runtime.gates import CheckId
+from m31ctl.runtime.load_run import BenchRunner, container_bench
 from m31ctl.runtime.phases import Phase
 from m31ctl.runtime.planrecord import PLAN_LABEL, PlanRecord, record_of
 from m31ctl.runtime.readiness import ProcessState, health, models
@@ -343,6 +344,10 @@ class DockerRuntime:
             except Exception as exc:
                 if not engine_api.is_not_found(exc):  # removed meanwhile: stopped all the same
                     raise
+
+    def bench_runner(self, deployment: Deployment) -> BenchRunner:
+        spec = container_spec(deployment)
+        return container_bench(spec.image, [(m.source, m.target) for m in spec.mounts])
 
     def run_engine_script(
         self,

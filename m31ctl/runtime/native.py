@@ -32,6 +32,7 @@ from m31ctl.runtime.base import (
 from m31ctl.runtime.converge import Existing
 from m31ctl.runtime.flow import Found, converge
 from m31ctl.runtime.gates import CheckId
+from m31ctl.runtime.load_run import BenchRunner, native_bench
 from m31ctl.runtime.native_state import (
     Liveness,
     NativeServer,
@@ -251,6 +252,9 @@ class NativeRuntime:
     def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
         server = _named(name)
         stop_server(server, timeout if timeout is not None else server.stop_timeout, report)
+
+    def bench_runner(self, deployment: Deployment) -> BenchRunner:
+        return native_bench(deployment.plan.settings.runtime.native_python or sys.executable)
 
     def run_engine_script(
         self,

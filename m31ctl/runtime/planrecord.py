@@ -37,6 +37,13 @@ class PlanRecord(NamedTuple):
     settings: Mapping[str, Any]
     cwd: str
 
+    @property
+    def served_model(self) -> str | None:
+        """The name the server serves the model under (smoke asks for it)."""
+        model = self.settings.get("model")
+        name = model.get("served_name") if isinstance(model, Mapping) else None
+        return name if isinstance(name, str) else None
+
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, **self._asdict()}, sort_keys=True, separators=(",", ":"))
 
