@@ -18,7 +18,9 @@ from m31ctl.deployment import derive
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.render import Artifact, get_target
+from m31ctl.render.common import render_spec
 from m31ctl.render.dockercli import docker_run_argv
+from m31ctl.render.kube import expand, mapping_for
 from m31ctl.render.targets import TARGETS
 
 
@@ -110,18 +112,14 @@ def test_script_passes_exactly_the_planned_argv(hw, tmp_path):
     plan = plan_for(hw, sets=(f"model.served_name={HOSTILE}",))
     (artifact,) = render(plan, "script")
     got = run_with_stub(artifact.content, tmp_path, {"M31CTL_ENV_FILE": str(tmp_path / "absent.env")})
-    spec = container_spec(derive(plan))
-
+    spec = render_spec(derive(plan))
     expected = docker_run_argv(spec._replace(secret_env=()), "detached")
-    expected = [
-        a.replace("~/", str(tmp_path / "home") + "/", 1) if a.startswith("~/") else a for a in expected
-    ]
     assert got == expected
     assert HOSTILE in got
 
 
 def test_script_hostile_extra_args_stay_literal(tmp_path):
-    hostile_args = ["--served-model-name", HOSTILE, "$(id)", "a;b", "'"]
+    hostile_args = ["--revision", HOSTILE, "$(id)", "a;b", "'"]
     import json
 
     plan = plan_for("b300x4", sets=(f"engine.extra_args={json.dumps(hostile_args)}",))
@@ -198,8 +196,13 @@ def test_k8s_validates_against_kubernetes_schemas(hw, tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     documents = list(yaml.safe_load_all(artifact.content))
-    assert [d["kind"] for d in documents] == ["PersistentVolumeClaim", "Deployment", "Service"]
-    assert result.stdout.count("passed") == 3
+    assert [d["kind"] for d in documents] == [
+        "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+        "NetworkPolicy",
+    ]
+    assert result.stdout.count("passed") == 4
     claim, deployment = documents[0], documents[1]
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]  # one pod: one node mounts it
     assert claim["spec"]["resources"]["requests"]["storage"] == "600Gi"
@@ -207,17 +210,18 @@ def test_k8s_validates_against_kubernetes_schemas(hw, tmp_path):
     container = pod["containers"][0]
     gpu_key = "amd.com/gpu" if hw.startswith("mi") else "nvidia.com/gpu"
     assert container["resources"]["limits"][gpu_key] == (8 if hw == "h200x8" else 4)
-    # Sized from the plan: 250.1 GB at 1 Gbit/s (2,001 s) plus 1,200 s of load and compile.
+    # Sized from the plan: the init container downloads 250.1 GB at 1 Gbit/s (2,001 s); the
+    # startup probe covers the 1,200 s of load and compile.
     probe = container["startupProbe"]
-    assert probe["failureThreshold"] * probe["periodSeconds"] >= 2001 + 1200
+    assert probe["failureThreshold"] * probe["periodSeconds"] == 1200
+    assert pod["initContainers"][0]["command"][3:5] == ["MiniMaxAI/MiniMax-M3.1-Flash", "2001"]
     assert container["resources"]["requests"]["cpu"] == "16"
     assert container["resources"]["requests"]["memory"] == "256Gi"
     product = {"b300x4": ("nvidia.com/gpu.product", "NVIDIA-B300-SXM6-AC"),
                "h200x8": ("nvidia.com/gpu.product", "NVIDIA-H200"),
                "mi355xx8": ("amd.com/gpu.device-id", "75a3")}[hw]  # fmt: skip
     assert pod["nodeSelector"] == dict([product])
-    if hw.startswith("mi"):
-        assert container["securityContext"]["seccompProfile"] == {"type": "Unconfined"}
+    assert "securityContext" not in container  # Pod Security "baseline" (kubernetes.pod_security)
     assert "/v1/models" in " ".join(container["readinessProbe"]["exec"]["command"])
     assert pod["terminationGracePeriodSeconds"] >= 30
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
@@ -292,8 +296,9 @@ def test_bad_target(cli):
 
 
 def _run_pod_script(script: str, tmp_path, env: dict[str, str]) -> list[list[str]]:  # type: ignore[no-untyped-def]
-    """What a pod's `/bin/sh -c SCRIPT` runs, after Kubernetes' own expansion ($$ -> $): stub
-    `vllm` and `ray` record their argv, one call a line."""
+    """What a pod's `/bin/sh -c SCRIPT` runs, after the kubelet's own expansion (`$$` -> `$`,
+    m31ctl/render/kube.py): stub `vllm` and `ray` record their argv, one call a line; `python3`
+    answers the leader's Ray node count with the group size, `sleep` returns at once."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for tool_name in ("vllm", "ray"):
@@ -303,10 +308,14 @@ def _run_pod_script(script: str, tmp_path, env: dict[str, str]) -> list[list[str
             f'#!/bin/sh\nprintf "%s\\0" {tool_name} "$@" >> "$CALLS"\nprintf "\\036" >> "$CALLS"\n'
         )
         stub.chmod(0o755)
+    (bin_dir / "python3").write_text('#!/bin/sh\necho "$LWS_GROUP_SIZE"\n')
+    (bin_dir / "sleep").write_text("#!/bin/sh\nexit 0\n")
+    for name in ("python3", "sleep"):
+        (bin_dir / name).chmod(0o755)
     calls = tmp_path / f"calls-{len(list(tmp_path.glob('calls-*')))}"
     calls.write_text("")
     subprocess.run(
-        ["/bin/sh", "-c", script.replace("$$", "$")],
+        ["/bin/sh", "-c", expand(script, mapping_for(env))],
         check=True,
         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "CALLS": str(calls), **env},
     )
@@ -331,16 +340,18 @@ def _validate_pod_templates(template, tmp_path) -> None:  # type: ignore[no-unty
 
 
 LWS_ENV = {"LWS_LEADER_ADDRESS": "leader.lws.svc", "LWS_GROUP_SIZE": "2"}
+# A group's pods share the cache claim: ReadWriteMany, from a class that provisions it.
+RWX = "kubernetes.hf_cache_storage_class=nfs-rwx"
 
 
 def test_tp8_on_4_gpu_nodes_is_tp4_within_and_pp2_across(tmp_path):
     """Hopper's TP8 on nodes of four: tensor parallelism within a node, pipeline parallelism
     across (vLLM's multi-node guide; the LWS example for vLLM), one engine over Ray."""
-    plan = plan_for("h100x4", sets=(f"model.served_name={HOSTILE}", "parallelism.nodes=2"))
+    plan = plan_for("h100x4", sets=(f"model.served_name={HOSTILE}", "parallelism.nodes=2", RWX))
     assert (plan.settings.parallelism.tensor, plan.settings.parallelism.pipeline) == (4, 2)
     assert "TP4 within a node, PP2 across nodes" in str(plan.provenance["parallelism.pipeline"])
     (artifact,) = render(plan, "k8s")
-    claim, lws, service = yaml.safe_load_all(artifact.content)
+    claim, lws, service, _policy = yaml.safe_load_all(artifact.content)
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # two nodes share the checkpoint
     assert lws["kind"] == "LeaderWorkerSet" and lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
     template = lws["spec"]["leaderWorkerTemplate"]
@@ -372,11 +383,11 @@ def test_dep_over_two_nodes_renders_vllm_multi_node_data_parallelism(tmp_path):
     """DEP8 on two 4-GPU nodes: every pod runs `vllm serve` with four local ranks; the leader
     serves the API, the worker runs headless from rank 4 (vLLM's data-parallel deployment);
     without --data-parallel-size-local vLLM would start all eight ranks on the leader."""
-    plan = plan_for("h100x4", profile="throughput", sets=(f"model.served_name={HOSTILE}", "parallelism.nodes=2",
+    plan = plan_for("h100x4", profile="throughput", sets=(f"model.served_name={HOSTILE}", "parallelism.nodes=2", RWX,
                     "kubernetes.network_resources={\"rdma/ib\": 1}",
                     "kubernetes.network_env={\"NCCL_IB_HCA\": \"mlx5\"}"))  # fmt: skip
     (artifact,) = render(plan, "k8s")
-    _claim, lws, _service = yaml.safe_load_all(artifact.content)
+    _claim, lws, _service, _policy = yaml.safe_load_all(artifact.content)
     template = lws["spec"]["leaderWorkerTemplate"]
     assert template["size"] == 2
     leader = template["leaderTemplate"]["spec"]["containers"][0]
@@ -505,8 +516,11 @@ def test_local_model_directory_is_mounted_by_every_target(target):
         ]
         mount = {"name": "model-0", "mountPath": "/srv/models/m31", "readOnly": True}
         assert mount in pod["containers"][0]["volumeMounts"]
+    elif target == "compose":
+        volume = {"type": "bind", "source": "/srv/models/m31", "target": "/srv/models/m31", "read_only": True}
+        assert volume in yaml.safe_load(text)["services"]["vllm"]["volumes"]
     else:
-        assert "/srv/models/m31:/srv/models/m31:ro" in text
+        assert "--mount type=bind,source=/srv/models/m31,target=/srv/models/m31,readonly" in text
 
 
 def test_script_fails_closed_without_the_api_key(tmp_path):
@@ -530,7 +544,7 @@ def test_systemd_fails_closed_without_the_api_key(tmp_path):
     (artifact,) = render(plan_for("b300x4", sets=EXPOSED), "systemd")
     unit = artifact.content
     assert "EnvironmentFile=/etc/m31ctl/minimax-m31-flash.env" in unit  # not optional ("-")
-    check = next(line for line in unit.splitlines() if line.startswith("ExecStartPre=/bin/sh"))
+    check = next(line for line in unit.splitlines() if "VLLM_API_KEY is not set" in line)
     path = tmp_path / artifact.name
     path.write_text(unit)
     verify = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
@@ -544,9 +558,33 @@ def test_systemd_fails_closed_without_the_api_key(tmp_path):
 
 
 def shlex_split_systemd(line: str) -> list[str]:
-    import shlex
-
-    return shlex.split(line.replace("$$", "$"))
+    """The words systemd makes of an Exec line: quotes removed, C escapes read (`\\n` is a line
+    break), `$$` a literal `$`, `%%` a literal `%` (systemd.service, "Command lines")."""
+    words: list[str] = []
+    word: list[str] | None = None
+    quote = ""
+    escapes = {"n": "\n", "t": "\t", "\\": "\\", '"': '"', "'": "'", "s": " "}
+    i = 0
+    while i < len(line):
+        c = line[i]
+        if c == "\\" and i + 1 < len(line):
+            word = (word or []) + [escapes.get(line[i + 1], line[i + 1])]
+            i += 2
+            continue
+        if quote and c == quote:
+            quote = ""
+        elif not quote and c in "\"'":
+            quote, word = c, word or []
+        elif not quote and c == " ":
+            if word is not None:
+                words.append("".join(word))
+            word = None
+        else:
+            word = (word or []) + [c]
+        i += 1
+    if word is not None:
+        words.append("".join(word))
+    return [w.replace("$$", "$").replace("%%", "%") for w in words]
 
 
 def _compose_config(path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
@@ -577,7 +615,12 @@ def test_compose_fails_closed_and_escapes_every_value(tmp_path, monkeypatch):
     assert service["image"].replace("$$", "$") == "registry.example/vllm:${HF_TOKEN}"
     assert service["environment"]["X"].replace("$$", "$") == "$(id) ${HF_TOKEN}"
     assert service["environment"]["VLLM_API_KEY"] == "k"  # the one deliberate interpolation
-    assert "/home/operator/.cache/huggingface:/root/.cache/huggingface:rw" in service["volumes"]
+    cache = {
+        "type": "bind",
+        "source": "/home/operator/.cache/huggingface",
+        "target": "/root/.cache/huggingface",
+    }
+    assert cache in service["volumes"]
     assert "leak" not in json.dumps({k: v for k, v in service.items() if k != "environment"})
 
 
@@ -618,7 +661,7 @@ def test_startup_budget_is_sized_from_the_plan():
 def test_systemd_names_the_rendering_users_cache(monkeypatch):
     monkeypatch.setenv("HOME", "/home/ops")
     (artifact,) = render(plan_for("b300x4"), "systemd")
-    assert "/home/ops/.cache/huggingface:/root/.cache/huggingface" in artifact.content
+    assert "source=/home/ops/.cache/huggingface,target=/root/.cache/huggingface" in artifact.content
     assert "%h" not in artifact.content
 
 
@@ -693,7 +736,7 @@ def test_kubernetes_scheduling_settings_reach_the_pod(tmp_path):
         [tool("kubernetes-validate"), "--strict", str(path)], capture_output=True, text=True
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    claim, deployment, _service = yaml.safe_load_all(artifact.content)
+    claim, deployment, _service, _policy = yaml.safe_load_all(artifact.content)
     pod = deployment["spec"]["template"]["spec"]
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-B300-SXM6-AC", "pool": "gpu-b300"}

@@ -10,6 +10,7 @@ import json
 from typing import Any, NamedTuple
 
 from m31ctl.deployment import Deployment
+from m31ctl.engine.owned import refuse_owned_flags
 
 # Domain cache dtype -> vLLM's spelling, per flag (--kv-cache-dtype says bfloat16, the
 # indexer config says bf16).
@@ -85,6 +86,7 @@ def build_invocation(deployment: Deployment, *, node: NodeRole | None = None) ->
     """The argv after `vllm serve` and the environment for the plan. `node`: this pod's part in
     a layout that spans nodes (the Kubernetes LeaderWorkerSet), whose flags come before the
     user's extra_args."""
+    refuse_owned_flags(deployment)  # extra_args come last: an owned flag there would win
     s = deployment.plan.settings
     args: list[str] = [deployment.model.reference, "--served-model-name", s.model.served_name]
 

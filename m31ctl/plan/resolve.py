@@ -24,6 +24,7 @@ from m31ctl.plan.recipes import (
     load_recipe,
     select_recipe,
 )
+from m31ctl.plan.runtime_notes import runtime_warnings
 from m31ctl.plan.settings import Parallelism, PlanSettings
 from m31ctl.redact import redact
 
@@ -282,6 +283,7 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
         settings=settings,
         provenance=MappingProxyType({k: s.source for k, s in merged.items()}),
         warnings=_warnings(recipe, settings, request.hardware)
+        + runtime_warnings(settings, request.hardware)
         + check_engine(settings, merged, request.hardware),
     )
 

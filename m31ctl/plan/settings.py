@@ -5,7 +5,7 @@ vLLM flag spellings: those live in the engine adapter alone."""
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
@@ -267,6 +267,15 @@ class KubernetesSettings(_Frozen):
     # NCCL variables (e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA) for the collective network.
     network_resources: dict[str, StrictInt] = Field(default_factory=dict)
     network_env: dict[str, str] = Field(default_factory=dict)
+    # A Service puts the API on the cluster network, and vLLM's key guards /v1 only: the pods
+    # need VLLM_API_KEY from the Secret unless this says otherwise (runtime.api_key aside).
+    require_api_key: bool = True
+    # NetworkPolicy peers (podSelector / namespaceSelector / ipBlock objects) admitted to the API
+    # port; the default is every pod of the namespace. [] admits none (kubelet probes still pass).
+    api_clients: tuple[dict[str, Any], ...] = ({"podSelector": {}},)
+    # The Pod Security level the pods must pass. baseline leaves out what the Docker targets add
+    # for AMD (SYS_PTRACE, seccomp Unconfined), which that level rejects; privileged adds them.
+    pod_security: Literal["baseline", "privileged"] = "baseline"
 
 
 class VerifySettings(_Frozen):

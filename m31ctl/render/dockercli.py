@@ -2,11 +2,34 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import ipaddress
 from typing import Literal
 
-from m31ctl.container import ContainerSpec
+from m31ctl.container import ContainerSpec, Mount
 
 Mode = Literal["detached", "foreground"]
+
+
+def publish_spec(spec: ContainerSpec) -> str:
+    """`--publish` and Compose's short port syntax: IP:HOST:CONTAINER, an IPv6 address in
+    brackets (both strip them; without them the address's colons run into the ports)."""
+    bind = spec.bind
+    host = f"[{bind}]" if ipaddress.ip_address(bind).version == 6 else bind
+    return f"{host}:{spec.host_port}:{spec.container_port}"
+
+
+def mount_spec(mount: Mount) -> str:
+    """`--mount` for a bind mount. `-v SRC:DST[:ro]` splits on every colon, so a path holding one
+    breaks it; --mount is one CSV record of key=value fields (the Docker CLI reads it with Go's
+    encoding/csv), so a field with a comma, a quote or a line break is quoted, quotes doubled."""
+    fields = ["type=bind", f"source={mount.source}", f"target={mount.target}"]
+    if mount.read_only:
+        fields.append("readonly")
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerow(fields)
+    return out.getvalue()[: -len("\n")]
 
 
 def docker_run_argv(spec: ContainerSpec, mode: Mode, env_file: str | None = None) -> list[str]:
@@ -46,9 +69,9 @@ def docker_run_argv(spec: ContainerSpec, mode: Mode, env_file: str | None = None
         f"max-file={spec.log_max_files}",
     ]
     argv += ["--stop-timeout", str(spec.stop_timeout)]
-    argv += ["--publish", f"{spec.bind}:{spec.host_port}:{spec.container_port}"]
+    argv += ["--publish", publish_spec(spec)]
     for mount in spec.mounts:
-        argv += ["--volume", f"{mount.source}:{mount.target}{':ro' if mount.read_only else ''}"]
+        argv += ["--mount", mount_spec(mount)]
     for key, value in spec.env:
         argv += ["--env", f"{key}={value}"]
     if env_file is not None:

@@ -108,8 +108,3 @@ def compose_escape(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return [compose_escape(v) for v in data]
     return data
-
-
-def k8s_literal(value: str) -> str:
-    """Kubernetes expands $(VAR) in command and args; $$( keeps it literal."""
-    return value.replace("$(", "$$(")
