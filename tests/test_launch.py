@@ -101,6 +101,13 @@ def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client
     assert CANARY not in first.stdout + first.stderr
     container = docker_client.containers.get(deployment.name)
     assert container.labels["io.m31ctl.owner"] == "m31ctl" and container.labels["io.m31ctl.recipe"] == "cpu"
+    # The plan it was launched with, recorded with it (verify, smoke and status re-resolve it).
+    recorded = json.loads(container.labels["io.m31ctl.plan"])
+    assert (
+        recorded["plan_hash"] == result["plan_hash"]
+        and recorded["settings"]["runtime"]["port"] == deployment.port
+    )
+    assert result["server"] == result["container"] == deployment.name
     assert container.attrs["HostConfig"]["PortBindings"]["8000/tcp"][0] == {
         "HostIp": "127.0.0.1",
         "HostPort": str(deployment.port),
@@ -114,8 +121,9 @@ def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client
     assert not any(CANARY in arg for arg in container.attrs["Config"]["Cmd"])
 
     status = run_cli("status", "--json")
-    row = next(r for r in json.loads(status.stdout)["containers"] if r["name"] == deployment.name)
+    row = next(r for r in json.loads(status.stdout)["servers"] if r["name"] == deployment.name)
     assert row["state"] == "running" and row["health"] == 200 and row["plan_hash"] == result["plan_hash"]
+    assert row["plan_recorded"] is True
 
     logs = run_cli("logs", "--name", deployment.name, "--tail", "50")
     assert "Application startup complete" in logs.stdout

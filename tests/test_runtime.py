@@ -197,3 +197,38 @@ def test_verify_smoke_and_status_use_the_servers_recorded_plan(native_env):
     assert row["runs_plan"] is False and row["plan_differences"] == ["serving.max_model_len: 2048 -> 1024"]
     same = json.loads(run_cli("status", *changed[:-2], "--runtime", "native", "--json", env=env).stdout)
     assert same["servers"][0]["runs_plan"] is True and same["servers"][0]["plan_recorded"] is True
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bare_verify_passes_after_a_native_rehearsal_launch(vllm_py, tmp_path):
+    """The CPU rehearsal with real vLLM, launched natively with plan options; then `verify
+    --no-load` with none: it verifies the plan recorded with the server. It used to plan for this
+    host instead, and exit 6 (no GPU found)."""
+    import subprocess
+
+    model = tmp_path / "tiny-model"
+    subprocess.run(
+        [vllm_py, str(ROOT / "m31ctl" / "rehearsal" / "make_tiny_model.py"), str(model)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
+    name = f"m31ctl-bare-verify-{uuid.uuid4().hex[:6]}"
+    args = [
+        "launch", "--runtime", "native", "--hardware", "cpu", "--name", name, "--port", str(free_port()),
+        "--set", f"model.path={model}", "--set", f"runtime.native_python={vllm_py}", "--timeout", "400",
+        "--skip-deep", "--json",
+    ]  # fmt: skip
+    try:
+        launched = run_cli(*args, env=env)
+        assert launched.returncode == 0, launched.stderr[-3000:]
+        verified = run_cli("verify", "--name", name, "--no-load", "--json", env=env)
+        report = json.loads(verified.stdout)
+        assert verified.returncode == 0 and report["ok"], (report, verified.stderr[-2000:])
+        assert report["plan_hash"] == last_json(launched.stdout)["plan_hash"]
+        assert {c["check"]: c["status"] for c in report["checks"]}["plan"] == "pass"
+    finally:
+        stopped = run_cli("stop", "--runtime", "native", "--json", env=env)
+    assert stopped.returncode == 0 and json.loads(stopped.stdout)["stopped"] == [name]
