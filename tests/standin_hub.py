@@ -164,6 +164,7 @@ class StandinHub:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # headers and body go out at once, as a real server's do
 
             def log_message(self, format: str, *args: object) -> None:  # quiet test output
                 pass
