@@ -92,7 +92,7 @@ def pull_progress() -> PullProgress:
 def print_dry_run(deployment: Deployment, dry: DryRun, as_json: bool) -> None:
     if as_json:
         payload: dict[str, Any] = {"plan": plan_json(deployment, plan_fit(deployment)), **dry.detail}
-        payload["docker_run" if dry.kind == "container" else "command"] = list(dry.argv)
+        payload[dry.argv_key] = list(dry.argv)
         emit_json(payload)
         return
     print_plan(deployment, plan_fit(deployment), explain=False)

@@ -135,9 +135,10 @@ class ServerStatus:
 class DryRun:
     """What a launch would start, without starting it."""
 
-    kind: str  # "container" | "process"
+    kind: str  # "container" | "process": what the dry run would start, for people
     argv: tuple[str, ...]  # the equivalent command line (docker run ... / python -m ...)
     detail: Mapping[str, Any] = field(default_factory=dict)
+    argv_key: str = "command"  # the key `launch --dry-run --json` gives argv under
 
 
 @dataclass(frozen=True)

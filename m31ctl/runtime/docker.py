@@ -305,6 +305,7 @@ class DockerRuntime:
             "container",
             ("docker", *docker_run_argv(spec, "detached")),
             {"container": spec.to_data()},
+            argv_key="docker_run",
         )
 
     def launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
