@@ -138,7 +138,8 @@ def test_data_flows_one_way(stage):
 # Facts the Deployment derives once (m31ctl/deployment.py): a consumer that spells one of these
 # again is recomputing it. Each pattern names where it may appear.
 DERIVED_ONCE = {
-    "os.path.expanduser(": {"m31ctl.deployment", "m31ctl.resources"},
+    # engine_rules reads the checkpoint's config at plan time, before a Deployment exists.
+    "os.path.expanduser(": {"m31ctl.deployment", "m31ctl.resources", "m31ctl.plan.engine_rules"},
     'startswith("simulated': set(),
     "checkpoint_gb * 8000": set(),
     "STOP_MARGIN_S": {"m31ctl.deployment"},

@@ -168,7 +168,9 @@ def test_monotonic_in_context_and_utilization():
 
 
 def test_impossible_layout_does_not_fit():
-    plan = plan_for("h100x8", recipe="blackwell", sets=("parallelism.tensor=1",))
+    # FP8 caches: vLLM refuses an NVFP4 cache on Hopper (engine rule vllm-nvfp4-kv-needs-sm10x)
+    sets = ("parallelism.tensor=1", "cache.kv_dtype=fp8", "cache.indexer_dtype=fp8")
+    plan = plan_for("h100x8", recipe="blackwell", sets=sets)
     fit = plan_fit(derive(plan), CTX_256K)
     assert not fit.fits and fit.sequences == 0
 

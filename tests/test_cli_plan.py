@@ -61,7 +61,7 @@ def test_plan_json_contract(cli):
 # Which layer wins serving.max_model_len, lowest first: defaults, recipe, variant, profile, file, --set.
 PRECEDENCE = [
     ({}, 262144, "defaults"),
-    ({"profile": "long-context"}, 1048576, "profile long-context"),
+    ({"profile": "long-context"}, 524288, "profile long-context"),
     ({"profile": "long-context", "file": 131072}, 131072, "file"),
     ({"profile": "long-context", "file": 131072, "set": 65536}, 65536, "--set #1"),
     ({"file": 131072, "set": 65536}, 65536, "--set #1"),

@@ -75,11 +75,15 @@ def test_mi355x_quickstart_and_aiter():
         "attention_backend": "TRITON_ATTN",
     }
     assert flag(quick.args, "--kv-cache-dtype") == "nvfp4"
-    assert quick.env == ()
+    # upstream's AMD commands: shared-expert fusion and the data-parallel AITER encoder
+    assert quick.env_dict == {"VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}
+    assert flag(quick.args, "--mm-encoder-tp-mode") == "data"
+    assert flag(quick.args, "--mm-encoder-attn-backend") == "ROCM_AITER_FA"
     aiter_plan = plan_for("mi355xx8", variant="aiter")
     aiter = build_invocation(derive(aiter_plan))
     assert flag(aiter.args, "--moe-backend") == "aiter"
-    assert aiter.env_dict == {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1"}
+    # VLLM_ROCM_USE_AITER_MOE defaults on under the master switch (vllm/envs.py)
+    assert aiter.env_dict == {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS": "1"}
     assert aiter_plan.settings.moe.expert_requantization == "mxfp8"
     assert flag(aiter.args, "--kv-cache-dtype") == "nvfp4"  # caches stay NVFP4
     assert "VLLM_ATTENTION_BACKEND" not in aiter.env_dict  # removed from vLLM
@@ -91,13 +95,13 @@ def test_profiles():
     assert flag(dep, "--data-parallel-size") == "4"
     assert "--enable-expert-parallel" in dep
     long = build_invocation(derive(plan_for("mi355xx4", profile="long-context"))).args
-    assert flag(long, "--decode-context-parallel-size") == "4"
-    assert flag(long, "--max-model-len") == "1048576"
+    assert "--decode-context-parallel-size" not in long  # vLLM needs TP above the 4 KV heads for it
+    assert flag(long, "--max-model-len") == "524288"  # the checkpoint's max_position_embeddings
 
 
 def test_unsupported_profile_names_reason():
-    with pytest.raises(InputError, match="decode context parallelism"):
-        plan_for("h200x8", profile="long-context")
+    with pytest.raises(InputError, match="data and expert parallelism need GPUs"):
+        plan_for("cpu", profile="throughput")
 
 
 def test_unknown_profile_suggests():

@@ -17,11 +17,15 @@ from m31ctl.engine.owned import refuse_owned_flags
 KV_CACHE_DTYPE = {"nvfp4": "nvfp4", "fp8": "fp8", "bf16": "bfloat16"}
 _INDEXER_DTYPE = {"nvfp4": "nvfp4", "fp8": "fp8", "bf16": "bf16"}
 
-# AITER is off unless its master switch is on; the MoE sub-switch only acts under it.
-_AITER_MOE_ENV = {"VLLM_ROCM_USE_AITER": "1", "VLLM_ROCM_USE_AITER_MOE": "1"}
-# What else the master switch turns on: the AITER switches whose default is on (vLLM 0.32,
-# vllm/envs.py: VLLM_ROCM_USE_AITER_{CUSTOM_AR,LINEAR,MOE,RMSNORM,MLA,MHA,TRITON_GEMM} default "True").
-AITER_DEFAULT_ON = ("custom all-reduce", "linear", "MoE", "RMSNorm", "MLA", "MHA", "Triton GEMM")
+# AITER is off unless its master switch is on; its MoE sub-switch (VLLM_ROCM_USE_AITER_MOE)
+# defaults on, so the master switch alone selects AITER MoE with --moe-backend aiter.
+_AITER_MOE_ENV = {"VLLM_ROCM_USE_AITER": "1"}
+# What the master switch turns on: the AITER switches whose default is on (vLLM 0.32,
+# vllm/envs.py: VLLM_ROCM_USE_AITER_{CUSTOM_AR,LINEAR,MOE,RMSNORM,MLA,MHA,FP8BMM,FP4BMM,TRITON_GEMM}
+# default True; the day-zero images are 0.32-based. vLLM 0.33 turns FP8BMM and FP4BMM off).
+AITER_DEFAULT_ON = (
+    "custom all-reduce", "linear", "MoE", "RMSNorm", "MLA", "MHA", "FP8 BMM", "FP4 BMM", "Triton GEMM",
+)  # fmt: skip
 
 
 class EngineInvocation(NamedTuple):

@@ -284,6 +284,18 @@ class ModelGeometry(_Frozen):
     indexer_dim: Sourced | None = None
 
 
+class ModelLimits(_Frozen):
+    """What vLLM checks a plan against when it builds its config (m31ctl/plan/engine_rules.py),
+    for when the checkpoint's own config.json is not on this host."""
+
+    attention_heads: Sourced | None = None
+    max_position_embeddings: Sourced | None = None
+    # MSA: the sparse block size the KV cache block size must equal.
+    sparse_block_size: Sourced | None = None
+    # The DSpark draft's block size (its dspark/config.json): tokens one draft step proposes.
+    draft_block_size: Sourced | None = None
+
+
 class ModelFacts(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
     id: str
@@ -297,6 +309,7 @@ class ModelFacts(BaseModel):
     # The launch post's KV bytes per token (main attention only): the published basis.
     published_kv_bytes_per_token: dict[str, int] = Field(default_factory=dict)
     geometry: ModelGeometry
+    limits: ModelLimits = Field(default_factory=ModelLimits)
     max_context: int
     modalities: tuple[str, ...]
     draft: dict[str, str] | None = None
