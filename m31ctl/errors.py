@@ -100,6 +100,12 @@ class ServerDied(NotReadyError):
     """The server exited (or was restarted) while loading."""
 
 
+class OutputError(InputError):
+    """Standard output cannot be written (a full disk, an I/O error): what the command said is
+    lost, so it fails as an unwritable -o FILE does (exit 2). A closed one is not this: that is
+    a reader that left, the quiet exit of a closed pipe."""
+
+
 class CheckFailed(M31Error):
     """A check ran and found drift or failures; not a usage error."""
 

@@ -126,11 +126,15 @@ def _mask_flag_values(text: str) -> str:
 
 def _secret_key(key: object) -> bool:
     """A mapping key whose value is a secret: a secret variable (also as the last part of a
-    dotted setting, `runtime.env.HF_TOKEN`) or a secret flag's name (`api_key`, `hf-token`)."""
+    dotted setting, `runtime.env.HF_TOKEN`) or, undotted, a secret flag's name (`api_key`,
+    `hf-token`). A dotted setting named like a flag is m31ctl's own (`runtime.api_key`, a
+    switch whose provenance is mapped to its source), never a secret."""
     if not isinstance(key, str):
         return False
     name = key.rsplit(".", 1)[-1]
-    return name.upper() in SECRET_ENV or "--" + name.replace("_", "-").lower() in SECRET_FLAGS
+    if name.upper() in SECRET_ENV:
+        return True
+    return "." not in key and "--" + name.replace("_", "-").lower() in SECRET_FLAGS
 
 
 def redact_setting(key: str, value: object, environ: Mapping[str, str] | None = None) -> object:

@@ -747,3 +747,137 @@ def test_locked_render_and_doctor_drift_is_redacted(tmp_path):
         doctor = run_cli("doctor", "--hardware", "b300x4", "--locked", str(lock), *extra)
         assert "differences from" in doctor.stdout, doctor.stdout
         _no_secrets(doctor)
+
+
+# Standard output that is not what rich expects: closed, read-only, full, or ASCII only.
+
+
+def _process(
+    *args: str, env: dict[str, str] | None = None, **popen: object
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "m31ctl", *args],
+        capture_output="stdout" not in popen, text=True, cwd=ROOT, timeout=120, check=False,
+        env={**os.environ, "COLUMNS": "120", **(env or {})}, **popen,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+QUIET_COMMANDS = [
+    ["plan", "--hardware", "b300x4"],
+    ["plan", "--hardware", "b300x4", "--json"],
+    ["plan", "--hardware", "b300x4", "--explain"],
+    ["capacity", "--hardware", "b300x4", "--json"],
+    ["render", "--target", "k8s", "--hardware", "b300x4"],
+    ["recipes", "show", "blackwell"],
+    ["launch", "--hardware", "cpu", "--dry-run", "--json"],
+]
+
+
+@pytest.mark.parametrize("args", QUIET_COMMANDS)
+def test_closed_stdout_is_a_quiet_exit(args):
+    """`m31ctl ... >&-`: nothing to print to is a reader that wants nothing, not exit 70."""
+    result = subprocess.run(
+        [sys.executable, "-m", "m31ctl", *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120,
+        preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_closed_or_read_only_stdout_keeps_the_commands_own_exit_code(tmp_path):
+    """A failed check still fails, and a file opened while fd 1 is closed never takes its number."""
+    lock = tmp_path / "m31ctl.lock"
+    cases = [
+        (["doctor", "--hardware", "b300x4", "--json"], lambda: os.close(1)),
+        (["plan", "--hardware", "nope", "--json"], lambda: os.close(1)),
+        (["plan", "--hardware", "b300x4", "--json"], lambda: os.dup2(os.open(os.devnull, os.O_RDONLY), 1)),
+        (["lock", "--hardware", "b300x4", "-o", str(lock)], lambda: (os.close(0), os.close(1))),
+    ]
+    for args, prepare in cases:
+        result = subprocess.run(
+            [sys.executable, "-m", "m31ctl", *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120,
+            preexec_fn=prepare,
+        )  # fmt: skip
+        expected = {"doctor": 1, "plan": 2 if "nope" in args else 0, "lock": 0}[args[0]]
+        assert result.returncode == expected and "internal error" not in result.stderr, (args, result.stderr)
+    assert json.loads(lock.read_text())["recipe"] == "blackwell"  # the lock file whole, not on fd 1
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+@pytest.mark.parametrize(
+    "args", [["plan", "--hardware", "b300x4"], ["plan", "--hardware", "b300x4", "--json"]]
+)
+def test_full_stdout_is_an_error_that_says_so(args):
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "m31ctl", *args],
+            stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "cannot write to standard output: No space left on device" in result.stderr
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
+
+
+ASCII_ENVS = [
+    {"PYTHONIOENCODING": "ascii"},
+    {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0", "PYTHONIOENCODING": ""},
+]
+
+
+@pytest.mark.parametrize("env", ASCII_ENVS, ids=["PYTHONIOENCODING", "LC_ALL=C"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["doctor", "--hardware", "b300x4"],
+        ["plan", "--hardware", "b300x4", "--explain"],
+        ["capacity", "--hardware", "b300x4"],
+        ["recipes", "list"],
+        ["plan", "--hardware", "b300x4", "-f", "UNICODE"],
+    ],
+)
+def test_ascii_stdout_gets_plain_ascii(args, env, tmp_path):
+    """An output encoding without box drawing or accents: plain ASCII tables and text (a value
+    read from a UTF-8 file too; argv under LC_ALL=C is bytes, which Python passes through)."""
+    site = tmp_path / "site.yaml"
+    site.write_text("model:\n  served_name: caf\u00e9-\u2192-\u6a21\u578b\n", encoding="utf-8")
+    args = [str(site) if arg == "UNICODE" else arg for arg in args]
+    result = subprocess.run(
+        [sys.executable, "-m", "m31ctl", *args],
+        capture_output=True, cwd=ROOT, timeout=120, env={**os.environ, "COLUMNS": "100", **env},
+    )  # fmt: skip
+    assert result.returncode in (0, 1), result.stderr
+    assert b"internal error" not in result.stderr, result.stderr
+    assert result.stdout.isascii() and result.stdout.strip(), result.stdout[:400]
+    if "--explain" in args or args[0] in ("doctor", "capacity", "recipes"):
+        assert b"+--" in result.stdout or b"|" in result.stdout  # the table is there, in ASCII
+    if "-f" in args:
+        assert b"cafe->-??" in result.stdout, result.stdout  # one ASCII character for each
+
+
+def test_sigterm_is_handled_as_an_interrupt(tmp_path):
+    """CI runners cancel with SIGTERM: the same message and exit code as Ctrl-C, not a silent 143."""
+    import signal
+
+    fifo = tmp_path / "site.yaml"
+    os.mkfifo(fifo)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "m31ctl", "plan", "--hardware", "b300x4", "-f", str(fifo)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+    )  # fmt: skip
+    writer = None
+    deadline = time.monotonic() + 60
+    while writer is None and time.monotonic() < deadline:  # m31ctl is waiting to read the -f file
+        try:
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            time.sleep(0.05)
+    assert writer is not None and proc.poll() is None
+    try:
+        time.sleep(0.3)  # inside read(), blocked on a writer that never writes
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        os.close(writer)
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, (proc.returncode, err)

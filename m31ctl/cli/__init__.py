@@ -6,12 +6,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
+from typing import TextIO
 
-from m31ctl.errors import ExitCode, M31Error
+from m31ctl.errors import ExitCode, M31Error, OutputError
 
 INTERRUPTED = "interrupted; a container being started keeps its labels, and the next launch converges"
 
@@ -23,13 +27,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         args = ["--help"]  # bare `m31ctl`: help, exit 0
-    if gc.isenabled() and is_quick(args):
-        gc.disable()  # the cyclic collector only costs these commands time (see QUICK_COMMANDS)
-        try:
-            return _main(args)
-        finally:
-            gc.enable()
-    return _main(args)
+    stdout = _standard_streams()
+    try:
+        if gc.isenabled() and is_quick(args):
+            gc.disable()  # the cyclic collector only costs these commands time (see QUICK_COMMANDS)
+            try:
+                return _main(args)
+            finally:
+                gc.enable()
+        return _main(args)
+    finally:
+        sys.stdout = stdout  # the caller's own stream again, not the guard around it
+
+
+def _standard_streams() -> TextIO:
+    """Make stdin, stdout and stderr usable, and guard stdout for the command; returns stdout as
+    it was. A descriptor closed at start (`>&-`, `<&-`) gets /dev/null in its place: the next file
+    m31ctl opens must not take its number (a lock file written through fd 1), and writes go
+    nowhere, quietly, as to a reader that left. One open only for reading counts as closed."""
+    from m31ctl.cli.output import GuardedStdout
+
+    for fd, name, writes in ((0, "stdin", False), (1, "stdout", True), (2, "stderr", True)):
+        stream = getattr(sys, name)
+        if stream is not None and _fileno(stream) != fd:
+            continue  # redirected within this process (tests, a caller): its own business
+        usable = _fd_usable(fd, writes)
+        if usable is None:  # closed: hold its number with /dev/null
+            with contextlib.suppress(OSError):
+                spare = os.open(os.devnull, os.O_RDWR)
+                if spare != fd:
+                    os.dup2(spare, fd)
+                    os.close(spare)
+        if stream is None or not usable:
+            setattr(sys, name, open(os.devnull, "w" if writes else "r", encoding="utf-8"))  # noqa: SIM115
+    original: TextIO = sys.stdout
+    sys.stdout = GuardedStdout(original)
+    return original
+
+
+def _fileno(stream: object) -> int | None:
+    try:
+        return int(stream.fileno())  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _fd_usable(fd: int, writes: bool) -> bool | None:
+    """None when `fd` is closed; else whether it is open the right way round."""
+    import fcntl
+
+    try:
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    except OSError:
+        return None
+    return mode != (os.O_RDONLY if writes else os.O_WRONLY)
 
 
 def _main(args: list[str]) -> int:
@@ -39,6 +90,9 @@ def _main(args: list[str]) -> int:
     as_json = "--json" in args
     try:
         result = build_app(args)(args=args, prog_name="m31ctl", standalone_mode=False)
+    except OutputError as exc:  # stdout itself failed: the message goes to stderr only
+        _silence_stdout()
+        return _say(exc.one_line(), exc.exit_code)
     except M31Error as exc:
         return _fail(exc, as_json)
     except aborts:
@@ -82,7 +136,10 @@ def _fail(exc: M31Error, as_json: bool) -> int:
     if as_json:
         from m31ctl.cli.output import emit_json
 
-        emit_json(exc.to_json())
+        try:
+            emit_json(exc.to_json())
+        except (BrokenPipeError, OutputError):  # the exit code and stderr still tell
+            _silence_stdout()
     from m31ctl.redact import redact
 
     for line in exc.details:
@@ -117,12 +174,31 @@ def _silence_stdout() -> None:
 
 def run() -> None:
     """The console script (and `python -m m31ctl`)."""
+    terminate = _terminate_as_interrupt()
     from m31ctl.cli.app import is_quick
 
-    code = main()
+    try:
+        code = main()
+    finally:
+        if terminate:  # from here on, SIGTERM ends the process as it would any other
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if is_quick(sys.argv[1:]):
         _leave_now(code)
     sys.exit(code)
+
+
+def _terminate_as_interrupt() -> bool:
+    """SIGTERM is handled as Ctrl-C: CI runners send it on cancel, and a launch then ends the
+    same way (the message, exit 130, a start that the next launch converges). Left alone where
+    whoever started m31ctl chose to ignore it."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return True
+
+
+def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 def _leave_now(code: int) -> None:

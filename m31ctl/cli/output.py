@@ -3,12 +3,89 @@ report and lock files the CLI writes."""
 
 from __future__ import annotations
 
+import codecs
+import errno
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+import unicodedata
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+
+class GuardedStdout:
+    """sys.stdout while a command runs, for a standard output that is not what rich expects.
+
+    An output encoding that cannot carry a character (`LC_ALL=C`, `PYTHONIOENCODING=ascii`)
+    gets plain ASCII in its place: rich already draws its tables with ASCII boxes there, and
+    what it still writes (its ellipsis, U+2026, for a cut cell) and what users typed become one ASCII
+    character each, so columns stay aligned. A write that fails is the reader's doing, not a
+    bug: a closed descriptor is a reader that left (BrokenPipeError: the quiet exit, as for a
+    closed pipe), any other error (a full disk) is OutputError, exit 2, as for an unwritable -o FILE.
+    Everything else (isatty, fileno, encoding) is the stream's own."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            try:
+                return self.stream.write(text)
+            except UnicodeEncodeError:
+                encoding = getattr(self.stream, "encoding", None) or "ascii"
+                self.stream.write(text.encode(encoding, _PLAIN).decode(encoding))
+                return len(text)
+        except OSError as exc:
+            raise _output_error(exc) from None
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as exc:
+            raise _output_error(exc) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _output_error(exc: OSError) -> Exception:
+    from m31ctl.errors import OutputError
+
+    if isinstance(exc, BrokenPipeError) or exc.errno == errno.EBADF:
+        return BrokenPipeError(exc.errno, exc.strerror)
+    return OutputError(f"cannot write to standard output: {exc.strerror or exc}")
+
+
+# Single characters, so a table keeps its columns: rich's ellipsis, dashes, arrows, quotes.
+_PLAIN_CHARS = {
+    "\u2026": ".",  # horizontal ellipsis
+    "\u2014": "-",  # em dash
+    "\u2013": "-",  # en dash
+    "\u2192": ">",  # rightwards arrow
+    "\u2190": "<",  # leftwards arrow
+    "\u00d7": "x",  # multiplication sign
+    "\u2018": "'",
+    "\u2019": "'",
+    "\u201c": '"',
+    "\u201d": '"',
+}
+_PLAIN = "m31ctl-plain"
+
+
+def _plain(exc: UnicodeError) -> tuple[str, int]:
+    """Codec error handler: each character the encoding lacks as one ASCII character (its
+    letter without accents where it has one, else '?')."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    out = []
+    for char in exc.object[exc.start : exc.end]:
+        base = unicodedata.normalize("NFKD", char).encode("ascii", "ignore").decode("ascii")
+        out.append(_PLAIN_CHARS.get(char) or (base[:1] if base.isprintable() else "") or "?")
+    return "".join(out), exc.end
+
+
+codecs.register_error(_PLAIN, _plain)
 
 
 def emit_json(payload: Any) -> None:
