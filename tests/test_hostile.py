@@ -881,3 +881,17 @@ def test_sigterm_is_handled_as_an_interrupt(tmp_path):
     finally:
         os.close(writer)
     assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, (proc.returncode, err)
+
+
+def test_redaction_leaves_an_ordinary_plan_alone():
+    """Settings named like secret flags (runtime.api_key, a switch) are m31ctl's own: their
+    values and provenance show in full."""
+    for args in (
+        ("--json",),
+        ("--explain",),
+        ("--json", "--set", "runtime.api_key=true", "--set", "runtime.bind=0.0.0.0"),
+    ):
+        result = run_cli("plan", "--hardware", "b300x4", *args)
+        assert result.returncode == 0 and "***" not in result.stdout, result.stderr
+    data = json.loads(run_cli("plan", "--hardware", "b300x4", "--json").stdout)
+    assert data["provenance"]["runtime.api_key"] == "schema default"
