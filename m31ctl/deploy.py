@@ -7,6 +7,7 @@ server), so neither imports the other's caller.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from m31ctl.deployment import Deployment, require_fit
@@ -17,18 +18,25 @@ from m31ctl.runtime.gates import unknown_gates
 
 
 def launch(
-    deployment: Deployment, runtime_name: str, options: LaunchOptions, deep: bool = True
+    deployment: Deployment,
+    runtime_name: str,
+    options: LaunchOptions,
+    deep: bool = True,
+    fetch: Callable[[Deployment], bool] | None = None,
 ) -> LaunchResult:
     """Check the host (GPUs, memory, model path, API key, and what the runtime needs, such as
     the Docker Engine, and with `deep` the engine's own torch and an all-reduce on the plan's GPUs,
-    seconds before a download of hundreds of GB), then let the runtime converge on the plan.
-    Nothing starts if a check fails."""
+    seconds before a download of hundreds of GB), then `fetch` the checkpoint (m31ctl pull; True
+    when it pulled one), then let the runtime converge on the plan. Nothing starts if a check fails."""
     runtime = get_runtime(runtime_name)
     require_fit(deployment)
     checks = preflight(deployment, gate_ids(runtime), options.environ, deep=runtime_name if deep else None)
     for result in checks:
         if result.status == "warn":
             options.report(f"warning: {result.title}: {result.message}")
+    if fetch is not None and fetch(deployment):
+        # The pinned snapshot is in the cache: the engine reads it without asking the hub again.
+        options = dataclasses.replace(options, environ={**options.environ, "HF_HUB_OFFLINE": "1"})
     if options.diagnostics is None:
         options = dataclasses.replace(options, diagnostics=lambda: _diagnostics(deployment))
     return runtime.launch(deployment, options)

@@ -347,3 +347,46 @@ def test_xet_that_stalls_falls_back_to_plain_http(tmp_path):
     assert kinds == ["Retry", "Fallback", "FileDone"]
     assert done.via == "http" and transport.aborted == 2 and not fetcher.xet
     assert cache.blob("e" * 64).read_bytes() == data and transport.linked == [f.path]
+
+
+# --- launch pulls first ---------------------------------------------------------------------------
+def _deployment(hub: StandinHub, cache: Path, model: str | None = None) -> Any:
+    from m31ctl.deployment import derive
+    from m31ctl.hardware import simulated
+    from m31ctl.plan import PlanRequest, resolve
+
+    sets = (f"model.path={model or hub.repo.repo_id}", f"runtime.hf_cache={cache}")
+    return derive(resolve(PlanRequest(simulated("b300x4"), sets=sets)))
+
+
+def test_launch_pulls_first_and_then_runs_the_engine_offline(hub, tmp_path, monkeypatch):
+    from m31ctl import deploy
+    from m31ctl.cli import pulling
+    from m31ctl.runtime.base import LaunchOptions
+
+    started: list[dict[str, str]] = []
+
+    class Runtime:  # the runtime seam: what the engine would be started with
+        name, gates = "fake", ()
+
+        def launch(self, deployment: Any, options: LaunchOptions) -> str:
+            started.append(dict(options.environ))
+            return "started"
+
+    monkeypatch.setattr(deploy, "get_runtime", lambda name: Runtime())
+    monkeypatch.setattr(deploy, "preflight", lambda *args, **kwargs: [])
+    monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+    options = LaunchOptions(report=lambda line: None, confirm=lambda question: False, environ={})
+    cache = tmp_path / "hf"
+
+    deploy.launch(_deployment(hub, cache), "fake", options, deep=False, fetch=pulling.before_launch(False))
+    assert started[-1].get("HF_HUB_OFFLINE") == "1"
+    assert (repo_dir(cache, hub) / "snapshots" / hub.repo.commit / SHARD).is_file()
+
+    deploy.launch(_deployment(hub, cache), "fake", options, deep=False, fetch=None)  # --no-pull
+    assert "HF_HUB_OFFLINE" not in started[-1]
+    local = tmp_path / "model"
+    local.mkdir()
+    hub.reset_counts()
+    deploy.launch(_deployment(hub, cache, str(local)), "fake", options, fetch=pulling.before_launch(False))
+    assert "HF_HUB_OFFLINE" not in started[-1] and not hub.requests  # nothing to pull, nothing asked

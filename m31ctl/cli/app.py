@@ -346,13 +346,19 @@ def launch(
         bool,
         typer.Option("--skip-deep", help="Skip the preflight's engine and all-reduce check on the GPUs."),
     ] = False,
+    no_pull: Annotated[
+        bool,
+        typer.Option(
+            "--no-pull", help="Start without m31ctl pull first (the engine downloads what it lacks)."
+        ),
+    ] = False,
 ) -> int:
     """Resolve, check, pull, start the server and wait until the model answers."""
     import json as jsonlib
     import os
 
     from m31ctl import deploy
-    from m31ctl.cli import launch_views
+    from m31ctl.cli import launch_views, pulling
     from m31ctl.errors import InputError
     from m31ctl.runtime import get_runtime
     from m31ctl.runtime.base import LaunchOptions
@@ -387,7 +393,8 @@ def launch(
         on_phase=launch_views.phase_events() if json else display.on_phase,
     )
     try:
-        result = deploy.launch(d, runtime, options, deep=not skip_deep)
+        fetch = None if no_pull else pulling.before_launch(json)
+        result = deploy.launch(d, runtime, options, deep=not skip_deep, fetch=fetch)
     finally:
         display.close()
     launch_views.print_result(d, result, json)

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from m31ctl.cli.output import emit_json_line
@@ -53,6 +54,21 @@ def run_pull(
     else:
         sys.stdout.write(summary(result))
     return 0
+
+
+def before_launch(as_json: bool) -> Callable[[Deployment], bool]:
+    """launch's pull step: the same pull, its events as lines on stderr (launch shows its own
+    status line) or JSON lines among launch's; True when a hub checkpoint is now in the cache."""
+
+    def fetch(deployment: Deployment) -> bool:
+        if deployment.model.repo_id is None:
+            return False  # a local directory: nothing to pull, and the engine never asks the hub
+        view: _View = _JsonView() if as_json else _PlainView()
+        result = pull(deployment, PullOptions(environ=dict(os.environ)), view.on_event)
+        sys.stderr.write(f"m31ctl: pulled {result.repo} at {result.revision}: commit {result.commit}\n")
+        return True
+
+    return fetch
 
 
 def summary(result: PullResult) -> str:
