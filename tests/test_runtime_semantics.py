@@ -700,3 +700,22 @@ def test_shellcheck_and_bash_accept_the_script_with_every_option(tmp_path):
     checked = subprocess.run([tool("shellcheck"), str(script)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout
     assert shutil.which("paste") and shutil.which("cut")  # what the env-file check runs
+
+
+def test_k8s_names_and_comments_stay_valid():
+    """The API Service's name is a DNS-1035 label (a letter first, at most 63 characters); a
+    value with a line break never reaches a comment line, where it would end the comment."""
+    from m31ctl.errors import InputError
+
+    for name in ("1abc", "a" * 60):
+        with pytest.raises(InputError, match="DNS-1035"):
+            rendered(plan_for("b300x4", f"runtime.container_name={name}"), "k8s")
+    assert "a" * 59 + "-api" in rendered(plan_for("b300x4", f"runtime.container_name={'a' * 59}"), "k8s")
+    broken = "/srv/a\nservices: {}\u2028#x"
+    compose = rendered(plan_for("b300x4", f"runtime.hf_cache={broken}"), "compose")
+    assert "mkdir -p <runtime.hf_cache>" in compose
+    assert yaml.safe_load(compose)["services"]["vllm"]["volumes"][0]["source"] == broken
+    k8s = rendered(plan_for("b300x4", f"model.path={HOSTILE}"), "k8s")
+    assert "fetches model.path into the claim" in k8s
+    init = list(yaml.safe_load_all(k8s))[1]["spec"]["template"]["spec"]["initContainers"][0]
+    assert expand(init["command"][3], mapping_for({})) == HOSTILE
