@@ -365,11 +365,16 @@ def test_bad_bench_options_exit_2(args, message):
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
-def test_baseline_must_be_a_bench_report(tmp_path):
+def test_baseline_must_be_a_bench_report_of_the_same_workload(tmp_path):
     path = tmp_path / "verify.json"
     path.write_text(json.dumps({"checks": []}))
     done = run_cli("bench", "--hardware", "cpu", "--url", "http://127.0.0.1:9", "--baseline", str(path))
     assert done.returncode == 2 and "not a bench report" in done.stderr
+    path.write_text(json.dumps({"workload": "chat", "points": []}))
+    done = run_cli(
+        "bench", "--hardware", "cpu", "--url", "http://h:9", "--baseline", str(path), "--workload", "agentic"
+    )
+    assert done.returncode == 2 and "the baseline measured workload 'chat'" in done.stderr
 
 
 # --- the JSONL reader that stands in for pandas -----------------------------------------------

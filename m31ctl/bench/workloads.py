@@ -155,65 +155,58 @@ def _with_notes(question: str, notes: list[str]) -> str:
     return "Some background notes first.\n\n" + "\n\n".join(notes) + "\n\nMy question: " + question
 
 
-def _document(i: int, sections: int, seed: int) -> tuple[str, str]:
-    """(document of `sections` numbered sections, a question about one of them) for request i."""
+def _long_prompt(i: int, seed: int, size: int) -> str:
+    """Request i's prompt: a document of numbered sections cut at `size` characters (at a word),
+    then a question about one of its sections."""
     rng = random.Random(f"{seed}:long-context:{i}")
     paragraphs = _blocks("prose.txt")
-    order: list[str] = []
-    while len(order) < sections:
+    sections: list[str] = []
+    length = 0
+    while length < size:
         cycle = list(paragraphs)
         rng.shuffle(cycle)  # each pass through the material in a new order
-        order += cycle
-    body = "\n\n".join(f"Section {k + 1}.\n{text}" for k, text in enumerate(order[:sections]))
-    asked = rng.randrange(max(1, sections)) + 1
-    question = (
+        for text in cycle:
+            sections.append(f"Section {len(sections) + 1}.\n{text}")
+            length += len(sections[-1]) + 2
+    body = "\n\n".join(sections)[:size].rsplit(" ", 1)[0]
+    asked = rng.randrange(max(1, body.count("Section "))) + 1
+    return (
+        f"Document {i + 1}: a collection of notes. Read it, then answer the question after it.\n\n{body}\n\n"
         f"Question: summarise section {asked} in two sentences, then name one other section "
         "that describes a similar situation and say why."
-    )
-    return (
-        f"Document {i + 1}: a collection of notes. Read it, then answer the question after it.\n\n{body}",
-        question,
     )
 
 
 def _long_context(requests: int, sizing: Sizing, meter: Meter, seed: int) -> Workload:
     output = max(1, min(sizing.output_len, LONG_CONTEXT_OUTPUT))
     budget = sizing.budget(output)
-    per_section = meter.estimate(_blocks("prose.txt")[0]) - meter.overhead + 3
-    guess = max(1, (budget - meter.overhead) // max(1, per_section))
+    size = max(1, int((budget - meter.overhead) * meter.chars_per_token))
     made: list[Request] = []
     for i in range(requests):
-        # The previous request's section count is the next one's first guess: one count each.
-        prompt, guess = _fit(functools.partial(_long_prompt, i, seed), guess, budget, meter)
+        # The previous request's size is the next one's first guess: about one count each.
+        prompt, size = _fit(functools.partial(_long_prompt, i, seed), size, budget, meter)
         made.append(Request(prompt, output))
     return Workload("long-context", tuple(made), requests)
 
 
-def _long_prompt(i: int, seed: int, sections: int) -> str:
-    return "\n\n".join(_document(i, sections, seed))
-
-
-def _fit(make: Callable[[int], str], guess: int, budget: int, meter: Meter) -> tuple[str, int]:
-    """The longest make(k) that fits `budget` by the meter, from a first guess of k: a few
-    measured steps (sections differ in length, so the count per section is re-estimated)."""
+def _fit(make: Callable[[int], str], size: int, budget: int, meter: Meter) -> tuple[str, int]:
+    """The longest make(size) found within `budget` tokens by the meter, in a few measured steps
+    (each corrects the size by the text's own characters per token); done within 1% of it."""
     best: tuple[str, int] | None = None
-    k, tried = max(1, guess), set()
     for _ in range(8):
-        tried.add(k)
-        text = make(k)
+        text = make(size)
         used = meter.measure(text)
-        per = max(1.0, (used - meter.overhead) / k)
         if used <= budget:
-            best = (text, k) if best is None or k > best[1] else best
-            step = int((budget - used) // per)
-            if step < 1 or k + step in tried:
+            best = (text, size) if best is None or size > best[1] else best
+            if budget - used <= max(2, budget // 100):
                 break
-            k += step
-        else:
-            k = max(1, k - max(1, math.ceil((used - budget) / per)))
-            if k in tried and best is not None:
-                break
-    if best is None:  # even one section is too long: the first section, clipped
+        per_token = len(text) / max(1, used)
+        # Aim a little short of the budget so that the next step lands inside it.
+        step = int((budget - used - max(1, budget // 400)) * per_token)
+        if step == 0 or size + step < 1:
+            break
+        size += step
+    if best is None:  # even the shortest document is too long: clipped by estimate
         return _clip(make(1), budget, meter), 1
     return best
 

@@ -69,7 +69,7 @@ def run_bench(plan: Plan, opts: BenchOptions) -> int:
         from m31ctl.cli.plot import check_path
 
         check_path(opts.plot)
-    baseline = _read_baseline(opts.baseline) if opts.baseline is not None else None
+    baseline = _read_baseline(opts.baseline, opts.workload) if opts.baseline is not None else None
     request = sweep.SweepRequest(
         "", opts.workload, concurrencies, opts.requests, opts.output_len, slo, opts.seed
     )
@@ -116,7 +116,8 @@ def _endpoint(plan: Plan, opts: BenchOptions, workdir: Path) -> tuple[str, str |
     )
 
 
-def _read_baseline(path: Path) -> list[dict[str, Any]]:
+def _read_baseline(path: Path, workload: str) -> list[dict[str, Any]]:
+    """An earlier report's points; one of another workload compares nothing alike (exit 2)."""
     import json
 
     from m31ctl.inputs import read_text
@@ -127,6 +128,12 @@ def _read_baseline(path: Path) -> list[dict[str, Any]]:
         raise InputError(f"not a bench report: {exc}", where=str(path)) from None
     if not isinstance(data, dict) or not isinstance(data.get("points"), list):
         raise InputError("not a bench report (no points)", where=str(path), hint="m31ctl bench -o writes one")
+    if data.get("workload") != workload:
+        raise InputError(
+            f"the baseline measured workload {data.get('workload')!r}; this run measures {workload!r}",
+            where=str(path),
+            hint="compare runs of the same --workload",
+        )
     return [p for p in data["points"] if isinstance(p, dict)]
 
 
