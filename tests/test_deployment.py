@@ -37,7 +37,7 @@ def test_the_real_single_h200_probe_does_not_invent_nodes():
     assert (par.nodes, par.tensor, par.pipeline) == (1, 8, 1)
     deployment = derive(plan)
     assert not deployment.layout.fits
-    with pytest.raises(HostPreconditionError, match="needs 8 GPUs .* this host has 1") as caught:
+    with pytest.raises(HostPreconditionError, match=r"needs 8 GPUs .* this host has 1") as caught:
         require_fit(deployment)
     assert caught.value.exit_code == ExitCode.HOST_PRECONDITION
     assert "parallelism.nodes" in (caught.value.hint or "")
@@ -80,7 +80,7 @@ def test_tensor_parallelism_wider_than_a_node_becomes_pipeline_stages_only_when_
             ("parallelism.nodes=2", "parallelism.data=3", "parallelism.tensor=1"),
             "multiple of parallelism.nodes",
         ),
-        (("parallelism.nodes=3", "parallelism.tensor=8"), "must\\s+equal parallelism.nodes"),
+        (("parallelism.nodes=3", "parallelism.tensor=8"), r"must\s+equal parallelism.nodes"),
         (("parallelism.nodes=2", "parallelism.tensor=8", "parallelism.data=2"), "parallelism.data=1"),
     ],
 )
