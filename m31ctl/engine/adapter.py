@@ -7,10 +7,12 @@ environment the engine needs. Secrets are never part of it: they travel by refer
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from m31ctl.deployment import Deployment
 from m31ctl.engine.owned import refuse_owned_flags
+from m31ctl.plan.settings import PlanSettings
 
 # Domain cache dtype -> vLLM's spelling, per flag (--kv-cache-dtype says bfloat16, the
 # indexer config says bf16).
@@ -93,9 +95,18 @@ def build_invocation(deployment: Deployment, *, node: NodeRole | None = None) ->
     refuse_owned_flags(deployment)  # extra_args come last: an owned flag there would win
     s = deployment.plan.settings
     args: list[str] = [deployment.model.reference, "--served-model-name", s.model.served_name]
+    for section in _SECTIONS:
+        args += section(s)
+    if node is not None:
+        args += multi_node_args(deployment, node)
+    args += list(s.engine.extra_args)
+    env, effects = _environment(s)
+    return EngineInvocation(image=s.engine.image, args=tuple(args), env=env, effects=effects)
 
+
+def _parallel_args(s: PlanSettings) -> list[str]:
     par = s.parallelism
-    args += ["--tensor-parallel-size", str(par.tensor)]
+    args = ["--tensor-parallel-size", str(par.tensor)]
     if par.pipeline > 1:
         args += ["--pipeline-parallel-size", str(par.pipeline)]
     if par.data > 1:
@@ -104,7 +115,11 @@ def build_invocation(deployment: Deployment, *, node: NodeRole | None = None) ->
         args.append("--enable-expert-parallel")
     if par.decode_context > 1:
         args += ["--decode-context-parallel-size", str(par.decode_context)]
+    return args
 
+
+def _cache_args(s: PlanSettings) -> list[str]:
+    args: list[str] = []
     if s.cache.kv_dtype != "auto":
         args += ["--kv-cache-dtype", KV_CACHE_DTYPE[s.cache.kv_dtype]]
     if s.cache.indexer_dtype != "auto":
@@ -113,39 +128,43 @@ def build_invocation(deployment: Deployment, *, node: NodeRole | None = None) ->
         args += ["--block-size", str(s.cache.block_size)]
     if s.attention_backend:
         args += ["--attention-backend", s.attention_backend]
+    return args
 
+
+def _speculative_args(s: PlanSettings) -> list[str]:
     spec = s.speculative
-    if spec.method != "none":
-        # The DSpark draft ships inside the checkpoint's dspark/ folder: no draft model path.
-        config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.tokens}
-        if spec.draft_attention_backend:
-            config["attention_backend"] = spec.draft_attention_backend
-        if spec.draft_sampling:
-            config["draft_sample_method"] = spec.draft_sampling
-        args += ["--speculative-config", _json(config)]
+    if spec.method == "none":
+        return []
+    # The DSpark draft ships inside the checkpoint's dspark/ folder: no draft model path.
+    config: dict[str, Any] = {"method": spec.method, "num_speculative_tokens": spec.tokens}
+    if spec.draft_attention_backend:
+        config["attention_backend"] = spec.draft_attention_backend
+    if spec.draft_sampling:
+        config["draft_sample_method"] = spec.draft_sampling
+    return ["--speculative-config", _json(config)]
 
-    if s.moe.backend != "auto":
-        args += ["--moe-backend", s.moe.backend]
 
+def _moe_args(s: PlanSettings) -> list[str]:
+    return ["--moe-backend", s.moe.backend] if s.moe.backend != "auto" else []
+
+
+def _multimodal_args(s: PlanSettings) -> list[str]:
     mm = s.multimodal
     if mm.text_only:
-        args.append("--language-model-only")
-    else:
-        limits = {name: 0 for name, on in (("image", mm.image), ("video", mm.video)) if not on}
-        if limits:
-            args += ["--limit-mm-per-prompt", _json(limits)]
-        if mm.encoder_data_parallel and mm.encoder_attention_backend:
-            args += [
-                "--mm-encoder-tp-mode",
-                "data",
-                "--mm-encoder-attn-backend",
-                mm.encoder_attention_backend,
-                "--mm-processor-cache-type",
-                "shm",
-            ]
+        return ["--language-model-only"]
+    args: list[str] = []
+    limits = {name: 0 for name, on in (("image", mm.image), ("video", mm.video)) if not on}
+    if limits:
+        args += ["--limit-mm-per-prompt", _json(limits)]
+    if mm.encoder_data_parallel and mm.encoder_attention_backend:
+        args += ["--mm-encoder-tp-mode", "data", "--mm-encoder-attn-backend", mm.encoder_attention_backend,
+                 "--mm-processor-cache-type", "shm"]  # fmt: skip
+    return args
 
+
+def _serving_args(s: PlanSettings) -> list[str]:
     serving = s.serving
-    args += ["--max-model-len", str(serving.max_model_len)]
+    args = ["--max-model-len", str(serving.max_model_len)]
     if serving.max_num_seqs is not None:
         args += ["--max-num-seqs", str(serving.max_num_seqs)]
     args += ["--gpu-memory-utilization", f"{serving.gpu_memory_utilization:g}"]
@@ -157,10 +176,17 @@ def build_invocation(deployment: Deployment, *, node: NodeRole | None = None) ->
         args.append("--trust-remote-code")
     if serving.shutdown_timeout:
         args += ["--shutdown-timeout", str(serving.shutdown_timeout)]
-    if node is not None:
-        args += multi_node_args(deployment, node)
-    args += list(s.engine.extra_args)
+    return args
 
+
+# The argv's sections in the order vLLM's own examples write them (the goldens pin this order).
+_SECTIONS: tuple[Callable[[PlanSettings], list[str]], ...] = (
+    _parallel_args, _cache_args, _speculative_args, _moe_args, _multimodal_args, _serving_args,
+)  # fmt: skip
+
+
+def _environment(s: PlanSettings) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    """The engine's environment (sorted, no secrets) and what it does beyond its face value."""
     env: dict[str, str] = {}
     effects: list[str] = []
     if s.moe.backend == "aiter":
@@ -174,9 +200,7 @@ def build_invocation(deployment: Deployment, *, node: NodeRole | None = None) ->
             "the AITER MoE path re-quantizes the NVFP4 experts to MXFP8 at load (caches stay as set)"
         )
     env.update(s.runtime.env)
-    return EngineInvocation(
-        image=s.engine.image, args=tuple(args), env=tuple(sorted(env.items())), effects=tuple(effects)
-    )
+    return tuple(sorted(env.items())), tuple(effects)
 
 
 def native_command(deployment: Deployment, python: str) -> list[str]:
