@@ -1,4 +1,4 @@
-"""Lock files: the same deployment every time (issue 18).
+"""Lock files: the same deployment every time.
 
 `m31ctl lock` records what a working deployment used: m31ctl's version, the plan (hash and every
 setting), a hash of each file that fed it, the engine image (reference, ID, registry digest, the

@@ -296,7 +296,7 @@ class VerifySettings(_Frozen):
 
 class PlanSettings(_Frozen):
     # default_factory, not an instance: an instance built at import would build that model's
-    # validator at start-up, which every command would pay (issue 12's start-up goal).
+    # validator at start-up, which every command would pay.
     model: ModelSettings
     engine: EngineSettings
     parallelism: Parallelism = Field(default_factory=Parallelism)

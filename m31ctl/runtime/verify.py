@@ -1,5 +1,5 @@
 """`m31ctl verify`: prove that a running server is the plan's server, that it works, and that it
-is fast enough, with vLLM's own benchmark (issue 17). This module holds the checks; /metrics is
+is fast enough, with vLLM's own benchmark. This module holds the checks; /metrics is
 read by served_metrics.py, the load is run by load_run.py.
 
 Function: a chat completion and a streamed one (smoke's checks), structured output, and a tool
