@@ -313,8 +313,13 @@ class Replay:
     checks read and judge it exactly as they would a live run's."""
 
     def __init__(
-        self, stdout: str, exit_code: int | None = 0, stderr: str = "", raises: Exception | None = None
+        self,
+        stdout: str | dict[str, str],
+        exit_code: int | None = 0,
+        stderr: str = "",
+        raises: Exception | None = None,
     ) -> None:
+        # One output for every script, or one per script name (collective_check.py, config_check.py).
         self.stdout, self.exit_code, self.stderr, self.raises = stdout, exit_code, stderr, raises
         self.calls: list[tuple[str, list[str], dict[str, str]]] = []
 
@@ -324,7 +329,8 @@ class Replay:
         self.calls.append((script.name, list(args), dict(env or {})))
         if self.raises is not None:
             raise self.raises
-        return ScriptRun(self.exit_code, self.stdout, self.stderr, 6.6, "natively")
+        out = self.stdout if isinstance(self.stdout, str) else self.stdout.get(script.name, "")
+        return ScriptRun(self.exit_code, out, self.stderr, 6.6, "natively")
 
 
 H200_COLLECTIVE = (DEVICE / "collective-h200x2.json").read_text()
@@ -349,9 +355,11 @@ def test_deep_checks_on_the_real_h200_capture():
     judged as a live run is; the probe is asked for the plan's TP group from the vendor row."""
     replay = Replay(H200_COLLECTIVE)
     by_id, _ = deep_results(replay)
+    # engine-config never asks: the checkpoint is not cached here, and doctor never downloads.
     assert replay.calls == [
         ("collective_check.py", ["--world", "2", "--backend", "nccl", "--mib", "256"], {})
     ]
+    assert by_id["engine-config"].status == "skip" and "never downloads" in by_id["engine-config"].message
     no_vllm = by_id["engine-image"]
     assert (
         no_vllm.status == "fail"
@@ -381,8 +389,11 @@ def test_doctor_deep_json_matches_the_report_recorded_on_the_h200(tmp_path):
 
     now = json.loads(json.dumps(report_json(report)))
     assert set(now) == set(recorded)
-    assert [c["id"] for c in now["checks"]] == [c["id"] for c in recorded["checks"]]
-    assert all(set(c) == set(r) for c, r in zip(now["checks"], recorded["checks"], strict=True))
+    # The same checks in the same order; engine-config (the engine's dry run) came after the recording.
+    assert [c["id"] for c in now["checks"] if c["id"] != "engine-config"] == [
+        c["id"] for c in recorded["checks"]
+    ]
+    assert all(set(c) == set(recorded["checks"][0]) for c in now["checks"])
     then = {c["id"]: c for c in recorded["checks"]}
     ours = {c["id"]: c for c in now["checks"]}
     captured_only = ("gpus", "gpu-memory", "mig", "driver", "rocm", "checkpoint", "api-key", "capacity")
@@ -440,17 +451,44 @@ def test_deep_checks_skip_when_the_runtime_has_no_engine_to_ask():
     assert by_id["collective"].status == "skip" and "needs the Docker Engine" in by_id["collective"].message
 
 
+@pytest.fixture(scope="module")
+def tiny_model(vllm_py, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The rehearsal's tiny Llama (4 attention heads, 4 KV heads, 2048 positions), readable by the
+    container's user when mounted."""
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    directory = tmp_path_factory.mktemp("doctor") / "tiny-model"
+    subprocess.run(
+        [vllm_py, str(ROOT / "m31ctl" / "rehearsal" / "make_tiny_model.py"), str(directory)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    directory.chmod(0o755)
+    for path in directory.iterdir():
+        path.chmod(0o644)
+    return directory
+
+
 @pytest.mark.vllm
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["native", pytest.param("docker", marks=pytest.mark.docker)])
-def test_doctor_deep_runs_the_collective_for_real(runtime, vllm_py, tmp_path):
-    """gloo over two processes with the rehearsal's own torch: natively, and in the rehearsal image
-    with the container settings launch uses."""
+def test_doctor_deep_runs_the_collective_for_real(runtime, vllm_py, tiny_model):
+    """gloo over two processes with the rehearsal's own torch, and vLLM's own configuration built
+    from the plan's argv: natively, and in the rehearsal image with the container settings launch
+    uses."""
     result = run_cli(
-        "doctor", "--hardware", "cpu", "--deep", "--runtime", runtime, "--set", f"model.path={tmp_path}",
+        "doctor", "--hardware", "cpu", "--deep", "--runtime", runtime, "--set", f"model.path={tiny_model}",
         "--set", f"runtime.native_python={vllm_py}", "--json",
     )  # fmt: skip
     checks = {c["id"]: c for c in json.loads(result.stdout)["checks"]}
     assert checks["engine-image"]["status"] == "ok" and "vLLM 0.32.0" in checks["engine-image"]["message"]
+    config = checks["engine-config"]
+    assert config["status"] == "ok", config
+    assert "vLLM 0.32.0 (cpu) builds the plan's configuration" in config["message"]
+    assert "TP 1" in config["message"] and "max_model_len 2048" in config["message"]
     assert checks["collective"]["status"] == "ok", checks["collective"]
     assert (
         "gloo all-reduce over 2 ranks" in checks["collective"]["message"]
@@ -460,6 +498,7 @@ def test_doctor_deep_runs_the_collective_for_real(runtime, vllm_py, tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["native", pytest.param("docker", marks=pytest.mark.docker)])
 def test_doctor_deep_reports_a_real_hung_collective(runtime, vllm_py, tmp_path):
     """A rank that never joins (collective_check.py's fault hook) hangs gloo's group setup for
@@ -506,3 +545,121 @@ def _processes_with(marker: str) -> list[int]:
         if needle in environ:
             found.append(int(proc.name))
     return found
+
+
+# doctor --deep engine-config: vLLM builds its configuration from the plan's argv.
+
+ENGINE_CONFIG = GPU_FIXTURES.parent / "engine-config"
+
+
+def _cpu_config_results(model_dir, replay: Replay, *sets: str):  # type: ignore[no-untyped-def]
+    request = PlanRequest(hardware=simulated("cpu"), sets=(f"model.path={model_dir}", PORT, *sets))
+    report = diagnose(request, ProbeReport(NO_GPU, ()), _no_docker, "native", replay)
+    assert report.plan is not None, report.plan_error
+    return {r.id: r for r in report.results}, report
+
+
+@pytest.fixture
+def model_config_dir(tmp_path):  # type: ignore[no-untyped-def]
+    """The tiny rehearsal model's config.json (the only file vLLM reads to build its configuration)."""
+    from m31ctl.rehearsal.make_tiny_model import CONFIG
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({**CONFIG, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    return tmp_path
+
+
+def test_engine_config_quotes_vllms_refusal_captured_from_real_vllm():
+    """vLLM 0.32's own refusal of DCP 2 with TP 2 over 4 KV heads (captured from config_check.py,
+    a pydantic ValidationError around vLLM's sentence): quoted verbatim, with the setting to fix."""
+    from m31ctl.doctor.checks.engine_config import judge_engine_config, likely_fix
+    from m31ctl.runtime.base import ScriptRun
+
+    refusal = (ENGINE_CONFIG / "refused-tp2-dcp2.json").read_text()
+    outcome = judge_engine_config(ScriptRun(1, "INFO ...\n" + refusal, "", 12.0, "natively"), 300)
+    words = (
+        "Decode context parallelism for GQA/MQA requires `--tensor-parallel-size` (2) to be greater than "
+        "the model's total number of KV heads (4). Increase `--tensor-parallel-size` or set "
+        "`--decode-context-parallel-size 1`."
+    )
+    assert outcome.status == "fail"
+    assert outcome.message == f"vLLM 0.32.0 refuses the plan's configuration natively: {words}"
+    assert outcome.remedy.startswith("change parallelism.decode_context (or parallelism.tensor)")
+    seqs = "max_num_batched_tokens (2048) must be greater than or equal to max_num_seqs (4096)."
+    assert likely_fix(seqs).startswith("change serving.max_num_seqs")
+    assert likely_fix(seqs, ("-O0", "--max-num-batched-tokens", "2048")) == (
+        "engine.extra_args passes --max-num-batched-tokens: change or drop it"
+    )
+
+
+def test_engine_config_asks_with_the_plans_argv_offline(model_config_dir):
+    replay = Replay({"config_check.py": (ENGINE_CONFIG / "ok-tp1.json").read_text()})
+    _by_id, report = _cpu_config_results(model_config_dir, replay)
+    from m31ctl.deployment import derive
+    from m31ctl.engine.adapter import build_invocation
+
+    (call,) = [c for c in replay.calls if c[0] == "config_check.py"]
+    assert call[1] == ["--", *build_invocation(derive(report.plan)).args]
+    assert call[2] == {"HF_HUB_OFFLINE": "1"}
+
+
+def test_engine_config_reports_what_vllm_resolved_and_a_likely_fix(model_config_dir):
+    ok = (ENGINE_CONFIG / "ok-tp1.json").read_text()
+    by_id, _ = _cpu_config_results(model_config_dir, Replay({"config_check.py": ok}))
+    assert by_id["engine-config"].status == "ok"
+    assert by_id["engine-config"].message == (
+        "vLLM 0.32.0 (cpu) builds the plan's configuration natively: TP 1, DCP 1, max_model_len 2048, "
+        "dtype bfloat16, KV cache auto, block size 128, attention CPU_ATTN"
+    )
+    from m31ctl.doctor.checks.engine_config import judge_engine_config
+    from m31ctl.runtime.base import ScriptRun
+
+    too_long = (ENGINE_CONFIG / "refused-max-model-len.json").read_text()
+    outcome = judge_engine_config(ScriptRun(1, too_long, "", 9.0, "in the engine image"), 300)
+    assert outcome.status == "fail" and "User-specified max_model_len (4096) is greater" in outcome.message
+    assert outcome.remedy.startswith("lower serving.max_model_len")
+    hung = judge_engine_config(ScriptRun(None, "", "", 300.0, "natively"), 300)
+    assert hung.status == "fail" and "within 300 s" in hung.message
+    crashed = judge_engine_config(ScriptRun(-9, "INFO loading\n", "Killed\n", 3.0, "natively"), 300)
+    assert crashed.status == "fail" and "gave no answer natively (exit -9): Killed" in crashed.message
+
+
+def test_engine_config_skips_a_model_it_cannot_read_offline(tmp_path):
+    """A hub model not in the plan's cache: vLLM would have to download its config.json."""
+    replay = Replay({})
+    by_id, _ = deep_results(replay, (*TWO_GPU_PLAN, f"runtime.hf_cache={tmp_path}"))
+    check = by_id["engine-config"]
+    assert check.status == "skip" and f"MiniMaxAI/MiniMax-M3.1-Flash in {tmp_path}" in check.message
+    assert "config_check.py" not in [c[0] for c in replay.calls]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["native", pytest.param("docker", marks=pytest.mark.docker)])
+def test_engine_config_reports_a_real_vllm_refusal(runtime, vllm_py, tiny_model):
+    """Real vLLM 0.32 (the CPU build) builds its configuration from the plan's argv: TP 2 passes,
+    and more sequences than the batch holds tokens are refused in vLLM's own words. (DCP 2 on the
+    model's 4 KV heads, vLLM's refusal in the unit test above, no longer reaches doctor: the plan
+    refuses it first, by its mirror of that rule, and engine.extra_args may not set a flag that
+    m31ctl owns. vLLM's batch-size rule has no mirror: this check is what catches it.)"""
+    base = (
+        "doctor", "--hardware", "cpu", "--deep", "--runtime", runtime, "--set", f"model.path={tiny_model}",
+        "--set", f"runtime.native_python={vllm_py}", "--set", "parallelism.tensor=2",
+        # vLLM's CPU build binds one core to each rank (it refuses two ranks on one NUMA node without it).
+        "--set", "runtime.env.VLLM_CPU_OMP_THREADS_BIND=0|1", "--json",
+    )  # fmt: skip
+    refused = run_cli(*base, "--set", "serving.max_num_seqs=4096")
+    checks = {c["id"]: c for c in json.loads(refused.stdout)["checks"]}
+    check = checks["engine-config"]
+    assert refused.returncode == 1 and check["status"] == "fail", check
+    assert check["message"].startswith("vLLM 0.32.0 refuses the plan's configuration")
+    assert (
+        "max_num_batched_tokens (2048) must be greater than or equal to max_num_seqs (4096)"
+        in check["message"]
+    )
+    assert check["remedy"].startswith("change serving.max_num_seqs")
+    if runtime == "native":  # the good layout once is enough (test_doctor_deep_runs_... covers docker)
+        good = run_cli(*base)
+        check = {c["id"]: c for c in json.loads(good.stdout)["checks"]}["engine-config"]
+        assert check["status"] == "ok" and "TP 2, DCP 1" in check["message"], check

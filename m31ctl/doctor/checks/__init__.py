@@ -6,12 +6,14 @@ the engine's Python) sits behind the Context and the runtime seam.
     model.py   checkpoint, disk, Hugging Face token, API key, KV capacity
     image.py   the engine image and its vLLM's schema
     deep.py    --deep: the engine's torch on the plan's GPUs and an all-reduce
+    engine_config.py  --deep: vLLM builds its configuration from the plan's argv (its dry run)
 """
 
 from __future__ import annotations
 
 from m31ctl.doctor.base import Check
 from m31ctl.doctor.checks.deep import collective, engine_image
+from m31ctl.doctor.checks.engine_config import ENGINE_CONFIG_TIMEOUT_S, engine_config
 from m31ctl.doctor.checks.host import (
     docker_daemon,
     driver,
@@ -51,6 +53,13 @@ def all_checks() -> list[Check]:
         Check("engine", "Engine accepts the argv", engine, timeout_s=120),
         Check("engine-image", "Engine on the plan's GPUs", engine_image, timeout_s=deep_limit, deep=True),
         Check("collective", "All-reduce on the plan's GPUs", collective, timeout_s=deep_limit, deep=True),
+        Check(
+            "engine-config",
+            "vLLM builds the plan's configuration",
+            engine_config,
+            timeout_s=ENGINE_CONFIG_TIMEOUT_S + 30,
+            deep=True,
+        ),
     ]
 
 

@@ -14,7 +14,7 @@ from m31ctl.redact import SECRET_ENV
 GB = 1e9
 
 
-def _snapshot(deployment: Deployment) -> Path | None:
+def snapshot(deployment: Deployment) -> Path | None:
     """The checkpoint directory: a local one, or the newest cached snapshot of the hub repo."""
     model = deployment.model
     if model.host_path is not None:
@@ -30,7 +30,7 @@ def checkpoint_state(deployment: Deployment) -> tuple[str, str]:
     """("complete" | "partial" | "absent", why): every shard model.safetensors.index.json names is
     present with a plausible size, and the dspark/ draft too when the plan uses DSpark."""
     plan = deployment.plan
-    directory = _snapshot(deployment)
+    directory = snapshot(deployment)
     if directory is None:
         return "absent", "not downloaded"
     index = directory / "model.safetensors.index.json"

@@ -1,0 +1,150 @@
+"""doctor --deep's engine-config: the engine's own dry run. vLLM builds its configuration from the
+plan's exact argv (m31ctl/engine/config_check.py, EngineArgs.create_engine_config()) with the
+engine's Python, through the same runtime seam as the other deep checks, offline: what vLLM
+refuses there it would refuse minutes into a launch, after the download. m31ctl's plan-time
+mirrors of vLLM's rules (m31ctl/plan/engine_rules.py) are a fast approximation; this is the
+engine's word, quoted as it said it."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from m31ctl.deployment import Deployment
+from m31ctl.doctor.base import Context, Outcome, SkipCheck
+from m31ctl.doctor.checks.model import snapshot
+from m31ctl.doctor.engine_probe import run_engine_script
+from m31ctl.engine.adapter import build_invocation
+from m31ctl.engine.dry_run import CONFIG_CHECK_SCRIPT, EngineConfigCheck
+from m31ctl.runtime.base import ScriptRun
+
+# Importing vLLM and building its configuration: 15-40 s natively on two busy cores, up to about
+# 160 s in the rehearsal image beside the collective probe there.
+ENGINE_CONFIG_TIMEOUT_S = 300.0
+# Only the checkpoint's config.json is read; nothing may be downloaded by a check.
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+
+# vLLM's refusal -> the setting that most likely fixes it, most specific first (a decode-context
+# refusal also names --tensor-parallel-size). Matched on the words with - and _ read as spaces.
+_FIXES: tuple[tuple[str, str], ...] = (
+    (
+        "vllm cpu omp threads bind",
+        "set runtime.env.VLLM_CPU_OMP_THREADS_BIND (one core list per rank, e.g. 0|1)",
+    ),
+    ("decode context parallel", "change parallelism.decode_context (or parallelism.tensor)"),
+    ("pipeline parallel", "change parallelism.pipeline"),
+    ("data parallel", "change parallelism.data"),
+    ("tensor parallel", "change parallelism.tensor"),
+    ("max model len", "lower serving.max_model_len"),
+    ("max position embeddings", "lower serving.max_model_len"),
+    ("kv cache dtype", "change cache.kv_dtype"),
+    ("block size", "change cache.block_size"),
+    ("speculative", "change speculative.method / speculative.tokens"),
+    ("gpu memory utilization", "change serving.gpu_memory_utilization"),
+    ("max num seqs", "change serving.max_num_seqs"),
+    ("quantization", "use a checkpoint and image whose quantization this vLLM supports"),
+    ("attention backend", "change attention_backend (or the speculative draft's)"),
+)
+
+
+def _words(text: str) -> str:
+    """vLLM spells a setting as a flag (--max-num-seqs) or a field (max_num_seqs): one form."""
+    return re.sub(r"[-_`]+", " ", text.lower())
+
+
+def likely_fix(refusal: str, extra_args: tuple[str, ...] = ()) -> str:
+    """The setting to change: a flag the refusal names that the plan passes through
+    engine.extra_args (no setting of m31ctl's sets it), else the setting the words point to."""
+    words = _words(refusal)
+    flags = [a.split("=", 1)[0] for a in extra_args if a.startswith("--")]
+    passed = [flag for flag in flags if _words(flag).strip() in words]
+    if passed:
+        return f"engine.extra_args passes {passed[0]}: change or drop it"
+    fix = next((f for pattern, f in _FIXES if pattern in words), "change the setting vLLM names")
+    return f"{fix}; `m31ctl plan --explain` shows which layer set it"
+
+
+def config_source(deployment: Deployment) -> Path:
+    """The checkpoint's config.json, which vLLM reads to build its configuration. A hub model
+    that is not in the plan's cache cannot be asked offline: the check skips."""
+    model = deployment.model
+    directory = snapshot(deployment)
+    if directory is None or not (directory / "config.json").is_file():
+        where = model.reference if model.local else f"{model.reference} in {deployment.hf_cache}"
+        raise SkipCheck(
+            f"no config.json for {where}: vLLM builds its configuration from it, and doctor never downloads",
+            "m31ctl pull (or launch) first, then run doctor --deep again",
+        )
+    return directory / "config.json"
+
+
+def read_answer(run: ScriptRun) -> EngineConfigCheck | None:
+    """config_check.py prints one JSON object (vLLM's own logging goes to stderr)."""
+    for line in reversed(run.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                return None
+            return EngineConfigCheck.from_json(data) if isinstance(data, dict) else None
+    return None
+
+
+def _resolved(values: Mapping[str, Any]) -> str:
+    shown = (
+        ("tensor_parallel_size", "TP"),
+        ("decode_context_parallel_size", "DCP"),
+        ("max_model_len", "max_model_len"),
+        ("dtype", "dtype"),
+        ("kv_cache_dtype", "KV cache"),
+        ("block_size", "block size"),
+        ("attention_backend", "attention"),
+    )
+    return ", ".join(f"{label} {values[key]}" for key, label in shown if values.get(key) is not None)
+
+
+def judge_engine_config(run: ScriptRun, bound_s: float, extra_args: tuple[str, ...] = ()) -> Outcome:
+    """vLLM's answer: its configuration's key values, or its refusal verbatim with a likely fix."""
+    if run.timed_out:
+        return Outcome(
+            "fail",
+            f"vLLM did not finish building its configuration {run.where} within {bound_s:.0f} s",
+            "run config_check.py by hand with the engine's Python (see m31ctl/engine/dry_run.py)",
+        )
+    answer = read_answer(run)
+    if answer is None:
+        tail = run.stderr.strip().splitlines()[-1:] or ["no output"]
+        return Outcome(
+            "fail",
+            f"the engine's configuration check gave no answer {run.where} (exit {run.exit_code}): {tail[0][:300]}",
+            "run `m31ctl doctor --deep --json`; the engine-image check says whether vLLM imports",
+        )
+    version = f"vLLM {answer.vllm}" if answer.vllm else "vLLM"
+    if answer.stage == "import":
+        return Outcome(
+            "fail",
+            f"vLLM does not import {run.where}: {answer.refusal}",
+            "install vLLM there (runtime.native_python), or use the engine image",
+        )
+    if not answer.ok:
+        refusal = answer.refusal or answer.message or answer.error or "no reason given"
+        return Outcome(
+            "fail",
+            f"{version} refuses the plan's configuration {run.where}: {refusal}",
+            likely_fix(refusal, extra_args),
+        )
+    return Outcome(
+        "ok",
+        f"{version} ({answer.platform}) builds the plan's configuration {run.where}: {_resolved(answer.resolved)}",
+    )
+
+
+def engine_config(ctx: Context) -> Outcome:
+    deployment = ctx.require_deployment()
+    config_source(deployment)
+    argv = ["--", *build_invocation(deployment).args]
+    run = run_engine_script(ctx, CONFIG_CHECK_SCRIPT, argv, ENGINE_CONFIG_TIMEOUT_S, OFFLINE)
+    return judge_engine_config(run, ENGINE_CONFIG_TIMEOUT_S, deployment.plan.settings.engine.extra_args)
