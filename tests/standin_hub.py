@@ -131,6 +131,7 @@ class StandinHub:
         self.requests: list[tuple[str, str, int]] = []
         self.authorization: list[tuple[str, str | None]] = []  # (server, Authorization header)
         self._lock = threading.Lock()
+        self._sending = 0  # bodies being sent now
         self._closing = threading.Event()
         self._hub = self._serve("hub")
         self._cdn = self._serve("cdn")
@@ -276,7 +277,23 @@ class StandinHub:
         if not head:
             self._send(h, name, data, start)
 
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no body is being sent: a killed client's response may still be counting bytes
+        until the server notices the closed connection."""
+        deadline = time.monotonic() + timeout
+        while self._sending and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def _send(self, h: BaseHTTPRequestHandler, name: str, data: bytes, start: int) -> None:
+        with self._lock:
+            self._sending += 1
+        try:
+            self._send_body(h, name, data, start)
+        finally:
+            with self._lock:
+                self._sending -= 1
+
+    def _send_body(self, h: BaseHTTPRequestHandler, name: str, data: bytes, start: int) -> None:
         chunk = 16 * 1024
         stall_at = self._stall_point(name)
         position = start

@@ -161,6 +161,7 @@ def _stop_mid_shard(hub: StandinHub, cache: Path, how: signal.Signals) -> tuple[
     process.send_signal(how)
     process.wait(timeout=30)
     hub.knobs.rate = None
+    hub.wait_idle()  # the killed transfer's last bytes are counted before the counts are reset
     return process, partial.stat().st_size
 
 
