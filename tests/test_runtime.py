@@ -177,6 +177,7 @@ def test_verify_smoke_and_status_use_the_servers_recorded_plan(native_env):
 
     bare = run_cli("verify", "--no-load", "--json", env=env)
     report = json.loads(bare.stdout)
+    assert "checks" in report, (report, bare.stderr)
     checks = {c["check"]: c for c in report["checks"]}
     assert report["plan_hash"] == plan_hash and "no GPU" not in bare.stderr, bare.stderr
     assert checks["plan"]["status"] == "pass", checks["plan"]

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -94,21 +95,33 @@ def _complete(identity: str | None) -> bool:
     return identity is not None and len(identity.split(":")) == 3 and all(identity.split(":"))
 
 
+# A process fresh from exec shows an empty command line for a moment: the kernel closes the
+# close-on-exec pipe that tells Popen the exec succeeded before it sets up the new argv.
+_ARGV_SETTLE_S = 1.0
+
+
 def process_identity(pid: int) -> str | None:
     """'BOOT_ID:STARTTIME:CMDLINE_SHA256' of a live process. The kernel's start time (clock ticks
     since boot, field 22 of /proc/PID/stat) is fixed for the life of a process and differs for a
     reused pid; the boot id tells boots apart; the command line tells a pid reused within one
-    clock tick, or a record written by hand, from the process m31ctl started."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()
-    if len(fields) <= 19 or not cmdline:
-        return None  # a kernel thread, or a zombie: no command line to confirm
-    return f"{boot}:{fields[19]}:{hashlib.sha256(cmdline).hexdigest()}"
+    clock tick, or a record written by hand, from the process m31ctl started. None when /proc
+    cannot tell (no /proc, a zombie, a kernel thread)."""
+    deadline = time.monotonic() + _ARGV_SETTLE_S
+    while True:
+        try:
+            boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) <= 19 or fields[0] == "Z":
+            return None
+        if cmdline:
+            return f"{boot}:{fields[19]}:{hashlib.sha256(cmdline).hexdigest()}"
+        if time.monotonic() >= deadline:
+            return None  # a kernel thread: no command line to confirm
+        time.sleep(0.005)
 
 
 def _exists(pid: int) -> bool:
