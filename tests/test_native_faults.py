@@ -157,6 +157,28 @@ def test_a_confirmed_server_is_stopped_and_its_identity_includes_the_command_lin
     assert _gone(record["pid"]) and not native.record.exists()
 
 
+def test_stop_all_stops_ours_and_reports_the_stale_record(native):
+    """Without a name, an unconfirmed record does not keep the servers m31ctl can confirm running."""
+    launched = run_cli(*native.args(), env=native.env)
+    assert launched.returncode == 0, launched.stderr
+    [engine] = native.engines()
+    bystander = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        stale = json.loads(native.record.read_text())
+        stale.update(name="m31ctl-stale-one", pid=bystander.pid, identity=None)
+        (native.state / "native" / "m31ctl-stale-one.json").write_text(json.dumps(stale))
+        stopped = run_cli("stop", "--runtime", "native", env=native.env)
+        assert stopped.returncode == 4 and "m31ctl-stale-one" in stopped.stderr, stopped.stderr
+        assert _gone(engine) and not native.record.exists()
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+        (native.state / "native" / "m31ctl-stale-one.json").unlink(missing_ok=True)
+
+
 # (b) a state directory that cannot hold the record.
 
 

@@ -87,9 +87,20 @@ def select(name: str | None, runtime: str | None) -> tuple[list[ServerStatus], S
 def stop(
     name: str | None, runtime: str | None, timeout: int | None, keep: bool, report: Reporter
 ) -> tuple[list[str], Survey]:
+    """Stop the named server, or all of ours. One that cannot be stopped (a stale record whose pid
+    cannot be confirmed) does not keep the others running: each is tried, then the first
+    refusal is raised (the others were reported)."""
     servers, found = select(name, runtime)
+    refused: list[M31Error] = []
     for server in servers:
-        get_runtime(server.runtime).stop(server.name, timeout, keep, report)
+        try:
+            get_runtime(server.runtime).stop(server.name, timeout, keep, report)
+        except M31Error as exc:
+            if refused:
+                report(f"also not stopped: {exc.one_line()}")
+            refused.append(exc)
+    if refused:
+        raise refused[0]
     still = [s.name for s in survey(runtime).servers if s.name in {x.name for x in servers} and s.running]
     if still:
         raise CheckFailed(f"{', '.join(still)} still running after stop", hint="see `m31ctl status`")
