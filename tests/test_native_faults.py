@@ -227,7 +227,9 @@ def test_interrupt_before_the_record_is_saved_stops_the_engine(native, monkeypat
     assert native.engines() == [] and not native.record.exists() and native.temp_files() == []
 
 
-def test_interrupt_while_waiting_keeps_the_record_and_the_next_launch_adopts(native):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_while_waiting_keeps_the_record_and_the_next_launch_adopts(native, sig):
+    """Ctrl-C, or SIGTERM (a CI runner cancelling: the CLI treats it as Ctrl-C), during the wait."""
     env = {**os.environ, **native.env}
     proc = subprocess.Popen(
         [sys.executable, "-m", "m31ctl", *native.args(delay=6)],
@@ -242,7 +244,7 @@ def test_interrupt_while_waiting_keeps_the_record_and_the_next_launch_adopts(nat
     while time.monotonic() < deadline and "started" not in seen and proc.poll() is None:
         seen += proc.stderr.readline()
     assert "started" in seen, seen
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and "Traceback" not in err, seen + err
     [engine] = native.engines()  # the engine runs on, recorded
