@@ -81,21 +81,21 @@ def container_bench(image: str, mounts: list[tuple[str, str]]) -> BenchRunner:
             volumes[str(BENCH_SCRIPT.parent)] = {"bind": "/m31ctl", "mode": "ro"}
             volumes[tmp] = {"bind": "/m31ctl-out", "mode": "rw"}
             client = engine_api.connect()
-            client.containers.run(
-                image,
-                entrypoint=["python3", "/m31ctl/bench_serve.py"],
-                command=[
-                    *args,
-                    "--save-result",
-                    "--result-dir",
-                    "/m31ctl-out",
-                    "--result-filename",
-                    "r.json",
-                ],
-                remove=True,
-                network_mode="host",
-                volumes=volumes,
-            )
+            binds = {source: {"bind": b["bind"], "mode": b["mode"]} for source, b in volumes.items()}
+            host = client.api.create_host_config(binds=binds, network_mode="host")
+            out = ["--save-result", "--result-dir", "/m31ctl-out", "--result-filename", "r.json"]
+            # A throwaway: removed whatever happens after create (a refused start, Ctrl-C), where
+            # run(remove=True) kept a container whose start failed.
+            with engine_api.throwaway(
+                client, "bench", image=image, entrypoint=["python3", "/m31ctl/bench_serve.py"],
+                command=[*args, *out], host_config=host,
+            ) as container:  # fmt: skip
+                container.start()
+                code = int(container.wait().get("StatusCode", -1))
+                if code != 0:
+                    tail = container.logs(tail=20).decode("utf-8", "replace")
+                    # As the native runner: the caller reports it as the load check's failure.
+                    raise RuntimeError(f"vllm bench serve exited {code} in {image}: {tail[-400:]}")
             data: dict[str, Any] = json.loads((Path(tmp) / "r.json").read_text())
             return data
 
