@@ -15,6 +15,7 @@ from m31ctl.doctor import preflight
 from m31ctl.runtime import get_runtime
 from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Runtime
 from m31ctl.runtime.gates import unknown_gates
+from m31ctl.runtime.launching import OFFLINE_ENV
 
 
 def launch(
@@ -36,7 +37,7 @@ def launch(
             options.report(f"warning: {result.title}: {result.message}")
     if fetch is not None and fetch(deployment):
         # The pinned snapshot is in the cache: the engine reads it without asking the hub again.
-        options = dataclasses.replace(options, environ={**options.environ, "HF_HUB_OFFLINE": "1"})
+        options = dataclasses.replace(options, environ={**options.environ, OFFLINE_ENV: "1"})
     if options.diagnostics is None:
         options = dataclasses.replace(options, diagnostics=lambda: _diagnostics(deployment))
     return runtime.launch(deployment, options)

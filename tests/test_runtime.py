@@ -233,3 +233,39 @@ def test_bare_verify_passes_after_a_native_rehearsal_launch(vllm_py, tmp_path):
     finally:
         stopped = run_cli("stop", "--runtime", "native", "--json", env=env)
     assert stopped.returncode == 0 and json.loads(stopped.stdout)["stopped"] == [name]
+
+
+def test_a_pulled_checkpoint_reaches_the_container_offline():
+    """launch pulls first and then sets HF_HUB_OFFLINE=1 for the engine: the native runtime
+    inherits it, and the container runtime must pass it through the Engine API too (or the
+    engine would ask the hub again inside its startup budget)."""
+    from m31ctl.container import container_spec
+    from m31ctl.deployment import derive
+    from m31ctl.hardware import simulated
+    from m31ctl.plan import PlanRequest, resolve
+    from m31ctl.runtime.docker import create_container
+
+    class Api:
+        def __init__(self) -> None:
+            self.created: dict[str, object] = {}
+
+        def create_host_config(self, **kwargs: object) -> dict[str, object]:
+            return kwargs
+
+        def create_container(self, **kwargs: object) -> dict[str, str]:
+            self.created = kwargs
+            return {"Id": "x"}
+
+    class Client:
+        api = Api()
+
+        class containers:
+            @staticmethod
+            def get(_id: str) -> str:
+                return _id
+
+    spec = container_spec(derive(resolve(PlanRequest(hardware=simulated("b300x4")))))
+    create_container(Client(), spec, {"HF_HUB_OFFLINE": "1", "HF_TOKEN": "hf_x", "UNRELATED": "1"})
+    env = Client.api.created["environment"]
+    assert isinstance(env, dict)
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HF_TOKEN"] == "hf_x" and "UNRELATED" not in env

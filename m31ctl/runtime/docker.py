@@ -37,6 +37,7 @@ from m31ctl.runtime.converge import Decision, Existing
 from m31ctl.runtime.exits import diagnose
 from m31ctl.runtime.flow import Found, converge
 from m31ctl.runtime.gates import CheckId
+from m31ctl.runtime.launching import LAUNCH_ENV
 from m31ctl.runtime.load_run import BenchRunner, container_bench
 from m31ctl.runtime.phases import Phase
 from m31ctl.runtime.planrecord import PLAN_LABEL, PlanRecord, record_of
@@ -148,6 +149,8 @@ def create_container(
 
     env = dict(spec.env)
     env.update({name: environ[name] for name in spec.secret_env if environ.get(name)})
+    # Set by launch for a checkpoint it pulled first: the engine must not ask the hub again.
+    env.update({name: environ[name] for name in LAUNCH_ENV if environ.get(name)})
     host: dict[str, Any] = {
         **_host_settings(spec),
         "port_bindings": {spec.container_port: (spec.bind, spec.host_port)},

@@ -20,6 +20,11 @@ from m31ctl.runtime.converge import Action, Decision
 from m31ctl.runtime.phases import Phase
 from m31ctl.runtime.readiness import Watchdog
 
+# Variables launch itself sets for the engine in LaunchOptions.environ (beyond the plan's env and
+# the secrets): the container runtime passes them into the container as the native one inherits them.
+OFFLINE_ENV = "HF_HUB_OFFLINE"
+LAUNCH_ENV = (OFFLINE_ENV,)
+
 
 def api_key_for(deployment: Deployment, environ: Mapping[str, str]) -> str | None:
     """The key the server will demand (read from the environment, never stored), or None."""
