@@ -40,6 +40,14 @@ class LockedImage(_Strict):
     schema_version: str
 
 
+class LockedCheckpoint(_Strict):
+    """The checkpoint a deployment reads: the hub repo and the commit its cache holds (what
+    `m31ctl pull` downloaded, refs/main), so a later deploy that would read other weights drifts."""
+
+    repo: str
+    commit: str | None
+
+
 class LockFile(_Strict):
     lock_version: StrictInt = Field(ge=1)
     m31ctl_version: str
@@ -51,6 +59,8 @@ class LockFile(_Strict):
     inputs: dict[str, str]  # file -> sha256:HEX
     image: LockedImage
     hardware: dict[str, Any]
+    # None for a local checkpoint directory (its files are the user's to pin); absent in older locks.
+    checkpoint: LockedCheckpoint | None = None
 
 
 class Drift(NamedTuple):
@@ -110,7 +120,12 @@ def fingerprint(plan: Plan) -> dict[str, Any]:
     }
 
 
-def build(plan: Plan, files: tuple[Path, ...], image: ImageFacts | None) -> LockFile:
+def build(
+    plan: Plan,
+    files: tuple[Path, ...],
+    image: ImageFacts | None,
+    checkpoint: LockedCheckpoint | None = None,
+) -> LockFile:
     """The lock for this plan as resolved now. `image`: the engine's facts (None: not asked)."""
     settings = plan.settings
     return LockFile(
@@ -130,6 +145,7 @@ def build(plan: Plan, files: tuple[Path, ...], image: ImageFacts | None) -> Lock
             schema_version=settings.engine.schema_version,
         ),
         hardware=fingerprint(plan),
+        checkpoint=checkpoint,
     )
 
 
@@ -189,6 +205,12 @@ def drift(locked: LockFile, current: LockFile, plan: Plan) -> list[Drift]:
         # A fact the lock did not record (no engine then) is not drift; one lost now is.
         if old != new and old is not None:
             found.append(Drift(f"image {field}", old, new, "the Docker Engine's image store"))
+    old_commit = locked.checkpoint.commit if locked.checkpoint else None
+    new_commit = current.checkpoint.commit if current.checkpoint else None
+    if old_commit is not None and old_commit != new_commit:  # as the image: not recorded is not drift
+        found.append(
+            Drift("checkpoint commit", old_commit, new_commit, "the Hugging Face cache (m31ctl pull)")
+        )
     for key in sorted(set(locked.hardware) | set(current.hardware)):
         old, new = locked.hardware.get(key), current.hardware.get(key)
         if old != new:

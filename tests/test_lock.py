@@ -198,3 +198,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_the_lock_records_the_checkpoint_commit_and_a_moved_cache_drifts(tmp_path):
+    """`m31ctl pull` leaves refs/main naming the commit it downloaded; the lock pins it, and a
+    cache that now holds another commit (a re-pull of a moved branch) is drift."""
+    cache = tmp_path / "hf"
+    ref = cache / "hub" / "models--MiniMaxAI--MiniMax-M3.1-Flash" / "refs" / "main"
+    ref.parent.mkdir(parents=True)
+    ref.write_text("a" * 40)
+    sets = ("--hardware", "b300x4", "--set", f"runtime.hf_cache={cache}")
+    lock = tmp_path / "m31ctl.lock"
+    assert run_cli("lock", *sets, "-o", str(lock)).returncode == 0
+    recorded = json.loads(lock.read_text())["checkpoint"]
+    assert recorded == {"repo": "MiniMaxAI/MiniMax-M3.1-Flash", "commit": "a" * 40}
+    assert run_cli("lock", *sets, "--check", str(lock)).returncode == 0
+    ref.write_text("b" * 40)
+    drifted = run_cli("lock", *sets, "--check", str(lock), "--json")
+    assert drifted.returncode == 1
+    (found,) = [d for d in json.loads(drifted.stdout)["drift"] if d["what"] == "checkpoint commit"]
+    assert (found["old"], found["new"]) == ("a" * 40, "b" * 40)

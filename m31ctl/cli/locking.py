@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from m31ctl.cli.output import write_file
 from m31ctl.errors import ConflictError, DockerUnreachable, M31Error
-from m31ctl.lock import Drift, LockFile, build, drift, pin, pinned_reference, read, to_text
+from m31ctl.lock import Drift, LockedCheckpoint, LockFile, build, drift, pin, pinned_reference, read, to_text
 from m31ctl.plan import Plan
 from m31ctl.redact import redact
 
@@ -26,7 +26,19 @@ def current_lock(plan: Plan, files: tuple[Path, ...]) -> LockFile:
         facts = image_facts(plan.settings.engine.image)
     except DockerUnreachable:
         facts = None
-    return build(plan, files, facts)
+    return build(plan, files, facts, _checkpoint(plan))
+
+
+def _checkpoint(plan: Plan) -> LockedCheckpoint | None:
+    """The hub repo and the commit its cache holds (None for a local checkpoint directory)."""
+    from m31ctl.deployment import derive
+    from m31ctl.pull.cache import RepoCache, hub_cache
+
+    deployment = derive(plan)
+    repo = deployment.model.repo_id
+    if repo is None:
+        return None
+    return LockedCheckpoint(repo=repo, commit=RepoCache(hub_cache(deployment.hf_cache), repo).read_ref())
 
 
 def compare(path: Path, plan: Plan, files: tuple[Path, ...]) -> tuple[LockFile, LockFile, list[Drift]]:
