@@ -341,6 +341,13 @@ def test_host_fingerprint_names_host_machine_and_devices(tmp_path):
     assert "(machine " in found and "4x " in found and "B300" in found
 
 
+def test_max_num_seqs_is_per_data_parallel_rank():
+    text = profile.profile_yaml(
+        point(64, 40, 3500), "chat", (), "measured by m31ctl bench on h, d", data_parallel=4
+    )
+    assert "  max_num_seqs: 16\n" in text and "  concurrency: 64\n" in text
+
+
 def test_pass_marks_carry_acceptance_length_when_speculating():
     spec = metrics.SpecFigures(10, 30, 20, 3.0, (1.0, 0.6, 0.4))
     marks = profile.pass_marks(point(4, 100, 1000, spec=spec), ())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import socket
 from collections.abc import Sequence
 from datetime import datetime
@@ -58,9 +59,12 @@ def pass_marks(point: Point, slo: Sequence[Limit]) -> dict[str, float | int]:
     return marks
 
 
-def profile_yaml(point: Point, workload: str, slo: Sequence[Limit], origin: str) -> str:
+def profile_yaml(
+    point: Point, workload: str, slo: Sequence[Limit], origin: str, data_parallel: int = 1
+) -> str:
     """The layer file's text: serving.max_num_seqs from the point's concurrency (the engine then
-    batches no more sequences than were measured), verify.* from its figures."""
+    batches no more sequences than were measured; vLLM's limit is per data-parallel rank, which
+    the load balancer fills evenly), verify.* from its figures."""
     slo_text = ",".join(f"{limit.key}={limit.value:g}" for limit in slo) or "none"
     lines = [
         "# m31ctl bench: the operating point chosen from a measured sweep",
@@ -68,7 +72,7 @@ def profile_yaml(point: Point, workload: str, slo: Sequence[Limit], origin: str)
         "# Use it as a plan layer: m31ctl plan -f THIS.yaml --explain; m31ctl launch -f THIS.yaml",
         f"provenance: {json.dumps(origin)}",
         "serving:",
-        f"  max_num_seqs: {point.concurrency}",
+        f"  max_num_seqs: {math.ceil(point.concurrency / max(1, data_parallel))}",
         "verify:",
     ]
     lines += [f"  {key}: {json.dumps(value)}" for key, value in pass_marks(point, slo).items()]

@@ -172,7 +172,8 @@ def _finish(
         from m31ctl.cli.output import write_file
 
         origin = profile.provenance(fingerprint, when)
-        write_file(opts.write_profile, profile.profile_yaml(chosen, found.workload, found.slo, origin))
+        data = plan.settings.parallelism.data
+        write_file(opts.write_profile, profile.profile_yaml(chosen, found.workload, found.slo, origin, data))
         report["profile"] = str(opts.write_profile)
     if opts.plot is not None:
         from m31ctl.cli import bench_plot
