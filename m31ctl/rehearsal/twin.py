@@ -31,6 +31,10 @@ CPU_EXTRA_ARGS = ("--enforce-eager", "-O0")
 CPU_ENV = {
     # GiB of host memory for the KV cache on each rank (vLLM's CPU backend).
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    # torch.compile as a no-op: with tensor parallelism vLLM compiles its embedding mask
+    # (vocab_parallel_embedding.get_masked_input_and_mask) with inductor on CPU, which needs a
+    # C++ compiler the rehearsal image does not have (InvalidCxxCompiler at the first request).
+    "TORCHDYNAMO_DISABLE": "1",
 }
 _SOURCE = Source("rehearsal", detail="rehearsal twin (m31ctl rehearse)")
 
@@ -138,7 +142,8 @@ _WHY = {
     "moe": "the CPU MoE path",
     "multimodal": "the tiny model is text-only",
     "serving": "the tiny model's 2K context; MiniMax's parsers need MiniMax's tokenizer; a 5 s drain",
-    "runtime": "the CPU backend's KV space and thread binding; the startup budget is --timeout",
+    "runtime": "the CPU backend's KV space and thread binding, torch.compile off (no compiler in the "
+    "image); the startup budget is --timeout",
 }
 
 
