@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import shutil
 import signal
 import time
 import uuid
@@ -164,12 +165,15 @@ def ensure_model(docker: DockerCLI, base: str, model_dir: Path, moe: bool, sessi
             "--mount", f"type=bind,source={model_dir.parent},target=/out",
             "--entrypoint", "/opt/vllm/bin/python", base,
             f"/m31ctl-rehearsal/{generator}", f"/out/{scratch.name}"]  # fmt: skip
-    done = docker.run(args, timeout=600)
-    if not done.ok:
-        raise HostPreconditionError(f"making the tiny model failed: {done.err.strip()[-500:]}")
-    for path in [scratch, *scratch.iterdir()]:
-        path.chmod(0o755 if path.is_dir() else 0o644)  # mounted read-only, read by any user
-    scratch.rename(model_dir)
+    try:
+        done = docker.run(args, timeout=600)
+        if not done.ok:
+            raise HostPreconditionError(f"making the tiny model failed: {done.err.strip()[-500:]}")
+        for path in [scratch, *scratch.iterdir()]:
+            path.chmod(0o755 if path.is_dir() else 0o644)  # mounted read-only, read by any user
+        scratch.rename(model_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # gone when renamed; half a model otherwise
 
 
 def required_secrets(manifest: Manifest) -> list[str]:
@@ -462,8 +466,9 @@ def rehearse(
     session = new_session()
     run = Run([], "interrupted", None)
     try:
+        model_started = time.monotonic()
         ensure_model(docker, image, prepared.model_dir, prepared.twin.moe, session)
-        timings["model_s"] = round(time.monotonic() - started - timings["image_s"], 1)
+        timings["model_s"] = round(time.monotonic() - model_started, 1)
         progress(f"rehearsing {_layout_words(prepared)}")
         run = run_pods(docker, prepared, session, options, progress)
         nodes = node_outcomes(docker, run.states, run.why is not None)
