@@ -77,10 +77,9 @@ class Prepared(NamedTuple):
 
 
 def _cache_root(options: Options) -> Path:
-    if options.cache_dir is not None:
-        return options.cache_dir
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "m31ctl" / "rehearsal"
+    from m31ctl.resources import cache_root
+
+    return options.cache_dir if options.cache_dir is not None else cache_root() / "rehearsal"
 
 
 def model_dir_for(root: Path, moe: bool) -> Path:
