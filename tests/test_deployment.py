@@ -147,3 +147,27 @@ def test_plan_json_says_how_many_nodes(cli):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["nodes"] == 2
+
+
+def test_doctor_on_the_replayed_h200_finds_what_the_real_host_reported():
+    """doctor on the lent 1x H200 (2026-12-01, the probed Hopper plan): its GPUs check failed
+    with the layout the host lacks, the plan hash and the deployment-derived checks as recorded.
+    The same NVML answers replayed here through the same code must give the same findings."""
+    from m31ctl.doctor import diagnose
+    from m31ctl.errors import DockerUnreachable
+
+    recorded = json.loads((H200X1 / "doctor-probed-2026-12-01.json").read_text())
+    probe = detect([NvmlProbe(FakeNvml.from_file(H200X1 / "nvml-capture.json"))], env={})
+
+    def no_engine() -> None:
+        raise DockerUnreachable("no Docker Engine on the lent host either")
+
+    report = diagnose(None, probe, docker=no_engine)
+    assert report.plan is not None and report.plan.hash == recorded["plan_hash"]
+    found = {r.id: r for r in report.results}
+    for check in recorded["checks"]:
+        if check["id"] in ("gpus", "mig", "api-key", "capacity"):  # decided by the capture and the plan alone
+            assert (found[check["id"]].status, found[check["id"]].message) == (
+                check["status"],
+                check["message"],
+            )
