@@ -40,6 +40,7 @@ class Point(NamedTuple):
     request_goodput: float | None
     spec: SpecFigures | None = None
     error: str | None = None  # why the benchmark did not run (then nothing was measured)
+    run_s: float = 0.0  # the `vllm bench serve` process's wall time, its start-up included
 
     @property
     def complete(self) -> bool:

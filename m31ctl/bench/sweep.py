@@ -131,7 +131,9 @@ def run(
         dataset.write_text(made.jsonl(), encoding="utf-8")
         args = bench_args(plan, req.base, dataset, len(made.requests), concurrency, req)
         commands.append(tuple(args))
+        begun = clock()
         point = _measure(plan, server, runner, args, concurrency, len(made.requests))
+        point = point._replace(run_s=round(clock() - begun, 3))
         points.append(point)
         on_event(Event("point", index, total, concurrency, clock() - started, point))
     return Sweep(
