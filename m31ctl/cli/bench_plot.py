@@ -4,8 +4,9 @@ the frontier, the SLO's region and the chosen point (matplotlib, optional)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from m31ctl.bench.figures import Limit
+from m31ctl.bench.figures import Limit, Point
 from m31ctl.bench.sweep import Sweep
 from m31ctl.errors import InputError
 
@@ -31,82 +32,22 @@ def draw(sweep: Sweep, title: str, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise InputError("--plot needs matplotlib", hint="pip install 'm31ctl[plot]'") from None
-    from m31ctl.bench.figures import violations
 
     fig, ax = plt.subplots(figsize=(10, 5.5), dpi=110)
-    points = sorted(sweep.points, key=lambda p: p.concurrency)
-    xs = [p.tok_s_per_user for p in points]
-    ys = [p.tok_s_per_gpu for p in points]
-    right = max([*xs, 1.0]) * 1.15
+    right = max([*(p.tok_s_per_user for p in sweep.points), 1.0]) * 1.15
     floor = slo_speed_floor(sweep.slo)
     if floor is not None:
-        ax.axvspan(
-            floor[0],
-            max(right, floor[0] * 1.1),
-            color="tab:green",
-            alpha=0.08,
-            label=f"SLO region ({floor[1]})",
-        )
         right = max(right, floor[0] * 1.1)
-    edge = sorted((p for p in points if p.concurrency in sweep.frontier), key=lambda p: p.tok_s_per_user)
-    if edge:
-        ax.plot(
-            [p.tok_s_per_user for p in edge],
-            [p.tok_s_per_gpu for p in edge],
-            "-",
-            color="tab:blue",
-            label="frontier",
-        )
-    for p in points:
-        meets = not violations(p, sweep.slo)
-        ax.scatter(
-            [p.tok_s_per_user],
-            [p.tok_s_per_gpu],
-            s=60,
-            marker="o" if meets else "x",
-            color="tab:blue" if p.concurrency in sweep.frontier else "tab:gray",
-            zorder=3,
-        )
-        ax.annotate(
-            f"c={p.concurrency}",
-            (p.tok_s_per_user, p.tok_s_per_gpu),
-            textcoords="offset points",
-            xytext=(6, -12),
-            fontsize=8,
-        )
-    chosen = sweep.choice.point
-    top = max([*ys, 1.0]) * 1.35  # room above the points for the chosen point's label
-    if chosen is not None:
-        ax.scatter(
-            [chosen.tok_s_per_user],
-            [chosen.tok_s_per_gpu],
-            s=220,
-            facecolors="none",
-            edgecolors="tab:red",
-            linewidths=2,
-            zorder=4,
-            label="chosen",
-        )
-        # The label above the point, aligned away from the nearer side so it stays inside.
-        share = chosen.tok_s_per_user / right
-        align = "left" if share < 0.35 else "right" if share > 0.65 else "center"
-        ax.annotate(
-            f"chosen: concurrency {chosen.concurrency}\n"
-            f"{chosen.tok_s_per_gpu:.4g} tok/s/GPU, {chosen.tok_s_per_user:.4g} tok/s/user",
-            (chosen.tok_s_per_user, chosen.tok_s_per_gpu),
-            textcoords="offset points",
-            xytext=(0, 30),
-            ha=align,
-            fontsize=8,
-            color="tab:red",
-            arrowprops={"arrowstyle": "->", "color": "tab:red"},
-        )
+        ax.axvspan(floor[0], right, color="tab:green", alpha=0.08, label=f"SLO region ({floor[1]})")
+    _points(ax, sweep)
+    if sweep.choice.point is not None:
+        _chosen(ax, sweep.choice.point, right)
     ax.set_xlim(0, right)
-    ax.set_ylim(0, top)
+    # Room above the points for the chosen point's label.
+    ax.set_ylim(0, max([*(p.tok_s_per_gpu for p in sweep.points), 1.0]) * 1.35)
     ax.set_xlabel("per-user speed (output tok/s per user = 1000 / median TPOT)")
-    ax.set_ylabel(
-        f"throughput per GPU (input + output tok/s, {sweep.gpus} GPU{'s' if sweep.gpus != 1 else ''})"
-    )
+    gpus = f"{sweep.gpus} GPU{'s' if sweep.gpus != 1 else ''}"
+    ax.set_ylabel(f"throughput per GPU (input + output tok/s, {gpus})")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     # Outside the axes: points may fall in any corner.
@@ -123,3 +64,45 @@ def draw(sweep: Sweep, title: str, path: Path) -> None:
         raise InputError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
     finally:
         plt.close(fig)
+
+
+def _points(ax: Any, sweep: Sweep) -> None:
+    """Every point (o meets the SLO, x does not; blue on the frontier) and the frontier's line."""
+    from m31ctl.bench.figures import violations
+
+    edge = sorted(
+        (p for p in sweep.points if p.concurrency in sweep.frontier), key=lambda p: p.tok_s_per_user
+    )
+    if edge:
+        xs, ys = [p.tok_s_per_user for p in edge], [p.tok_s_per_gpu for p in edge]
+        ax.plot(xs, ys, "-", color="tab:blue", label="frontier")
+    for p in sweep.points:
+        ax.scatter(
+            [p.tok_s_per_user],
+            [p.tok_s_per_gpu],
+            s=60,
+            marker="x" if violations(p, sweep.slo) else "o",
+            color="tab:blue" if p.concurrency in sweep.frontier else "tab:gray",
+            zorder=3,
+        )
+        where = (p.tok_s_per_user, p.tok_s_per_gpu)
+        ax.annotate(f"c={p.concurrency}", where, textcoords="offset points", xytext=(6, -12), fontsize=8)
+
+
+def _chosen(ax: Any, chosen: Point, right: float) -> None:
+    where = (chosen.tok_s_per_user, chosen.tok_s_per_gpu)
+    ax.scatter(*where, s=220, facecolors="none", edgecolors="tab:red", linewidths=2, zorder=4, label="chosen")
+    # The label above the point, aligned away from the nearer side so it stays inside.
+    share = chosen.tok_s_per_user / right
+    align = "left" if share < 0.35 else "right" if share > 0.65 else "center"
+    ax.annotate(
+        f"chosen: concurrency {chosen.concurrency}\n"
+        f"{chosen.tok_s_per_gpu:.4g} tok/s/GPU, {chosen.tok_s_per_user:.4g} tok/s/user",
+        where,
+        textcoords="offset points",
+        xytext=(0, 30),
+        ha=align,
+        fontsize=8,
+        color="tab:red",
+        arrowprops={"arrowstyle": "->", "color": "tab:red"},
+    )
