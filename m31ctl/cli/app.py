@@ -614,6 +614,9 @@ def rehearse(
     target: Annotated[str, typer.Option("--target", help="What to render and run (k8s).")] = "k8s",
     keep: Annotated[bool, typer.Option("--keep", help="Leave the containers and network for a look.")] = False,
     timeout: Annotated[int, typer.Option("--timeout", help="Seconds for the leader to become ready.")] = 600,
+    image: Annotated[
+        str, typer.Option("--image", help="Rehearsal base image (vLLM's CPU build).")
+    ] = "m31ctl/vllm-cpu:0.32.0",
     no_validate: NoValidateOpt = False,
     json: JsonOpt = False,
 ) -> int:
@@ -626,7 +629,7 @@ def rehearse(
     if timeout <= 0:
         raise InputError(f"--timeout {timeout} is not a positive number of seconds")
     plan = _deploy(_resolve(plan_options.request()), not no_validate).plan
-    return run_rehearse(plan, Options(target=target, keep=keep, timeout_s=timeout), json)
+    return run_rehearse(plan, Options(target, keep, timeout, image), json)
 
 
 def command_name(argv: list[str]) -> str | None:

@@ -42,6 +42,12 @@ CAUSES: tuple[tuple[re.Pattern[str], str], ...] = (
         "the CPU rehearsal image does not)",
     ),
     (
+        re.compile(r"current platform cpu does not support ray"),
+        "vLLM's CPU build has no Ray executor (its platform names no Ray device): pipeline stages "
+        "over Ray cannot run on CPU; the Ray head, the workers joining it at the leader's address and "
+        "the rendered `vllm serve` were rehearsed up to that point",
+    ),
+    (
         re.compile(r"Number of experts in the model must be greater than 0"),
         "expert parallelism on a model without experts",
     ),

@@ -38,6 +38,16 @@ BASE_IMAGE = "m31ctl/vllm-cpu:0.32.0"  # scripts/build-rehearsal-image
 # derived image records a `vllm` distribution with the +cpu version vLLM's platform detection
 # reads (vllm/platforms: vllm_version_matches_substr("cpu")); nothing else changes.
 SHIM_IMAGE = "m31ctl/vllm-cpu-rehearse:0.32.0"
+
+
+def shim_image(base: str) -> str:
+    """The derived image's tag for a base image (another base, e.g. one with Ray, gets its own)."""
+    if base == BASE_IMAGE:
+        return SHIM_IMAGE
+    name, _, tag = base.rpartition(":") if ":" in base.rsplit("/", 1)[-1] else (base, "", "latest")
+    return f"{name}-rehearse:{tag}"
+
+
 SHIM_DOCKERFILE = """FROM {base}
 RUN d=/opt/vllm/lib/python3.11/site-packages/vllm-0.32.0.dist-info && mkdir -p "$d" \\
  && printf 'Metadata-Version: 2.1\\nName: vllm\\nVersion: 0.32.0+cpu\\n' > "$d/METADATA" \\
@@ -112,7 +122,7 @@ def prepare(plan: Plan, options: Options) -> Prepared:
         )
     moe = plan.settings.parallelism.expert
     model_dir = model_dir_for(_cache_root(options), moe)
-    twin = rehearsal_twin(plan, str(model_dir), SHIM_IMAGE, options.timeout_s)
+    twin = rehearsal_twin(plan, str(model_dir), shim_image(options.base_image), options.timeout_s)
     deployment = derive(twin.plan)
     manifest = read_manifest(render_documents(deployment, options.target))
     if not [p for p in manifest.pods if not p.init]:
@@ -140,13 +150,12 @@ def ensure_image(docker: DockerCLI, base: str) -> str:
         raise HostPreconditionError(
             f"the rehearsal image {base} is not here", hint="build it: scripts/build-rehearsal-image"
         )
-    if not docker.image_exists(SHIM_IMAGE):
-        done = docker.build(SHIM_IMAGE, SHIM_DOCKERFILE.format(base=base))
+    shim = shim_image(base)
+    if not docker.image_exists(shim):
+        done = docker.build(shim, SHIM_DOCKERFILE.format(base=base))
         if not done.ok:
-            raise HostPreconditionError(
-                f"building {SHIM_IMAGE} failed: {(done.err or done.out).strip()[-500:]}"
-            )
-    return SHIM_IMAGE
+            raise HostPreconditionError(f"building {shim} failed: {(done.err or done.out).strip()[-500:]}")
+    return shim
 
 
 def ensure_model(docker: DockerCLI, base: str, model_dir: Path, moe: bool, session: str) -> None:
