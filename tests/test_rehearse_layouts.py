@@ -63,6 +63,18 @@ def test_pp_twin_is_one_stage_a_node_over_ray(tmp_path):
     assert worker.command is not None and "ray start --address=" in worker.command[-1]
 
 
+def test_one_node_keeps_two_ranks_in_one_pod(tmp_path):
+    for sets, shape in (
+        (("parallelism.tensor=4",), (2, 1)),
+        (("parallelism.tensor=1", "parallelism.data=4"), (1, 2)),
+    ):
+        twin = _prepared(tmp_path, *sets).twin
+        par = twin.plan.settings.parallelism
+        assert (par.nodes, par.tensor, par.data) == (1, *shape) and twin.ranks_per_node == 2
+        # One core per rank: with 'auto' both ranks of one pod bound to the same core.
+        assert twin.plan.settings.runtime.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+
+
 def test_pods_get_the_lws_environment_and_dns_names(tmp_path):
     prepared = _prepared(tmp_path, *DP)
     leader, worker = prepared.manifest.pods

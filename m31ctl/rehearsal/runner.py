@@ -207,17 +207,38 @@ def secret_values(manifest: Manifest) -> Iterator[dict[str, str]]:
 
 
 @contextmanager
-def no_interrupts() -> Iterator[None]:
-    """Cleanup runs to its end: a second Ctrl-C while removing would leave things behind."""
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a CI job cancelled, `docker stop` of a runner) stops a rehearsal as Ctrl-C does,
+    through the cleanup; by default it would end the process with everything left running."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
     try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def no_interrupts() -> Iterator[None]:
+    """Cleanup runs to its end: a second Ctrl-C (or a SIGTERM) while removing would leave
+    things behind."""
+    try:
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread: nothing to hold off
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 Progress = Callable[[str], None]
@@ -472,6 +493,20 @@ def rehearse(
     image = ensure_image(docker, options.base_image)
     timings["image_s"] = round(time.monotonic() - started, 1)
     session = new_session()
+    with sigterm_interrupts():
+        return _rehearse_session(prepared, options, docker, image, session, timings, started, progress)
+
+
+def _rehearse_session(
+    prepared: Prepared,
+    options: Options,
+    docker: DockerCLI,
+    image: str,
+    session: str,
+    timings: dict[str, float],
+    started: float,
+    progress: Progress,
+) -> RehearsalResult:
     run = Run([], "interrupted", None)
     try:
         model_started = time.monotonic()

@@ -76,8 +76,9 @@ def scaled_layout(par: dict[str, Any]) -> tuple[dict[str, Any], str]:
         why = f"DP{nodes}, one rank a node: the leader and {nodes - 1} headless worker (vLLM's multi-node DP)"
         return {**base, "tensor": 1, "pipeline": 1, "data": nodes}, why
     tensor = min(par["tensor"], MAX_RANKS_ONE_NODE)
-    why = f"one node: TP{tensor}, no data parallelism (at most {MAX_RANKS_ONE_NODE} ranks on this host)"
-    return {**base, "tensor": tensor, "pipeline": 1, "data": 1}, why
+    data = min(par["data"], MAX_RANKS_ONE_NODE // tensor)
+    why = f"one node: TP{tensor} x DP{data} (at most {MAX_RANKS_ONE_NODE} ranks on this host)"
+    return {**base, "tensor": tensor, "pipeline": 1, "data": data}, why
 
 
 def _omp_bind(ranks: int) -> str:
@@ -91,7 +92,7 @@ def twin_settings(plan: Plan, model_dir: str, image: str, startup_s: int) -> tup
     """The twin's settings as data (validated by the caller) and why the layout was scaled."""
     tree = plan.settings_dict()
     layout, why = scaled_layout(tree["parallelism"])
-    ranks = layout["tensor"]
+    ranks = layout["tensor"] * (layout["data"] if layout["nodes"] == 1 else 1)  # ranks in one pod
     runtime = tree["runtime"]
     # The plan's own environment wins: a VLLM_CPU_* it sets is what the user means to rehearse.
     env = {**CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": _omp_bind(ranks), **runtime["env"]}
@@ -173,5 +174,6 @@ def rehearsal_twin(plan: Plan, model_dir: str, image: str, startup_s: int) -> Tw
         original=plan,
         changes=changes_between(plan.settings_dict(), settings.model_dump(mode="json"), why),
         moe=settings.parallelism.expert,
-        ranks_per_node=settings.parallelism.tensor,
+        ranks_per_node=settings.parallelism.tensor
+        * (settings.parallelism.data if settings.parallelism.nodes == 1 else 1),
     )
