@@ -178,14 +178,10 @@ def test_crash_while_loading_is_diagnosed(deployment, images, docker_client):
         f"m31ctl logs --name {deployment.name}" in result.stderr
         and "m31ctl launch replaces it" in result.stderr
     )
-    time.sleep(3)
     container = docker_client.containers.get(deployment.name)
-    assert container.status == "exited"
+    # Docker never restarts a container whose policy is "no": the policy is the proof, not a wait.
     assert container.attrs["HostConfig"]["RestartPolicy"]["Name"] == "no"
-    restarts = container.attrs["RestartCount"]
-    time.sleep(3)
-    container.reload()
-    assert container.status == "exited" and container.attrs["RestartCount"] == restarts
+    assert container.status == "exited", container.status
     assert "CUDA out of memory" in run_cli("logs", "--name", deployment.name).stdout
 
 

@@ -127,7 +127,6 @@ def test_locked_render_refuses_drift_and_update_lock_accepts_it(tmp_path):
 
 def test_locked_render_pins_the_registry_digest(monkeypatch, tmp_path):
     """Where the engine knows a registry digest, rendered files name the image by it."""
-    from m31ctl.cli import locking
     from m31ctl.runtime.images import ImageFacts
 
     digest = "vllm/vllm-openai@sha256:" + "ab" * 32
@@ -138,7 +137,6 @@ def test_locked_render_pins_the_registry_digest(monkeypatch, tmp_path):
     rendered = run_cli("render", "--target", "compose", "--hardware", "b300x4", "--locked", str(lock))
     assert rendered.returncode == 0, rendered.stderr
     assert f"image: {digest}" in rendered.stdout
-    assert locking is not None
 
 
 # Against the real Docker Engine: the image tag re-pushed (rebuilt) under the same name.

@@ -241,12 +241,16 @@ def test_amd_mi300x_is_refused_with_what_was_found():
         select_recipe(hw)
 
 
-def test_cli_probe_without_gpu_exits_zero(cli):
-    result = cli("probe", "--json", env={"PATH": "/usr/bin:/bin"})
+def test_cli_probe_without_gpu_exits_zero(cli, tmp_path):
+    """A host where no method finds a GPU: exit 0 and every attempt listed. The tools' methods
+    only, with nothing on PATH, so this holds on a GPU host too (where NVML would find one)."""
+    methods = "nvidia-smi,amd-smi,rocm-smi"
+    result = cli("probe", "--json", env={"PATH": str(tmp_path), "M31CTL_PROBE_METHODS": methods})
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["hardware"]["count"] == 0 and data["recipe"]["name"] is None
-    assert {a["method"] for a in data["attempts"]} >= {"nvml", "nvidia-smi"}
+    assert [a["method"] for a in data["attempts"]] == methods.split(",")
+    assert not any(a["ok"] for a in data["attempts"])
 
 
 DEVICE = GPU_FIXTURES / "device-h200x2"

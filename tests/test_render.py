@@ -119,14 +119,22 @@ def test_script_passes_exactly_the_planned_argv(hw, tmp_path):
 
 
 def test_script_hostile_extra_args_stay_literal(tmp_path):
-    hostile_args = ["--revision", HOSTILE, "$(id)", "a;b", "'"]
+    pwned = tmp_path / "pwned"
+    hostile_args = [
+        "--revision",
+        HOSTILE,
+        f"$(touch {pwned}1)",
+        f"a;touch {pwned}2",
+        f"`touch {pwned}3`",
+        "'",
+    ]
     import json
 
     plan = plan_for("b300x4", sets=(f"engine.extra_args={json.dumps(hostile_args)}",))
     (artifact,) = render(plan, "script")
     got = run_with_stub(artifact.content, tmp_path, {"M31CTL_ENV_FILE": str(tmp_path / "absent.env")})
     assert got[-len(hostile_args) :] == hostile_args
-    assert not Path("/tmp/pwned").exists()
+    assert not list(tmp_path.glob("pwned*"))  # no substitution ran while the script built its argv
 
 
 CANARY = "hf_CANARY_5ecret_do_not_leak_0123456789"
@@ -634,19 +642,20 @@ def test_k8s_env_values_are_escaped_for_kubernetes_expansion():
 @pytest.mark.parametrize(
     "setting",
     [
-        "runtime.env.HF_TOKEN=hf_x",
-        "runtime.env.VLLM_API_KEY=abc",
-        "runtime.env.HUGGING_FACE_HUB_TOKEN=hf_x",
-        'engine.extra_args=["--api-key", "abc"]',
-        'engine.extra_args=["--api-key=abc"]',
-        'engine.extra_args=["--hf-token", "hf_x"]',
+        "runtime.env.HF_TOKEN=Canary7secret",
+        "runtime.env.VLLM_API_KEY=Canary7secret",
+        "runtime.env.HUGGING_FACE_HUB_TOKEN=Canary7secret",
+        'engine.extra_args=["--api-key", "Canary7secret"]',
+        'engine.extra_args=["--api-key=Canary7secret"]',
+        'engine.extra_args=["--hf-token", "Canary7secret"]',
     ],
 )
 def test_secrets_by_value_are_refused(setting, cli):
-    result = cli("plan", "--hardware", "b300x4", "--set", setting)
-    assert result.returncode == 2, result.stderr
-    assert "secret" in result.stderr and ("export" in result.stderr or "runtime.api_key" in result.stderr)
-    assert "abc" not in result.stderr.replace("abc'", "") or "***" in result.stderr
+    for as_json in ((), ("--json",)):
+        result = cli("plan", "--hardware", "b300x4", "--set", setting, *as_json)
+        assert result.returncode == 2, result.stderr
+        assert "secret" in result.stderr and ("export" in result.stderr or "runtime.api_key" in result.stderr)
+        assert "Canary7secret" not in result.stderr + result.stdout  # the refusal never quotes the value
 
 
 def test_startup_budget_is_sized_from_the_plan():
