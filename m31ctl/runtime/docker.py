@@ -34,7 +34,7 @@ from m31ctl.runtime.base import (
     ServerStatus,
 )
 from m31ctl.runtime.converge import Decision, Existing
-from m31ctl.runtime.exits import diagnose
+from m31ctl.runtime.exits import explain_exit
 from m31ctl.runtime.flow import Found, converge
 from m31ctl.runtime.gates import CheckId
 from m31ctl.runtime.launching import LAUNCH_ENV
@@ -436,7 +436,7 @@ def _start_error(exc: Exception, spec: ContainerSpec) -> Exception:
     text = engine_api.api_error_text(exc)
     if text is None:
         return exc
-    d = diagnose(text, None, False)
+    d = explain_exit(text, None, False)
     return HostPreconditionError(
         f"Docker could not start {spec.name}: {d.summary} ({text[:200]})", hint=d.remedy
     )

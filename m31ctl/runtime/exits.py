@@ -80,7 +80,7 @@ _PATTERNS: tuple[tuple[re.Pattern[str], Cause, str], ...] = tuple(
 )
 
 
-def diagnose(log_tail: str, exit_code: int | None, oom_killed: bool) -> Diagnosis:
+def explain_exit(log_tail: str, exit_code: int | None, oom_killed: bool) -> Diagnosis:
     if oom_killed:
         return Diagnosis(
             Cause.HOST_MEMORY,

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from m31ctl.errors import NotReadyError, ServerDied
 from m31ctl.runtime.base import PhaseCallback, Reporter
-from m31ctl.runtime.exits import diagnose
+from m31ctl.runtime.exits import explain_exit
 from m31ctl.runtime.phases import Phase, latest_phase
 
 POLL_S = 0.25
@@ -225,7 +225,7 @@ def classify_stall(current: Phase | None, tail: str) -> tuple[str, str]:
             "the checkpoint download stalled",
             "check the network path to Hugging Face, HF_TOKEN, and runtime.download_mbps",
         )
-    d = diagnose(tail, None, False)
+    d = explain_exit(tail, None, False)
     if d.known:
         return d.summary, d.remedy
     if current in (Phase.COMPILING, Phase.CUDA_GRAPHS):
@@ -250,7 +250,7 @@ def died(handle: ServerHandle, state: ProcessState) -> None:
             hint="something else removed the " + handle.kind + "; `m31ctl launch` starts it again",
         )
     tail = handle.log_tail(LOG_TAIL_ON_FAILURE)
-    d = diagnose(tail, state.exit_code, state.oom_killed)
+    d = explain_exit(tail, state.exit_code, state.oom_killed)
     lines = tuple(tail.rstrip().splitlines()[-LOG_TAIL_ON_FAILURE:])
     how = "restarted" if state.restarted else f"exited (code {state.exit_code})"
     raise ServerDied(
