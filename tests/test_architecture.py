@@ -155,3 +155,17 @@ def test_derived_facts_are_not_recomputed(pattern):
     assert found <= DERIVED_ONCE[pattern], (
         f"{pattern!r} spelled again in {sorted(found - DERIVED_ONCE[pattern])}"
     )
+
+
+LONGEST_FUNCTION = 80  # lines; a flat flag list longer than this becomes a table
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                if lines > LONGEST_FUNCTION:
+                    long.append(f"{name}.{node.name}: {lines} lines")
+    assert long == []
