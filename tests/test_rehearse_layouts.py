@@ -268,10 +268,11 @@ def test_pp_over_ray_fails_with_the_pods_own_error():
     assert "Ray" in result["cause"] and result["cleaned"] and not _leftovers()
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 @needs_image
 @pytest.mark.docker
 @pytest.mark.slow
-def test_ctrl_c_leaves_no_container_network_or_volume():
+def test_ctrl_c_leaves_no_container_network_or_volume(signum):
     child = subprocess.Popen(
         [sys.executable, "-m", "m31ctl", "rehearse", "--hardware", "b300x4", *_sets(*DP_DENSE, *RWX)],
         stdout=subprocess.PIPE,
@@ -290,7 +291,7 @@ def test_ctrl_c_leaves_no_container_network_or_volume():
         if ("started" in line and "container" in line) or not line:
             break
     assert _leftovers(), f"nothing was started: {''.join(seen)[-2000:]}"
-    os.kill(child.pid, signal.SIGINT)
+    os.kill(child.pid, signum)
     _, err = child.communicate(timeout=180)
     assert child.returncode == 130, err[-2000:]
     assert not _leftovers()
