@@ -71,6 +71,10 @@ NOT_EMULATED = {
 }
 
 
+# Never emulated: every pod runs on this one host.
+SCHEDULING = "scheduling (nodeSelector, tolerations, GPU/RDMA resources, cpu and memory requests)"
+
+
 class Options(NamedTuple):
     target: str = "k8s"
     keep: bool = False
@@ -534,8 +538,9 @@ def assemble(
     kept: bool,
 ) -> RehearsalResult:
     blamed = failing_node(nodes) if run.why is not None else None
-    not_emulated = tuple(
-        sorted({NOT_EMULATED.get(k, f"{k} (not emulated)") for k in prepared.manifest.kinds} - {""})
+    not_emulated = (
+        *sorted({NOT_EMULATED.get(k, f"{k} (not emulated)") for k in prepared.manifest.kinds} - {""}),
+        SCHEDULING,
     )
     return RehearsalResult(
         served=run.why is None,
