@@ -117,6 +117,16 @@ def test_kubelet_expansion_applies_to_env_and_command():
     assert pod.command == ("echo", "1-$(MISSING)", "$(A)", "$(B)")
 
 
+def test_init_containers_come_first_and_share_the_pods_env():
+    container = {"name": "vllm", "image": "i", "args": ["$(A)"], "env": [{"name": "A", "value": "a"}]}
+    init = {"name": "pull", "image": "i", "command": ["echo", "$(A)"], "env": [{"name": "A", "value": "b"}]}
+    pod = {"spec": {"initContainers": [init], "containers": [container]}}
+    deployment = {"kind": "Deployment", "metadata": {"name": "d"}, "spec": {"template": pod}}
+    first, main = read_manifest([deployment]).pods
+    assert (first.init, first.command, first.aliases) == (True, ("echo", "b"), ())
+    assert (main.init, main.args, main.role, main.aliases) == (False, ("a",), "server", ("d-0",))
+
+
 def test_service_links_set_vllm_port_when_enabled():
     """A Service named vllm injects VLLM_PORT, which vLLM reads as its own setting."""
     (pod,) = read_manifest(_lws(["true"], [], links=True)).pods

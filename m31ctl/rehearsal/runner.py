@@ -459,6 +459,11 @@ def run_pods(
     with secret_values(prepared.manifest) as keys:
         states = start_pods(kubelet, prepared.manifest, keys, options.timeout_s)
         progress(f"started {len(states)} container(s) on network {network}")
+        failed_init = [s for s in states if s.pod.init and s.exit_code != 0]
+        if failed_init:  # the kubelet never starts the pod's containers after a failed init
+            first = failed_init[0]
+            return Run(states, f"init container {first.pod.container} of {first.pod.pod} exited with "
+                               f"{first.exit_code}", None)  # fmt: skip
         deadline = kubelet.clock() + options.timeout_s
         why = watch(kubelet, states, deadline, progress)
         if why is not None:
