@@ -56,7 +56,12 @@ def summary(result: RehearsalResult) -> str:
     if result.not_emulated:
         lines.append("not emulated: " + "; ".join(result.not_emulated))
     if result.kept:
-        lines.append("kept (--keep): remove with `docker rm -f` on the containers above and the network")
+        label = f"label=io.m31ctl.rehearsal={result.session}"
+        lines.append(
+            f"kept (--keep): docker rm -f -v $(docker ps -aq --filter {label}); "
+            f"docker network rm $(docker network ls -q --filter {label}); "
+            f"docker volume rm $(docker volume ls -q --filter {label})"
+        )
     elif not result.cleaned:
         lines.append("LEFT BEHIND: " + " ".join(result.leftovers))
     lines.append(f"took {result.timings_s.get('total_s', 0):g} s")

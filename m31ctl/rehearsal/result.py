@@ -50,6 +50,7 @@ class RehearsalResult(NamedTuple):
     cleaned: bool
     leftovers: tuple[str, ...]
     kept: bool
+    session: str = ""  # the label value on everything it made: io.m31ctl.rehearsal=<session>
 
     def to_json(self) -> dict[str, Any]:
         data = self._asdict()

@@ -531,7 +531,7 @@ def _rehearse_session(
                 problems = docker.remove_session(session)
                 leftovers = docker.leftovers(session) + problems
     timings["total_s"] = round(time.monotonic() - started, 1)
-    return assemble(prepared, run, nodes, timings, tuple(leftovers), options.keep)
+    return assemble(prepared, run, nodes, timings, tuple(leftovers), options.keep)._replace(session=session)
 
 
 def assemble(
