@@ -1,8 +1,9 @@
 """A sweep's figures: one Point per concurrency from `vllm bench serve`'s saved result, the
 serving frontier, the SLO and the operating point it picks. Pure: data in, data out.
 
-Per-user speed is 1000 / median TPOT (the decode speed one user sees once tokens flow, the
-usual "interactivity" axis); per-GPU throughput is all tokens processed, input and output, per
+Per-user speed is 1000 / mean TPOT (the decode speed one user sees once tokens flow, the
+usual "interactivity" axis; the mean, as a stream whose tokens arrive in one burst has a TPOT
+near 0, and where most do, as on a loaded CPU, the median is one of them); per-GPU throughput is all tokens processed, input and output, per
 second and per GPU of the plan. A point whose requests did not all complete is measured and
 shown, but is not an operating point: it is never on the frontier and never picked.
 """
@@ -77,8 +78,9 @@ def point_from_result(
     output = _number(result, "output_throughput") or 0.0
     total = _number(result, "total_token_throughput") or 0.0
     median_tpot = _number(result, "median_tpot_ms") or _number(result, "p50_tpot_ms")
+    mean_tpot = _number(result, "mean_tpot_ms") or median_tpot
     # One output token per request has no decode phase: then the output rate over the users.
-    per_user = 1000.0 / median_tpot if median_tpot else output / max(1, min(concurrency, completed))
+    per_user = 1000.0 / mean_tpot if mean_tpot else output / max(1, min(concurrency, completed))
     per = max(1, gpus)
     return Point(
         concurrency=concurrency,

@@ -13,8 +13,8 @@ from m31ctl.errors import InputError
 
 def slo_speed_floor(slo: tuple[Limit, ...]) -> tuple[float, str] | None:
     """The per-user speed the SLO implies on the x axis, and how: a TPOT limit of t ms asks for
-    at least 1000/t tokens/s per user (the axis is 1000 / median TPOT, so this is the bound for
-    the median; the p99 limit is checked on each point, shown by its marker)."""
+    at least 1000/t tokens/s per user (the axis is 1000 / mean TPOT, so this is the bound for
+    the mean; the limit itself is checked on each point, shown by its marker)."""
     floors: list[tuple[float, str]] = []
     for limit in slo:
         if limit.key.startswith("tpot_"):
@@ -45,7 +45,7 @@ def draw(sweep: Sweep, title: str, path: Path) -> None:
     ax.set_xlim(0, right)
     # Room above the points for the chosen point's label.
     ax.set_ylim(0, max([*(p.tok_s_per_gpu for p in sweep.points), 1.0]) * 1.35)
-    ax.set_xlabel("per-user speed (output tok/s per user = 1000 / median TPOT)")
+    ax.set_xlabel("per-user speed (output tok/s per user = 1000 / mean TPOT)")
     gpus = f"{sweep.gpus} GPU{'s' if sweep.gpus != 1 else ''}"
     ax.set_ylabel(f"throughput per GPU (input + output tok/s, {gpus})")
     ax.set_title(title, fontsize=10)
