@@ -159,6 +159,13 @@ def _finish(
         report["warnings"].append(
             f"the server runs plan {server_hash}; the figures are read with plan {plan.hash} (GPU count, max length)"
         )
+    method = plan.settings.speculative.method
+    silent = [p.concurrency for p in found.points if p.complete and p.spec is None]
+    if method != "none" and silent:
+        report["warnings"].append(
+            f"the plan speculates ({method}) but no drafts were counted on /metrics at concurrency "
+            + ", ".join(map(str, silent))
+        )
     worse: tuple[str, ...] = ()
     if baseline is not None:
         worse, compared = figures.regressions(found.points, baseline, opts.tolerance)
