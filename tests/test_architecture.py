@@ -145,6 +145,9 @@ DERIVED_ONCE = {
     "STOP_MARGIN_S": {"m31ctl.deployment"},
     '"VLLM_API_KEY"': {"m31ctl.redact"},
     'vendor == "': {"m31ctl.hardware"},
+    # Runtimes are dispatched through their registry (m31ctl.runtime.get_runtime), never by name.
+    'runtime == "': set(),
+    'deep == "': set(),
     'vendor != "': {"m31ctl.hardware"},
 }
 

@@ -101,15 +101,12 @@ def _endpoint(plan: Plan, opts: BenchOptions, workdir: Path) -> tuple[str, str |
         base, server_hash, runtime = str(server.endpoint), server.plan_hash, server.runtime
     if opts.bench_python:
         return base, server_hash, load_run.native_bench(opts.bench_python)
-    if runtime == "native":
-        return base, server_hash, load_run.native_bench(plan.settings.runtime.native_python or sys.executable)
-    if runtime == "docker":
-        from m31ctl.container import container_spec
+    if runtime is not None:
         from m31ctl.deployment import derive
+        from m31ctl.runtime import get_runtime
 
-        spec = container_spec(derive(plan))
-        mounts = [(m.source, m.target) for m in spec.mounts] + [(str(workdir), str(workdir))]
-        return base, server_hash, load_run.container_bench(spec.image, mounts)
+        # The dataset m31ctl wrote is read at the same path by the engine's benchmark.
+        return base, server_hash, get_runtime(runtime).bench_runner(derive(plan), shared=(str(workdir),))
     raise InputError(
         "--url needs --bench-python: a Python with vLLM, to run vllm bench serve",
         hint="or bench the server m31ctl runs (--name)",

@@ -189,9 +189,10 @@ class Runtime(Protocol):
         """Stop the named server; returns only when it no longer runs (else raises)."""
         ...
 
-    def bench_runner(self, deployment: Deployment) -> BenchRunner:
-        """`vllm bench serve` with this runtime's engine (verify's load): the native Python, or a
-        sibling container of the engine image."""
+    def bench_runner(self, deployment: Deployment, shared: Sequence[str] = ()) -> BenchRunner:
+        """`vllm bench serve` with this runtime's engine (verify's load, m31ctl bench): the native
+        Python, or a sibling container of the engine image. `shared`: host directories the
+        benchmark reads (a generated dataset), at the same path wherever it runs."""
         ...
 
     def run_engine_script(

@@ -349,9 +349,10 @@ class DockerRuntime:
                 if not engine_api.is_not_found(exc):  # removed meanwhile: stopped all the same
                     raise
 
-    def bench_runner(self, deployment: Deployment) -> BenchRunner:
+    def bench_runner(self, deployment: Deployment, shared: Sequence[str] = ()) -> BenchRunner:
         spec = container_spec(deployment)
-        return container_bench(spec.image, [(m.source, m.target) for m in spec.mounts])
+        mounts = [(m.source, m.target) for m in spec.mounts] + [(path, path) for path in shared]
+        return container_bench(spec.image, mounts)
 
     def run_engine_script(
         self,

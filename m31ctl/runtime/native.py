@@ -253,7 +253,8 @@ class NativeRuntime:
         server = _named(name)
         stop_server(server, timeout if timeout is not None else server.stop_timeout, report)
 
-    def bench_runner(self, deployment: Deployment) -> BenchRunner:
+    def bench_runner(self, deployment: Deployment, shared: Sequence[str] = ()) -> BenchRunner:
+        del shared  # the same file system: nothing to share
         return native_bench(deployment.plan.settings.runtime.native_python or sys.executable)
 
     def run_engine_script(
