@@ -612,7 +612,9 @@ def pull(
 def rehearse(
     plan_options: PlanOptions,
     target: Annotated[str, typer.Option("--target", help="What to render and run (k8s).")] = "k8s",
-    keep: Annotated[bool, typer.Option("--keep", help="Leave the containers and network for a look.")] = False,
+    keep: Annotated[
+        bool, typer.Option("--keep", help="Leave the containers and network for a look.")
+    ] = False,
     timeout: Annotated[int, typer.Option("--timeout", help="Seconds for the leader to become ready.")] = 600,
     image: Annotated[
         str, typer.Option("--image", help="Rehearsal base image (vLLM's CPU build).")
