@@ -11,6 +11,7 @@ import typer
 
 from m31ctl.cli.options import (
     AnyRuntimeOpt,
+    BenchPythonOpt,
     JsonOpt,
     LaunchRuntimeOpt,
     LockedOpt,
@@ -18,6 +19,7 @@ from m31ctl.cli.options import (
     NoValidateOpt,
     PlanOptions,
     UpdateLockOpt,
+    UrlOpt,
     plan_group,
 )
 from m31ctl.errors import ExitCode
@@ -469,9 +471,7 @@ def _incomplete_exit(found: Survey) -> int:
 
 @command
 def smoke(
-    url: Annotated[
-        str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")
-    ] = None,
+    url: UrlOpt = None,
     name: NameOpt = None,
     model: Annotated[
         str | None, typer.Option("--model", help="Served model name (default: the first).")
@@ -498,14 +498,10 @@ def smoke(
 @command
 def verify(
     plan_options: PlanOptions,
-    url: Annotated[
-        str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")
-    ] = None,
+    url: UrlOpt = None,
     name: NameOpt = None,
     runtime: AnyRuntimeOpt = None,
-    bench_python: Annotated[
-        str | None, typer.Option("--bench-python", help="A Python with vLLM for the load run (with --url).")
-    ] = None,
+    bench_python: BenchPythonOpt = None,
     no_load: Annotated[bool, typer.Option("--no-load", help="Skip the vllm bench serve run.")] = False,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Save the JSON report here.")] = None,
     baseline: Annotated[
@@ -530,15 +526,10 @@ def verify(
 @command
 def bench(
     plan_options: PlanOptions,
-    url: Annotated[
-        str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")
-    ] = None,
+    url: UrlOpt = None,
     name: NameOpt = None,
     runtime: AnyRuntimeOpt = None,
-    bench_python: Annotated[
-        str | None,
-        typer.Option("--bench-python", help="A Python with vLLM to run the benchmark (with --url)."),
-    ] = None,
+    bench_python: BenchPythonOpt = None,
     concurrency: Annotated[
         str, typer.Option("--concurrency", help="Points to measure, e.g. 1,4,16.")
     ] = "1,4,16",

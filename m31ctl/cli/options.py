@@ -45,6 +45,12 @@ AnyRuntimeOpt = Annotated[
     typer.Option("--runtime", help="Only this runtime (docker or native); default: look in every runtime."),
 ]
 NameOpt = Annotated[str | None, typer.Option("--name", help="Which m31ctl server (default: all of ours).")]
+# --- a running server and its engine's benchmark (smoke, verify, bench) -------------------------
+UrlOpt = Annotated[str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")]
+BenchPythonOpt = Annotated[
+    str | None,
+    typer.Option("--bench-python", help="A Python with vLLM to run vllm bench serve (needed with --url)."),
+]
 
 # --- lock files (m31ctl lock) -------------------------------------------------------------------
 LockedOpt = Annotated[
