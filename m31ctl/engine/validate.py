@@ -84,7 +84,23 @@ def _extensions() -> dict[str, Any]:
 
 
 def schema_for(image: str, version: str) -> EngineSchema:
-    return EngineSchema(version, _schema_data(version), _extensions().get(image, {}), image)
+    """The schema `image` is checked against: the release's, plus the names a known day-zero image
+    adds. An image the capability table does not know (a private build, a mirror's tag) may be
+    either: it is given every known image's names, and the plan warns that its capabilities are
+    unchecked (plan/engine_rules.py), rather than refusing names it may well have."""
+    extensions = _extensions()
+    extension = extensions.get(image)
+    if extension is None:
+        from m31ctl.plan.engine_rules import capability_table
+
+        known = capability_table().engine_for(image) is not None
+        extension = {} if known else _union(extensions.values())
+    return EngineSchema(version, _schema_data(version), extension, image)
+
+
+def _union(extensions: Any) -> dict[str, Any]:
+    names = sorted({name for ext in extensions for name in ext.get("attention_backends", [])})
+    return {"attention_backends": names, "why": "an image m31ctl does not know: any day-zero name"}
 
 
 def schema_from_data(data: dict[str, Any], image: str) -> EngineSchema:
