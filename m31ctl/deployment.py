@@ -262,7 +262,8 @@ def require_fit(deployment: Deployment) -> None:
             f"{hw.product} has {hw.memory_per_gpu_gib:.1f} GiB",
             hint="use GPUs with more memory",
         )
-    if not layout.fits:
+    # The CPU rehearsal's ranks are processes, not devices: any count fits its one host.
+    if deployment.vendor.gpus and not layout.fits:
         where = f"each {hw.product} host ({hw.source})" if deployment.simulated else "this host"
         per_node = "" if layout.nodes == 1 else f" on each of {layout.nodes} nodes"
         raise HostPreconditionError(

@@ -171,3 +171,11 @@ def test_doctor_on_the_replayed_h200_finds_what_the_real_host_reported():
                 check["status"],
                 check["message"],
             )
+
+
+def test_the_cpu_rehearsal_runs_any_number_of_ranks_on_its_one_host():
+    """Ranks on the CPU backend are processes: TP2 on `--hardware cpu` (one device) is a layout the
+    rehearsal serves (tests/test_rehearsal.py runs it), not a host too small."""
+    deployment = derive(resolve(PlanRequest(hardware=simulated("cpu"), sets=("parallelism.tensor=2",))))
+    require_fit(deployment)  # no refusal
+    assert deployment.layout.gpus_per_node == 2
