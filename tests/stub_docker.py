@@ -26,6 +26,7 @@ VALUED = {
     "--restart", "--name", "--label", "-l", "--gpus", "--device", "--group-add", "--cap-add",
     "--security-opt", "--ipc", "--shm-size", "--ulimit", "--log-driver", "--log-opt",
     "--stop-timeout", "--publish", "-p", "--volume", "-v", "--mount", "--env", "-e", "--env-file",
+    "--entrypoint",
 }  # fmt: skip
 BOOLEAN = {"--detach", "-d", "--rm"}
 _MODES = {"ro", "rw", "z", "Z", "shared", "rshared", "slave", "rslave", "private", "rprivate", "nocopy"}
@@ -220,6 +221,8 @@ def parse_run(argv: list[str]) -> dict[str, object]:
             record["devices"].append(value)  # type: ignore[attr-defined]
         elif name == "--name":
             record["name"] = value
+        elif name == "--entrypoint":
+            record["entrypoint"] = value
     if i >= len(argv):
         raise DockerError('"docker run" requires at least 1 argument')
     record["env"] = env

@@ -74,7 +74,14 @@ def run_script(
         text=True,
     )
     records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    return done, records
+    # The checkpoint download runs first, in its own container (render/download.py): the engine's
+    # record is the one without an entrypoint of its own; the download's is checked on its own.
+    downloads = [r for r in records if r.get("entrypoint")]
+    for download in downloads:
+        assert download["entrypoint"] == "python3" and "--rm" in download["flags"]
+        assert download["name"].endswith("-download") and download["image"] == records[-1]["image"]
+        assert download["command"][0] == "-c" and "snapshot_download" in download["command"][1]
+    return done, [r for r in records if not r.get("entrypoint")]
 
 
 # --- the script under the Docker CLI's rules --------------------------------------------------
@@ -719,3 +726,45 @@ def test_k8s_names_and_comments_stay_valid():
     assert "fetches model.path into the claim" in k8s
     init = list(yaml.safe_load_all(k8s))[1]["spec"]["template"]["spec"]["initContainers"][0]
     assert expand(init["command"][3], mapping_for({})) == HOSTILE
+
+
+# --- the checkpoint download before the engine (script and systemd, as Kubernetes' init container)
+
+
+def test_script_downloads_the_checkpoint_first_in_its_own_container(tmp_path):
+    plan = plan_for("b300x4", f"runtime.hf_cache={tmp_path}/hf")
+    out = tmp_path / "docker-runs.jsonl"
+    done, engine = run_script(
+        rendered(plan, "script"), tmp_path, {"M31CTL_ENV_FILE": str(tmp_path / "none"), "HF_TOKEN": "hf_tok"}
+    )
+    assert done.returncode == 0, done.stderr
+    download, last = (json.loads(line) for line in out.read_text().splitlines())
+    assert last == {**engine[0]} and "entrypoint" not in last  # the engine runs after the download
+    assert download["command"][2:] == ["MiniMaxAI/MiniMax-M3.1-Flash", str(derive(plan).budgets.download_s)]
+    assert download["env"]["HF_TOKEN"] == "hf_tok"  # by name, from the environment: never in the file
+    assert download["mounts"] == engine[0]["mounts"] and not download["devices"]
+    assert "hf_tok" not in rendered(plan, "script")
+
+
+def test_systemd_downloads_first_and_a_local_checkpoint_downloads_nothing(tmp_path):
+    unit = rendered(plan_for("b300x4"), "systemd")
+    pre = [line for line in unit.splitlines() if line.startswith("ExecStartPre=/usr/bin/docker run")]
+    (download,) = pre
+    words = shlex_split_systemd(download.removeprefix("ExecStartPre="))
+    assert words[:6] == [
+        "/usr/bin/docker",
+        "run",
+        "--rm",
+        "--name",
+        "m31ctl-minimax-m31-flash-download",
+        "--entrypoint",
+    ]
+    assert "snapshot_download" in words[words.index("-c") + 1] and words[
+        words.index("HF_TOKEN") - 1 : words.index("HF_TOKEN") + 1
+    ] == ["--env", "HF_TOKEN"]
+    assert unit.index("ExecStartPre=/usr/bin/docker run") < unit.index("ExecStart=/usr/bin/docker")
+    model = tmp_path / "model"
+    model.mkdir()
+    local = plan_for("b300x4", f"model.path={model}")
+    for target in ("script", "systemd"):
+        assert "snapshot_download" not in rendered(local, target)

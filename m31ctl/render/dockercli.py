@@ -8,6 +8,7 @@ import ipaddress
 from typing import Literal
 
 from m31ctl.container import ContainerSpec, Mount
+from m31ctl.redact import HF_TOKEN_ENV
 
 Mode = Literal["detached", "foreground"]
 
@@ -82,3 +83,22 @@ def docker_run_argv(spec: ContainerSpec, mode: Mode, env_file: str | None = None
     argv.append(spec.image)
     argv += list(spec.args)
     return argv
+
+
+def docker_download_argv(
+    spec: ContainerSpec, command: list[str], visibility: tuple[str, ...], token_by_name: bool = True
+) -> list[str]:
+    """Everything after `docker` for the checkpoint download (render/download.py): the engine
+    image with the Hugging Face cache mounted and the engine's environment but its GPU visibility
+    (it uses no GPU), removed when done. `token_by_name`: pass HF_TOKEN by name (systemd, whose
+    EnvironmentFile= set it); the script adds its own secret arguments instead."""
+    argv = ["run", "--rm", "--name", f"{spec.name}-download", "--entrypoint", command[0]]
+    for mount in spec.mounts:
+        if not mount.read_only:  # the cache; a local checkpoint has nothing to download
+            argv += ["--mount", mount_spec(mount)]
+    for key, value in spec.env:
+        if key not in visibility:
+            argv += ["--env", f"{key}={value}"]
+    if token_by_name:
+        argv += ["--env", HF_TOKEN_ENV]  # by name: docker copies it from its own environment, if set
+    return [*argv, spec.image, *command[1:]]

@@ -20,6 +20,7 @@ from m31ctl.hardware import k8s_product_selector
 from m31ctl.plan.settings import KubernetesSettings
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
 from m31ctl.render.common import health_command, in_comment, render_spec, render_template
+from m31ctl.render.download import download_command
 from m31ctl.render.kube import literal
 from m31ctl.units import k8s_quantity
 
@@ -36,23 +37,6 @@ RAY_PORT = 6379
 # How long Ray nodes wait for each other, as vLLM's examples/online_serving/multi-node-serving.sh.
 RAY_JOIN_S = 300
 _MAX_LABEL = 63
-
-# The init container's download: the plan's checkpoint into the cache claim within its own
-# budget, so that the startup probe covers loading and compiling only. huggingface_hub reads
-# HF_TOKEN itself and resumes partial files; SIGALRM ends it at the budget (os._exit: the
-# download threads would keep the interpreter alive past a plain exception).
-_DOWNLOAD = """\
-import os, signal, sys
-from huggingface_hub import snapshot_download
-repo, budget, skip = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-def late(*_):
-    print(f"m31ctl: {repo} not downloaded within {budget} s (runtime.download_mbps sizes it); "
-          "the next start resumes it", file=sys.stderr, flush=True)
-    os._exit(124)
-signal.signal(signal.SIGALRM, late)
-signal.alarm(budget)
-snapshot_download(repo, ignore_patterns=skip or None)
-"""
 
 
 class Pods(NamedTuple):
@@ -260,19 +244,14 @@ def _engine_container(pods: Pods) -> dict[str, Any]:
 
 def _download_container(pods: Pods) -> dict[str, Any] | None:
     """The checkpoint download as an init container, with its own budget (budgets.download_s)."""
-    if not pods.downloads:
+    command = download_command(pods.deployment)
+    if not pods.downloads or command is None:
         return None
-    deployment = pods.deployment
-    plan = deployment.plan
-    draft = (plan.model.draft or {}).get("location")
-    # The draft's folder only when the plan drafts with it (as `m31ctl pull` does).
-    skip = [f"{draft.rstrip('/')}/*"] if draft and plan.settings.speculative.method != "dspark" else []
-    budget = str(deployment.budgets.download_s)
-    visibility = deployment.vendor.visibility_vars
+    visibility = pods.deployment.vendor.visibility_vars
     return {
         "name": "download",
         "image": pods.spec.image,
-        "command": ["python3", "-c", _DOWNLOAD, deployment.model.reference, budget, *skip],
+        "command": command,
         # The engine's environment (HF_ENDPOINT, proxies) but GPU visibility: it uses no GPU.
         "env": _env(pods, {k: v for k, v in pods.spec.env if k not in visibility}, (HF_TOKEN_ENV,)),
         "volumeMounts": [{"name": "hf-cache", "mountPath": HF_CACHE_IN_CONTAINER}],

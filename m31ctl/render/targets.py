@@ -10,7 +10,8 @@ from m31ctl.container import ContainerSpec
 from m31ctl.deployment import Deployment
 from m31ctl.errors import InputError
 from m31ctl.render.common import header, health_command, in_comment, render_spec, render_template
-from m31ctl.render.dockercli import docker_run_argv, publish_spec
+from m31ctl.render.dockercli import docker_download_argv, docker_run_argv, publish_spec
+from m31ctl.render.download import download_command
 from m31ctl.render.escape import Interpolation, compose_escape, yaml_file
 from m31ctl.render.k8s import k8s_comments, k8s_documents
 
@@ -47,10 +48,20 @@ def env_file_check(path: str, shown: str, code: int) -> str:
     )
 
 
+def _download_argv(deployment: Deployment, spec: ContainerSpec, token_by_name: bool) -> list[str]:
+    """The checkpoint download before the engine (render/download.py), or [] for a local one."""
+    command = download_command(deployment)
+    if command is None:
+        return []
+    return docker_download_argv(spec, command, deployment.vendor.visibility_vars, token_by_name)
+
+
 def render_script(deployment: Deployment) -> list[Artifact]:
     spec = render_spec(deployment)
     argv = docker_run_argv(spec._replace(secret_env=()), "detached")
     split = argv.index(spec.image)
+    download = _download_argv(deployment, spec, token_by_name=False)
+    at = download.index(spec.image) if download else 0
     content = render_template(
         "script.sh.j2",
         header_comment=header(deployment, "script"),
@@ -63,6 +74,9 @@ def render_script(deployment: Deployment) -> list[Artifact]:
         host_dirs=_writable_sources(spec),
         run_lines=_paired(argv[:split]),
         engine_lines=_paired(argv[split:]),
+        download_lines=_paired(download[:at]),
+        download_command=download[at:],
+        download_s=deployment.budgets.download_s,
         url=deployment.network.local_url,
         startup_timeout=spec.startup_timeout,
         health_argv=health_command(spec, "/v1/models"),
@@ -130,6 +144,8 @@ def render_systemd(deployment: Deployment) -> list[Artifact]:
         name=spec.name,
         host_dirs=_writable_sources(spec),
         run_argv=docker_run_argv(spec, "foreground"),
+        download_argv=_download_argv(deployment, spec, token_by_name=True),
+        download_s=deployment.budgets.download_s,
         ready_wait=readiness_wait(spec),
         startup_timeout=spec.startup_timeout,
         start_timeout=spec.startup_timeout + START_MARGIN_S,

@@ -52,6 +52,31 @@ fi
 # A bind mount (--mount) needs its source: create the cache as the user who runs this.
 mkdir -p /home/operator/.cache/huggingface
 
+# The checkpoint first, in the engine image, with its own budget of 2001 s
+# (runtime.download_mbps): the engine's start-up then covers loading and compiling only.
+# A download cut short is resumed by the next run.
+docker \
+  run \
+  --rm \
+  --name m31ctl-minimax-m31-flash-download \
+  --entrypoint python3 \
+  --mount type=bind,source=/home/operator/.cache/huggingface,target=/root/.cache/huggingface \
+  --env VLLM_FLOAT32_MATMUL_PRECISION=high \
+  "${secret_args[@]}" \
+  vllm/vllm-openai:minimax-m31-flash \
+  -c 'import os, signal, sys
+from huggingface_hub import snapshot_download
+repo, budget, skip = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def late(*_):
+    print(f"m31ctl: {repo} not downloaded within {budget} s (runtime.download_mbps sizes it); "
+          "the next start resumes it", file=sys.stderr, flush=True)
+    os._exit(124)
+signal.signal(signal.SIGALRM, late)
+signal.alarm(budget)
+snapshot_download(repo, ignore_patterns=skip or None)
+' \
+  MiniMaxAI/MiniMax-M3.1-Flash 2001
+
 docker \
   run \
   --detach \
