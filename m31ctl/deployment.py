@@ -7,18 +7,18 @@ consumer (the engine adapter, container specs, both runtimes, the render targets
 capacity, lock) reads these values; none derives them again, so they cannot disagree.
 
 Deriving reads two facts of the calling process, the user's home and the working directory (to
-expand `~` and relative model paths once); they are parameters, so the derivation stays a pure
-function of its inputs.
+expand `~` and relative model paths once, with m31ctl/checkpoint.py); they are parameters, so the
+derivation stays a pure function of its inputs.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import math
-import os
 from typing import NamedTuple
 
-from m31ctl.errors import HostPreconditionError, InputError
+from m31ctl.checkpoint import ModelSource, host_path, model_source
+from m31ctl.errors import HostPreconditionError
 from m31ctl.hardware import Hardware, VendorFacts, vendor_facts
 from m31ctl.netaddr import local_url
 from m31ctl.plan import Plan
@@ -32,53 +32,6 @@ HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface"
 STOP_MARGIN_S = 30
 # Megabits in a gigabyte (decimal units, as checkpoint sizes and link speeds are quoted).
 _MBIT_PER_GB = 8000
-
-
-class ModelSource(NamedTuple):
-    """Where the checkpoint comes from: a Hugging Face repo id, or a directory on the host.
-
-    A local directory is mounted at the same absolute path inside a container, so `reference`
-    (vLLM's first argument) is right both natively and in every container target."""
-
-    reference: str
-    local: bool
-
-    @property
-    def host_path(self) -> str | None:
-        return self.reference if self.local else None
-
-    @property
-    def repo_id(self) -> str | None:
-        return None if self.local else self.reference
-
-
-def model_source(path: str, home: str, cwd: str) -> ModelSource:
-    """`model.path` read once: `~` and relative paths become one absolute path; anything else is
-    a hub repo id (vLLM itself reads a path that does not start like a directory as a repo id)."""
-    if path == "~" or path.startswith("~/"):
-        return ModelSource(os.path.normpath(home + path[1:]), True)
-    if path.startswith("~"):
-        raise InputError(
-            f"model.path={path!r}: only the current user's home (~/) is expanded",
-            hint="write the absolute path",
-        )
-    if path in (".", "..") or path.startswith(("./", "../")):
-        return ModelSource(os.path.normpath(os.path.join(cwd, path)), True)
-    if os.path.isabs(path):
-        return ModelSource(os.path.normpath(path), True)
-    return ModelSource(path, False)
-
-
-def host_path(path: str, home: str, setting: str) -> str:
-    """A host directory setting (runtime.hf_cache) as one absolute path."""
-    if path == "~" or path.startswith("~/"):
-        return os.path.normpath(home + path[1:])
-    if not os.path.isabs(path):
-        raise InputError(
-            f"{setting}={path!r} must be an absolute path or start with ~/",
-            hint=f"--set {setting}=/data/huggingface",
-        )
-    return os.path.normpath(path)
 
 
 class Layout(NamedTuple):
@@ -231,8 +184,6 @@ class Deployment(NamedTuple):
 
 def derive(plan: Plan, *, home: str | None = None, cwd: str | None = None) -> Deployment:
     """The one Deployment of `plan` (home and cwd default to this process's)."""
-    home = home if home is not None else os.path.expanduser("~")
-    cwd = cwd if cwd is not None else os.getcwd()
     runtime = plan.settings.runtime
     model = model_source(plan.settings.model.path, home, cwd)
     layout = layout_of(plan)
@@ -240,7 +191,7 @@ def derive(plan: Plan, *, home: str | None = None, cwd: str | None = None) -> De
         plan=plan,
         name=runtime.container_name,
         model=model,
-        hf_cache=host_path(runtime.hf_cache, home, "runtime.hf_cache"),
+        hf_cache=host_path(runtime.hf_cache, "runtime.hf_cache", home),
         layout=layout,
         budgets=budgets_of(plan, model),
         network=Network(runtime.bind, runtime.port, CONTAINER_PORT),

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from m31ctl.checkpoint import model_source
 from m31ctl.container import container_spec
-from m31ctl.deployment import derive, model_source, require_fit
+from m31ctl.deployment import derive, require_fit
 from m31ctl.doctor.base import Context
 from m31ctl.doctor.checks import checkpoint_state
 from m31ctl.engine.adapter import NodeRole, build_invocation

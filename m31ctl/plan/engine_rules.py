@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 from collections.abc import Callable, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from m31ctl.checkpoint import cached_snapshot, host_path, model_source
 from m31ctl.errors import InputError, RuleViolation
 from m31ctl.hardware import Hardware, vendor_facts
 from m31ctl.plan.layers import Layer
@@ -173,28 +173,17 @@ class CheckpointFacts(NamedTuple):
     draft_unknown: str = ""  # why draft_block_size is None
 
 
-def _is_local(path: str) -> bool:
-    # As vLLM reads model.path: a path that does not start like a directory is a hub repo id.
-    return path == "~" or path.startswith(("~/", "/", "./", "../")) or path in (".", "..")
-
-
 def checkpoint_dir(settings: PlanSettings) -> tuple[Path | None, str]:
-    """The checkpoint's directory on this host, or None; and where it was looked for."""
-    path = settings.model.path
-    if _is_local(path):
-        local = Path(os.path.abspath(os.path.expanduser(path)))
+    """The checkpoint's directory on this host (holding its config.json), or None; and where it
+    was looked for. model.path and the cache are read as the Deployment reads them."""
+    source = model_source(settings.model.path)
+    if source.host_path is not None:
+        local = Path(source.host_path)
         return (local if (local / "config.json").is_file() else None), str(local)
-    hub = Path(os.path.expanduser(settings.runtime.hf_cache)) / "hub" / f"models--{path.replace('/', '--')}"
-    snapshots = hub / "snapshots"
-    try:
-        ref = (hub / "refs" / "main").read_text(encoding="utf-8").strip()
-        snapshot: Path | None = snapshots / ref
-    except OSError:
-        found = sorted(snapshots.iterdir()) if snapshots.is_dir() else []
-        snapshot = found[0] if len(found) == 1 else None
+    snapshot = cached_snapshot(host_path(settings.runtime.hf_cache, "runtime.hf_cache"), source.reference)
     if snapshot is not None and (snapshot / "config.json").is_file():
         return snapshot, str(snapshot)
-    return None, f"{path} in the Hugging Face cache {settings.runtime.hf_cache}"
+    return None, f"{source.reference} in the Hugging Face cache {settings.runtime.hf_cache}"
 
 
 def _read_json(path: Path) -> dict[str, Any]:

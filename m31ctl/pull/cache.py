@@ -13,18 +13,14 @@ import os
 import shutil
 from pathlib import Path
 
+from m31ctl.checkpoint import repo_folder
 from m31ctl.pull.model import RepoFile
-
-
-def hub_cache(hf_home: str) -> Path:
-    """The hub cache under the deployment's hf_cache (HF_HOME: the container mounts it whole)."""
-    return Path(hf_home) / "hub"
 
 
 class RepoCache:
     def __init__(self, cache_dir: Path, repo: str) -> None:
         self.cache_dir = cache_dir
-        self.root = cache_dir / f"models--{repo.replace('/', '--')}"
+        self.root = cache_dir / repo_folder(repo)
 
     def blob(self, etag: str) -> Path:
         return self.root / "blobs" / etag

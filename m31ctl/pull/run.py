@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from m31ctl.checkpoint import hub_dir
 from m31ctl.errors import CheckFailed, HostPreconditionError, InputError
-from m31ctl.pull.cache import RepoCache, free_space_at, hub_cache
+from m31ctl.pull.cache import RepoCache, free_space_at
 from m31ctl.pull.hub import HubTransport, Transport
 from m31ctl.pull.model import (
     Corrupt,
@@ -55,7 +56,7 @@ class PullTarget(NamedTuple):
 
 def pull_target(deployment: Deployment) -> PullTarget:
     plan, model = deployment.plan, deployment.model
-    cache_dir = hub_cache(deployment.hf_cache)
+    cache_dir = hub_dir(deployment.hf_cache)
     draft = (plan.model.draft or {}).get("location")
     with_draft = plan.settings.speculative.method == "dspark"
     if model.repo_id is None:

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+from m31ctl.checkpoint import cached_snapshot
 from m31ctl.deployment import Deployment
 from m31ctl.doctor.base import Context, Outcome
 from m31ctl.redact import SECRET_ENV
@@ -15,15 +16,11 @@ GB = 1e9
 
 
 def snapshot(deployment: Deployment) -> Path | None:
-    """The checkpoint directory: a local one, or the newest cached snapshot of the hub repo."""
+    """The checkpoint directory: a local one, or the cached snapshot vLLM would read offline."""
     model = deployment.model
     if model.host_path is not None:
         return Path(model.host_path) if Path(model.host_path).is_dir() else None
-    snapshots = (
-        Path(deployment.hf_cache) / "hub" / f"models--{model.reference.replace('/', '--')}" / "snapshots"
-    )
-    found = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
-    return found[-1] if found else None
+    return cached_snapshot(deployment.hf_cache, model.reference)
 
 
 def checkpoint_state(deployment: Deployment) -> tuple[str, str]:
