@@ -66,7 +66,7 @@ def run_bench(plan: Plan, opts: BenchOptions) -> int:
         raise InputError(f"--tolerance {opts.tolerance:g} must be a non-negative fraction", hint="e.g. 0.25")
     slo = figures.parse_slo(opts.slo) if opts.slo is not None else ()
     if opts.plot is not None:
-        from m31ctl.cli.plot import check_path
+        from m31ctl.cli.figure import check_path
 
         check_path(opts.plot)
     baseline = _read_baseline(opts.baseline, opts.workload) if opts.baseline is not None else None

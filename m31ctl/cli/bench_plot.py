@@ -8,7 +8,7 @@ from typing import Any
 
 from m31ctl.bench.figures import Limit, Point
 from m31ctl.bench.sweep import Sweep
-from m31ctl.errors import InputError
+from m31ctl.cli.figure import pyplot, save
 
 
 def slo_speed_floor(slo: tuple[Limit, ...]) -> tuple[float, str] | None:
@@ -25,13 +25,7 @@ def slo_speed_floor(slo: tuple[Limit, ...]) -> tuple[float, str] | None:
 
 
 def draw(sweep: Sweep, title: str, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InputError("--plot needs matplotlib", hint="pip install 'm31ctl[plot]'") from None
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(10, 5.5), dpi=110)
     right = max([*(p.tok_s_per_user for p in sweep.points), 1.0]) * 1.15
@@ -57,13 +51,7 @@ def draw(sweep: Sweep, title: str, path: Path) -> None:
         note = "No SLO given: every complete point qualifies. Blue: on the frontier."
     fig.text(0.01, 0.01, note, fontsize=7, ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    except OSError as exc:
-        raise InputError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    save(plt, fig, path)
 
 
 def _points(ax: Any, sweep: Sweep) -> None:

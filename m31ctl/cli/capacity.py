@@ -17,7 +17,7 @@ def run(
     plan = deployment.plan
     context = parse_context(context_text)
     if plot is not None:
-        from m31ctl.cli.plot import check_path
+        from m31ctl.cli.figure import check_path
 
         check_path(plot)
     fit = plan_fit(deployment, context)

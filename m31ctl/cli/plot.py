@@ -6,29 +6,16 @@ from pathlib import Path
 
 from m31ctl.capacity.fit import ComparisonRow, comparison
 from m31ctl.capacity.model import Layout
+from m31ctl.cli.figure import pyplot, save
 from m31ctl.deployment import Deployment
-from m31ctl.errors import InputError
 
 CONTEXTS = [2**k for k in range(13, 21)]  # 8K .. 1M
-FORMATS = (".png", ".svg", ".pdf")
-
-
-def check_path(path: Path) -> None:
-    """Refuse before any work: a name matplotlib would change (no suffix gets .png) or cannot write."""
-    if path.suffix.lower() not in FORMATS:
-        raise InputError(f"--plot {path}: use a file name ending in {', '.join(FORMATS)}")
 
 
 def draw(deployment: Deployment, layouts: dict[str, Layout], path: Path, note: str | None = None) -> None:
     """`note`: the sensitivity line of the plan's own figure, printed under the plot."""
     plan = deployment.plan
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise InputError("--plot needs matplotlib", hint="pip install 'm31ctl[plot]'") from None
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
     # The comparison's own rows at each context: what the table shows (and what the recipe's
     # rules allow, e.g. no NVFP4 cache on Hopper) is exactly what is drawn.
@@ -64,10 +51,4 @@ def draw(deployment: Deployment, layouts: dict[str, Layout], path: Path, note: s
     legend = "Markers: what the engine holds; dotted: the launch post's basis (main attention only)."
     fig.subplots_adjust(bottom=0.18)
     fig.text(0.01, 0.01, f"{legend}\n{note}" if note else legend, fontsize=7, ha="left", va="bottom")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-    except OSError as exc:
-        raise InputError(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+    save(plt, fig, path)
