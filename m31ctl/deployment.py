@@ -125,6 +125,30 @@ class Network(NamedTuple):
         return not ipaddress.ip_address(self.bind).is_loopback
 
 
+class Draft(NamedTuple):
+    """The checkpoint's speculative-decoding draft: its folder inside the checkpoint (DSpark's ships
+    in dspark/, seed 000) and whether the plan drafts with it. Pull and the rendered downloads
+    fetch the folder only when it is used; doctor requires it then."""
+
+    folder: str | None  # "dspark/"; None when the model has no draft folder
+    used: bool
+
+    @property
+    def skipped(self) -> str | None:
+        """The download pattern that leaves the folder out, when the plan does not use it."""
+        return f"{self.folder.rstrip('/')}/*" if self.folder and not self.used else None
+
+
+# Where DSpark drafts live in a checkpoint when the model facts do not say (the launch post).
+DSPARK_FOLDER = "dspark/"
+
+
+def draft_of(plan: Plan) -> Draft:
+    used = plan.settings.speculative.method == "dspark"
+    folder = (plan.model.draft or {}).get("location") or (DSPARK_FOLDER if used else None)
+    return Draft(folder, used)
+
+
 class Secrets(NamedTuple):
     """The secrets the server reads from its environment, by name only (never their values)."""
 
@@ -172,6 +196,7 @@ class Deployment(NamedTuple):
     secrets: Secrets
     vendor: VendorFacts
     gpus: GpuSelection
+    draft: Draft
 
     @property
     def simulated(self) -> bool:
@@ -198,6 +223,7 @@ def derive(plan: Plan, *, home: str | None = None, cwd: str | None = None) -> De
         secrets=secrets_of(plan),
         vendor=vendor_facts(plan.hardware.vendor),
         gpus=gpu_selection(plan.hardware, layout.gpus_per_node),
+        draft=draft_of(plan),
     )
 
 

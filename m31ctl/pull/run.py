@@ -55,10 +55,9 @@ class PullTarget(NamedTuple):
 
 
 def pull_target(deployment: Deployment) -> PullTarget:
-    plan, model = deployment.plan, deployment.model
+    model = deployment.model
     cache_dir = hub_dir(deployment.hf_cache)
-    draft = (plan.model.draft or {}).get("location")
-    with_draft = plan.settings.speculative.method == "dspark"
+    draft, with_draft = deployment.draft
     if model.repo_id is None:
         return PullTarget(None, model.host_path, cache_dir, draft, with_draft)
     if not _REPO_ID.match(model.repo_id):

@@ -35,7 +35,6 @@ def download_command(deployment: Deployment) -> list[str] | None:
     repo = deployment.model.repo_id
     if repo is None:
         return None
-    plan = deployment.plan
-    draft = (plan.model.draft or {}).get("location")
-    skip = [f"{draft.rstrip('/')}/*"] if draft and plan.settings.speculative.method != "dspark" else []
+    skipped = deployment.draft.skipped
+    skip = [skipped] if skipped else []
     return ["python3", "-c", DOWNLOAD_SCRIPT, repo, str(max(1, deployment.budgets.download_s)), *skip]

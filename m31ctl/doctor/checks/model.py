@@ -26,7 +26,6 @@ def snapshot(deployment: Deployment) -> Path | None:
 def checkpoint_state(deployment: Deployment) -> tuple[str, str]:
     """("complete" | "partial" | "absent", why): every shard model.safetensors.index.json names is
     present with a plausible size, and the dspark/ draft too when the plan uses DSpark."""
-    plan = deployment.plan
     directory = snapshot(deployment)
     if directory is None:
         return "absent", "not downloaded"
@@ -44,8 +43,9 @@ def checkpoint_state(deployment: Deployment) -> tuple[str, str]:
     missing = [s for s in shards if not (directory / s).is_file() or (directory / s).stat().st_size < 1024]
     if missing:
         return "partial", f"{len(missing)} of {len(shards)} shards missing or empty (e.g. {missing[0]})"
-    if plan.settings.speculative.method == "dspark" and not (directory / "dspark").is_dir():
-        return "partial", "the dspark/ draft the plan uses is missing"
+    draft = deployment.draft
+    if draft.used and draft.folder and not (directory / draft.folder).is_dir():
+        return "partial", f"the {draft.folder} draft the plan uses is missing"
     return "complete", f"{len(shards)} shards in {directory}"
 
 
