@@ -180,3 +180,25 @@ def test_the_cpu_rehearsal_runs_any_number_of_ranks_on_its_one_host():
     deployment = derive(resolve(PlanRequest(hardware=simulated("cpu"), sets=("parallelism.tensor=2",))))
     require_fit(deployment)  # no refusal
     assert deployment.layout.gpus_per_node == 2
+
+
+def test_the_draft_folder_is_one_fact_for_pull_render_and_doctor(tmp_path):
+    """Blackwell drafts with DSpark from the checkpoint's dspark/ folder: doctor requires it, the
+    rendered download fetches it; Hopper does not draft, so its download leaves the folder out."""
+    from m31ctl.render.download import download_command
+
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\0" * 4096)
+    blackwell = derive(plan_for("b300x4", f"model.path={model}"))
+    assert blackwell.draft == ("dspark/", True) and blackwell.draft.skipped is None
+    state, why = checkpoint_state(blackwell)
+    assert (state, why) == ("partial", "the dspark/ draft the plan uses is missing")
+    (model / "dspark").mkdir()
+    assert checkpoint_state(blackwell)[0] == "complete"
+    hopper = derive(plan_for("h200x8"))
+    assert hopper.draft == ("dspark/", False)
+    command = download_command(hopper)
+    assert command is not None and command[-1] == "dspark/*"
+    command = download_command(derive(plan_for("b300x4")))
+    assert command is not None and command[-1] != "dspark/*"
