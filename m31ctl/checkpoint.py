@@ -83,15 +83,20 @@ def repo_cache(hf_cache: str | Path, repo: str) -> Path:
     return hub_dir(hf_cache) / repo_folder(repo)
 
 
+def cached_commit(hf_cache: str | Path, repo: str, revision: str = "main") -> str | None:
+    """The commit `revision` resolved to when it was last downloaded (refs/<revision>), or None."""
+    try:
+        commit = (repo_cache(hf_cache, repo) / "refs" / revision).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return commit if commit.isalnum() and len(commit) <= 64 else None
+
+
 def cached_snapshot(hf_cache: str | Path, repo: str) -> Path | None:
     """The snapshot an offline vLLM reads for `repo` without a revision: the commit refs/main
     names, else (no ref written) the newest snapshot; None when nothing is cached."""
-    root = repo_cache(hf_cache, repo)
-    snapshots = root / "snapshots"
-    try:
-        commit = (root / "refs" / "main").read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        commit = ""
+    snapshots = repo_cache(hf_cache, repo) / "snapshots"
+    commit = cached_commit(hf_cache, repo)
     if commit and (snapshots / commit).is_dir():
         return snapshots / commit
     found = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []

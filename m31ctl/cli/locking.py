@@ -31,15 +31,14 @@ def current_lock(plan: Plan, files: tuple[Path, ...]) -> LockFile:
 
 def _checkpoint(plan: Plan) -> LockedCheckpoint | None:
     """The hub repo and the commit its cache holds (None for a local checkpoint directory)."""
-    from m31ctl.checkpoint import hub_dir
+    from m31ctl.checkpoint import cached_commit
     from m31ctl.deployment import derive
-    from m31ctl.pull.cache import RepoCache
 
     deployment = derive(plan)
     repo = deployment.model.repo_id
     if repo is None:
         return None
-    return LockedCheckpoint(repo=repo, commit=RepoCache(hub_dir(deployment.hf_cache), repo).read_ref())
+    return LockedCheckpoint(repo=repo, commit=cached_commit(deployment.hf_cache, repo))
 
 
 def compare(path: Path, plan: Plan, files: tuple[Path, ...]) -> tuple[LockFile, LockFile, list[Drift]]:

@@ -55,14 +55,6 @@ class RepoCache:
             if path.is_file():
                 path.unlink()
 
-    def read_ref(self, revision: str = "main") -> str | None:
-        """The commit `revision` resolved to when it was last downloaded, or None."""
-        try:
-            commit = (self.root / "refs" / revision).read_text(encoding="ascii").strip()
-        except (OSError, UnicodeDecodeError):
-            return None
-        return commit if commit.isalnum() and len(commit) <= 64 else None
-
     def write_ref(self, revision: str, commit: str) -> None:
         """refs/<revision> -> commit, as hf_hub_download writes it, once every file is in place."""
         if revision == commit:
