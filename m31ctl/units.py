@@ -34,6 +34,15 @@ def k8s_quantity(text: str) -> str:
     return match["number"] + _K8S_SUFFIX.get(match["unit"], "")
 
 
+def quantity_bytes(quantity: str) -> int:
+    """The bytes of a quantity k8s_quantity wrote (`64Gi` -> 64 GiB): its inverse, for what reads
+    a rendered manifest back (the rehearsal sizes a pod's memory-backed emptyDir with it)."""
+    for unit, suffix in _K8S_SUFFIX.items():
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) * _UNITS[unit]
+    return int(quantity)
+
+
 def _checked(text: str) -> str:
     parse_size(text)
     return text

@@ -92,6 +92,15 @@ def test_pods_get_the_lws_environment_and_dns_names(tmp_path):
         "liveness GET :8000/health",
     ]
     assert worker.probes == ()
+    # The pod's memory-backed /dev/shm (emptyDir sizeLimit, a Kubernetes quantity) becomes a tmpfs
+    # of the same bytes as the plan's runtime.shm_size.
+    from m31ctl.rehearsal.kubelet import run_args
+    from m31ctl.units import parse_size
+
+    args = run_args(leader, "s", "net")
+    (shm,) = [a for a in args if "destination=/dev/shm" in a]
+    shm_size = prepared.deployment.plan.settings.runtime.shm_size
+    assert shm == f"type=tmpfs,destination=/dev/shm,tmpfs-size={parse_size(shm_size)}"
 
 
 def _lws(command: list[str], env: list[dict[str, object]], links: bool = False) -> list[dict[str, object]]:

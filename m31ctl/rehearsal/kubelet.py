@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from m31ctl.rehearsal.dockercli import SESSION_LABEL, DockerCLI, Done
 from m31ctl.rehearsal.pods import PodRun, Probe, Volume
+from m31ctl.units import quantity_bytes
 
 PROBE_PERIOD_S = 2.0
 
@@ -34,22 +35,12 @@ def _mount(volume: Volume, session: str) -> list[str]:
     if volume.kind == "host":
         ro = ",readonly" if volume.read_only else ""
         return ["--mount", f"type=bind,source={volume.source},target={volume.target}{ro}"]
-    size = f",tmpfs-size={_bytes(volume.size)}" if volume.size else ""
+    size = f",tmpfs-size={quantity_bytes(volume.size)}" if volume.size else ""
     return ["--mount", f"type=tmpfs,destination={volume.target}{size}"]
 
 
 def claim_volume(session: str, claim: str) -> str:
     return f"m31ctl-rh-{session}-{claim}"
-
-
-_UNITS = {"Ki": 1024, "Mi": 1024**2, "Gi": 1024**3, "Ti": 1024**4, "k": 1000, "M": 10**6, "G": 10**9}
-
-
-def _bytes(quantity: str) -> int:
-    for unit, factor in sorted(_UNITS.items(), key=lambda kv: -len(kv[0])):
-        if quantity.endswith(unit):
-            return int(float(quantity[: -len(unit)]) * factor)
-    return int(quantity)
 
 
 def run_args(pod: PodRun, session: str, network: str) -> list[str]:
