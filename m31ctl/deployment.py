@@ -13,7 +13,6 @@ derivation stays a pure function of its inputs.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from typing import NamedTuple
 
@@ -119,10 +118,6 @@ class Network(NamedTuple):
     def local_url(self) -> str:
         """Where this host reaches the server."""
         return local_url(self.bind, self.port)
-
-    @property
-    def exposed(self) -> bool:
-        return not ipaddress.ip_address(self.bind).is_loopback
 
 
 class Draft(NamedTuple):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
-
 from m31ctl.hardware import Hardware, vendor_facts
 from m31ctl.plan.settings import PlanSettings
 
@@ -21,7 +19,7 @@ def runtime_warnings(settings: PlanSettings, hw: Hardware) -> tuple[str, ...]:
             "NAME@sha256:DIGEST)"
         )
     bind = settings.runtime.bind
-    if not ipaddress.ip_address(bind).is_loopback:
+    if settings.runtime.exposed:
         # vLLM 0.32 entrypoints/serve/middleware/authenticate.py: GUARDED_PREFIX.
         notes.append(
             f"runtime.bind={bind} exposes the API, and vLLM's key guards only /v1, /v2, /inference and "

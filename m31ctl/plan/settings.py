@@ -232,9 +232,14 @@ class Runtime(_Frozen):
                 "::1, or 0.0.0.0 / :: (every interface, with runtime.api_key=true)"
             ) from None
 
+    @property
+    def exposed(self) -> bool:
+        """Whether the API is reachable beyond this host (any bind but a loopback address)."""
+        return not ipaddress.ip_address(self.bind).is_loopback
+
     @model_validator(mode="after")
     def _exposed_needs_key(self) -> Runtime:
-        if not ipaddress.ip_address(self.bind).is_loopback and not self.api_key:
+        if self.exposed and not self.api_key:
             raise ValueError(
                 f"runtime.bind={self.bind} exposes the server beyond this host, which requires an API key: "
                 "also set runtime.api_key=true and provide VLLM_API_KEY"
