@@ -23,6 +23,10 @@ class ModelSource(NamedTuple):
 
     reference: str
     local: bool
+    # The hub commit the deployment is pinned at (a rendered target downloads it, then serves it
+    # offline); None: not pinned (a local directory, or launch, which pulls and then serves the
+    # pulled snapshot offline).
+    commit: str | None = None
 
     @property
     def host_path(self) -> str | None:

@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
+import grp
 from typing import Any, NamedTuple
 
 from m31ctl import __version__
 from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment
 from m31ctl.engine.adapter import build_invocation
+from m31ctl.labels import OWNER, Label
 from m31ctl.plan import Plan
 
 LOG_MAX_SIZE = "100m"
 LOG_MAX_FILES = 5
-
-
-class Label:
-    """The label keys m31ctl puts on what it starts (containers, Kubernetes annotations, native
-    state files): one table, read back by status, stop and converge."""
-
-    OWNER = "io.m31ctl.owner"
-    PLAN_HASH = "io.m31ctl.plan-hash"
-    RECIPE = "io.m31ctl.recipe"
-    VARIANT = "io.m31ctl.variant"
-    PROFILE = "io.m31ctl.profile"
-    SERVED_MODEL = "io.m31ctl.served-model"
-    VERSION = "io.m31ctl.version"
-
-
-# The owner label's value: only what carries it is ever changed or removed.
-OWNER = "m31ctl"
 
 
 class Mount(NamedTuple):
@@ -93,8 +78,6 @@ def labels_for(plan: Plan) -> tuple[tuple[str, str], ...]:
 
 def _host_render_gid() -> tuple[str, ...]:
     """The numeric GID of this host's `render` group: the image may not know the name."""
-    import grp
-
     try:
         return (str(grp.getgrnam("render").gr_gid),)
     except KeyError:
@@ -143,6 +126,6 @@ def container_spec(deployment: Deployment, on_this_host: bool = True) -> Contain
         host_port=d.network.port,
         container_port=d.network.container_port,
         restart="unless-stopped",
-        stop_timeout=d.budgets.stop_s,
-        startup_timeout=d.budgets.startup_s,
+        stop_timeout=d.timeline.stop_s,
+        startup_timeout=d.timeline.ready_s,
     )

@@ -11,11 +11,13 @@ from collections.abc import Callable
 from typing import Any
 
 from m31ctl.deployment import Deployment, require_fit
-from m31ctl.doctor import preflight
+from m31ctl.doctor import diagnose_plan, preflight, report_json
+from m31ctl.engine.adapter import OFFLINE_ENV
+from m31ctl.errors import InputError
 from m31ctl.runtime import get_runtime
-from m31ctl.runtime.base import DryRun, LaunchOptions, LaunchResult, Runtime
-from m31ctl.runtime.gates import unknown_gates
-from m31ctl.runtime.launching import OFFLINE_ENV
+from m31ctl.runtime.protocol import DryRun, LaunchOptions, LaunchResult
+from m31ctl.timeline import ENGINE_READY_ENV
+from m31ctl.timeline import conflicts as clock_conflicts
 
 
 def launch(
@@ -31,37 +33,60 @@ def launch(
     when it pulled one), then let the runtime converge on the plan. Nothing starts if a check fails."""
     runtime = get_runtime(runtime_name)
     require_fit(deployment)
-    checks = preflight(deployment, gate_ids(runtime), options.environ, deep=runtime_name if deep else None)
-    for result in checks:
-        if result.status == "warn":
-            options.report(f"warning: {result.title}: {result.message}")
-    if fetch is not None and fetch(deployment):
+    refuse_group(deployment, runtime_name)
+    # A P/D group's engines are its roles: each is checked as the engine it is (its own
+    # kv-transfer config, port and environment); a warning both share is said once.
+    warned: set[tuple[str, str]] = set()
+    for engine in deployment.engines:
+        checks = preflight(engine, runtime.gates, options.environ, deep=runtime_name if deep else None)
+        for result in checks:
+            if result.status == "warn" and (result.title, result.message) not in warned:
+                warned.add((result.title, result.message))
+                options.report(f"warning: {result.title}: {result.message}")
+    pulled = fetch is not None and fetch(deployment)
+    engine_downloads = not pulled and not deployment.model.local
+    for warning in timeout_warnings(deployment, options.timeout, engine_downloads):
+        options.report(f"warning: {warning}")
+    for conflict in clock_conflicts(deployment.timeline, dict(deployment.plan.settings.runtime.env)):
+        options.report(f"warning: {conflict.message}")
+    if pulled:
         # The pinned snapshot is in the cache: the engine reads it without asking the hub again.
         options = dataclasses.replace(options, environ={**options.environ, OFFLINE_ENV: "1"})
+    elif engine_downloads:
+        options = _engine_downloads(deployment, options)
     if options.diagnostics is None:
         options = dataclasses.replace(options, diagnostics=lambda: _diagnostics(deployment))
     return runtime.launch(deployment, options)
 
 
-def gate_ids(runtime: Runtime) -> tuple[str, ...]:
-    """The ids of the checks that gate a launch on `runtime`. A gate that no registered check
-    carries is a bug (a check renamed in doctor), refused here rather than left out of the
-    preflight: a launch must never start with fewer checks than its runtime asked for."""
-    from m31ctl.doctor.checks import all_checks
+def _engine_downloads(deployment: Deployment, options: LaunchOptions) -> LaunchOptions:
+    """No pull before the engine (--no-pull): vLLM fetches the checkpoint inside its engine
+    core's start, so its ready limit and launch's wait cover the download too."""
+    timeline = deployment.timeline
+    environ = {**options.environ, ENGINE_READY_ENV: str(timeline.engine_ready_with_download_s)}
+    timeout = options.timeout if options.timeout is not None else float(timeline.start_s)
+    return dataclasses.replace(options, environ=environ, timeout=timeout)
 
-    missing = unknown_gates(runtime.gates, {check.id for check in all_checks()})
-    if missing:
-        raise RuntimeError(
-            f"the {runtime.name} runtime gates launches on checks doctor does not have: "
-            + ", ".join(gate.value for gate in missing)
-        )
-    return tuple(gate.value for gate in runtime.gates)
+
+def timeout_warnings(deployment: Deployment, timeout: float | None, engine_downloads: bool) -> list[str]:
+    """A --timeout shorter than what the plan's timeline needs: the launch gives up on a start
+    the engine would finish (both settings named)."""
+    if timeout is None:
+        return []
+    timeline = deployment.timeline
+    needed = timeline.start_s if engine_downloads else timeline.ready_s
+    if timeout >= needed:
+        return []
+    what = (
+        f"the download ({timeline.download_s} s, runtime.download_mbps) plus the start ({timeline.ready_s} s)"
+        if engine_downloads
+        else f"the start ({timeline.ready_s} s: runtime.load_and_compile_s={timeline.load_s} and the API)"
+    )
+    return [f"--timeout {timeout:g} is shorter than {what}: launch gives up on a start that may finish"]
 
 
 def _diagnostics(deployment: Deployment) -> dict[str, Any]:
     """For a stalled launch's triage bundle: the doctor's report and each GPU's memory now."""
-    from m31ctl.doctor import diagnose_plan, report_json
-
     found = diagnose_plan(deployment)
     return {
         "doctor": report_json(found.report),
@@ -69,5 +94,16 @@ def _diagnostics(deployment: Deployment) -> dict[str, Any]:
     }
 
 
+def refuse_group(deployment: Deployment, runtime_name: str) -> None:
+    """A P/D group on a runtime that cannot run one: one line, before any check or start."""
+    if deployment.disaggregated is not None and not get_runtime(runtime_name).runs_groups:
+        raise InputError(
+            f"the {runtime_name} runtime does not launch a P/D plan (prefill, decode and router)",
+            hint="launch it with --runtime native, or render it (m31ctl render --target compose "
+            "or --target k8s) and run that",
+        )
+
+
 def dry_run(deployment: Deployment, runtime_name: str) -> DryRun:
+    refuse_group(deployment, runtime_name)
     return get_runtime(runtime_name).dry_run(deployment)

@@ -13,7 +13,6 @@ derivation stays a pure function of its inputs.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 from m31ctl.checkpoint import ModelSource, host_path, model_source
@@ -21,16 +20,24 @@ from m31ctl.errors import HostPreconditionError
 from m31ctl.hardware import Hardware, VendorFacts, vendor_facts
 from m31ctl.netaddr import local_url
 from m31ctl.plan import Plan
+from m31ctl.plan.disaggregation import (
+    ROLES,
+    Connector,
+    Role,
+    connector_of,
+    role_ports,
+    role_settings,
+    ucx_transports,
+)
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
+from m31ctl.timeline import RouterTimeline, Timeline, TimelineInputs, router_timeline, timeline_of
 
 # The port vLLM listens on inside a container (published to runtime.port on the host).
 CONTAINER_PORT = 8000
 HF_CACHE_IN_CONTAINER = "/root/.cache/huggingface"
-# How long the runtime waits beyond vLLM's own drain window (serving.shutdown_timeout) before it
-# kills: the engine's workers exit after the API server, and a kill mid-exit leaves GPU memory held.
-STOP_MARGIN_S = 30
-# Megabits in a gigabyte (decimal units, as checkpoint sizes and link speeds are quoted).
-_MBIT_PER_GB = 8000
+# The cache a system service uses when the plan leaves runtime.hf_cache at its built-in default
+# (`~/...`, the renderer's home, which means nothing on the server a unit is installed on).
+SERVICE_HF_CACHE = "/var/lib/m31ctl/huggingface"
 
 
 class Layout(NamedTuple):
@@ -86,27 +93,21 @@ def layout_of(plan: Plan) -> Layout:
     )
 
 
-class Budgets(NamedTuple):
-    """Seconds each phase may take, from the plan (docs/decisions.md: startup budget)."""
-
-    download_s: int  # 0 for a local checkpoint
-    load_and_compile_s: int
-    startup_s: int  # from start to ready
-    drain_s: int  # vLLM's own drain on SIGTERM (serving.shutdown_timeout)
-    stop_s: int  # what the runtime waits before it kills
-
-
-def budgets_of(plan: Plan, model: ModelSource) -> Budgets:
+def timeline_for(plan: Plan, model: ModelSource, layout: Layout) -> Timeline:
+    """The plan's clocks (m31ctl/timeline.py), from the facts they depend on."""
     runtime = plan.settings.runtime
-    download = (
-        0 if model.local else math.ceil(plan.model.checkpoint_gb * _MBIT_PER_GB / runtime.download_mbps)
+    return timeline_of(
+        TimelineInputs(
+            checkpoint_gb=plan.model.checkpoint_gb,
+            local_checkpoint=model.local,
+            download_mbps=runtime.download_mbps,
+            load_and_compile_s=runtime.load_and_compile_s,
+            startup_timeout=runtime.startup_timeout,
+            shutdown_timeout=plan.settings.serving.shutdown_timeout,
+            nodes=layout.nodes,
+            over_ray=layout.over_ray,
+        )
     )
-    startup = runtime.startup_timeout
-    if startup is None:
-        # A 250.1 GB checkpoint at 1 Gbit/s is 2,001 s; below about 560 Mbit/s it alone passes an hour.
-        startup = download + runtime.load_and_compile_s
-    drain = plan.settings.serving.shutdown_timeout
-    return Budgets(download, runtime.load_and_compile_s, startup, drain, drain + STOP_MARGIN_S)
 
 
 class Network(NamedTuple):
@@ -165,19 +166,92 @@ def secrets_of(plan: Plan) -> Secrets:
 class GpuSelection(NamedTuple):
     """Which GPUs of the host the server gets, when the plan was made from this host's probe
     (which honours *_VISIBLE_DEVICES): NVIDIA by UUID, AMD by render node. Empty for a simulated
-    host, where the container runtime picks by count (NVIDIA) or gets every device (AMD)."""
+    host, where the container runtime picks by count (NVIDIA) or gets every device (AMD).
+    `indices`: the host's GPU indices, set where engines share a host (a P/D pair's roles take
+    GPUs 0..n-1 and n..n+m-1), so a runtime never hands both the same GPUs by count."""
 
     uuids: tuple[str, ...]
     render_nodes: tuple[str, ...]
+    indices: tuple[int, ...] = ()
 
 
-def gpu_selection(hw: Hardware, count: int) -> GpuSelection:
+def gpu_selection(hw: Hardware, count: int, first: int | None = None) -> GpuSelection:
+    """The `count` GPUs from index `first` (None: the host's first GPUs, picked by count where
+    the host is simulated)."""
+    indices = tuple(range(first, first + count)) if first is not None else ()
     if hw.simulated:
-        return GpuSelection((), ())
-    chosen = hw.gpus[:count]
+        return GpuSelection((), (), indices)
+    chosen = hw.gpus[first or 0 :][:count]
     uuids = tuple(g.uuid for g in chosen if g.uuid)
     nodes = tuple(g.render_node for g in chosen if g.render_node)
-    return GpuSelection(uuids if len(uuids) == count else (), nodes if len(nodes) == count else ())
+    return GpuSelection(uuids if len(uuids) == count else (), nodes if len(nodes) == count else (), indices)
+
+
+class KvTransfer(NamedTuple):
+    """A P/D role engine's part in the KV transfer (plan/disaggregation.py has the rules)."""
+
+    role: Role
+    connector: Connector
+    side_channel_port: int
+    ucx_transports: str | None  # None where the connector does not use UCX
+    ucx_net_devices: str | None
+    load_failure_policy: str
+
+
+class Router(NamedTuple):
+    """vllm-router in front of the pair: where clients reach it and how it pairs."""
+
+    name: str  # its container, unit, Kubernetes objects
+    image: str
+    network: Network  # runtime.bind and runtime.port: the API clients use
+    connector: str  # vllm-router's --kv-connector
+    policy: str
+    metrics_port: int  # 0: chosen free at launch; rendered files use RENDERED_ROUTER_METRICS_PORT
+    health_check_interval_s: int
+    health_check_timeout_s: int
+
+
+# vllm-router's Prometheus port in rendered files (its default, vllm-project/router); launch picks
+# a free one instead when disaggregation.router.metrics_port is 0.
+RENDERED_ROUTER_METRICS_PORT = 29000
+
+
+class Listener(NamedTuple):
+    """A port a part of the deployment listens on, and the setting that moves it."""
+
+    setting: str
+    bind: str
+    port: int
+
+
+class Disaggregated(NamedTuple):
+    """A P/D deployment's parts: each role engine is a Deployment of its own (derived from the
+    role's settings), and the router is the one endpoint."""
+
+    prefill: Deployment
+    decode: Deployment
+    router: Router
+
+    @property
+    def roles(self) -> tuple[Deployment, Deployment]:
+        return (self.prefill, self.decode)
+
+    @property
+    def gpus(self) -> int:
+        return sum(role.layout.gpus for role in self.roles)
+
+    @property
+    def router_timeline(self) -> RouterTimeline:
+        """The router's clocks, from its roles' timelines (timeline.router_timeline)."""
+        return router_timeline([role.timeline for role in self.roles])
+
+    @property
+    def one_host(self) -> bool:
+        """Both roles on one node of the host: Compose, a script, systemd or launch can run the
+        pair; otherwise only Kubernetes places the roles on their own nodes."""
+        return all(not role.layout.spans_nodes for role in self.roles) and (
+            not self.prefill.vendor.gpus or self.gpus <= self.prefill.layout.gpus_per_host
+        )
 
 
 class Deployment(NamedTuple):
@@ -185,46 +259,175 @@ class Deployment(NamedTuple):
     name: str  # the server's name: container, unit, Kubernetes objects, native state
     model: ModelSource
     hf_cache: str  # absolute, on the host
+    # The cache of a system service (the systemd target): hf_cache when the plan names one,
+    # else SERVICE_HF_CACHE (the built-in `~/` default is the renderer's home).
+    service_hf_cache: str
     layout: Layout
-    budgets: Budgets
+    timeline: Timeline
     network: Network
     secrets: Secrets
     vendor: VendorFacts
     gpus: GpuSelection
     draft: Draft
+    # A P/D role engine's KV transfer; None for an aggregated server and for the group itself.
+    kv_transfer: KvTransfer | None = None
+    # A P/D plan's parts (role engines and router); None for an aggregated server.
+    disaggregated: Disaggregated | None = None
 
     @property
     def simulated(self) -> bool:
         return self.plan.hardware.simulated
 
     @property
+    def engines(self) -> tuple[Deployment, ...]:
+        """The vLLM engines this deployment runs: a P/D group's roles, else itself."""
+        return self.disaggregated.roles if self.disaggregated else (self,)
+
+    @property
+    def answering_engine(self) -> Deployment:
+        """The engine whose /metrics describe what clients are served: a P/D group's decode role
+        (its prompts arrive as KV from prefill; the router exports only its own metrics), else
+        this server itself."""
+        return self.disaggregated.decode if self.disaggregated else self
+
+    @property
+    def listeners(self) -> tuple[Listener, ...]:
+        """Every port this deployment's processes listen on, on their host: the endpoint, and for a
+        P/D group each role's API port and NIXL side-channel ports (one per data-parallel rank,
+        nixl/base_scheduler.py) and the router's metrics port when it is fixed."""
+        found = [Listener("runtime.port", self.network.bind, self.network.port)]
+        group = self.disaggregated
+        if group is None:
+            return tuple(found)
+        for role in group.roles:
+            assert role.kv_transfer is not None  # a role engine of the group
+            key = f"disaggregation.{role.kv_transfer.role.value}"
+            found.append(Listener(f"{key}.port", role.network.bind, role.network.port))
+            first = role.kv_transfer.side_channel_port
+            found += [
+                Listener(f"{key}.side_channel_port", role.network.bind, first + rank)
+                for rank in range(role.layout.data_local)
+            ]
+        if group.router.metrics_port:
+            found.append(
+                Listener("disaggregation.router.metrics_port", self.network.bind, group.router.metrics_port)
+            )
+        return tuple(found)
+
+    @property
+    def serving_gpus(self) -> int:
+        """The GPUs that serve this deployment's requests: every engine's (a P/D group's prefill
+        and decode together), what per-GPU throughput and a GPU-hour price divide by."""
+        return sum(engine.layout.gpus for engine in self.engines)
+
+    @property
+    def serving_nodes(self) -> int:
+        """The nodes those GPUs are on: a P/D pair on one host is one node, else each role's own
+        (Kubernetes places the roles on nodes of their own); what a node-hour price multiplies."""
+        if self.disaggregated is not None and self.disaggregated.one_host:
+            return 1
+        return sum(engine.layout.nodes for engine in self.engines)
+
+    @property
     def hardware(self) -> Hardware:
         return self.plan.hardware
 
 
-def derive(plan: Plan, *, home: str | None = None, cwd: str | None = None) -> Deployment:
-    """The one Deployment of `plan` (home and cwd default to this process's)."""
-    runtime = plan.settings.runtime
+def derive(
+    plan: Plan, *, home: str | None = None, cwd: str | None = None, commit: str | None = None
+) -> Deployment:
+    """The one Deployment of `plan` (home and cwd default to this process's). `commit`: the hub
+    commit to pin a hub checkpoint at (resolved by the caller: the lock's, or the hub's answer
+    at render time); ignored for a local checkpoint."""
     model = model_source(plan.settings.model.path, home, cwd)
+    if commit is not None and not model.local:
+        model = model._replace(commit=commit)
+    if plan.settings.disaggregation.enabled:
+        return _derive_disaggregated(plan, model, home)
+    return _derive_engine(plan, model, home, gpu_selection(plan.hardware, layout_of(plan).gpus_per_node))
+
+
+def _derive_engine(
+    plan: Plan, model: ModelSource, home: str | None, gpus: GpuSelection, kv: KvTransfer | None = None
+) -> Deployment:
+    runtime = plan.settings.runtime
     layout = layout_of(plan)
     return Deployment(
         plan=plan,
         name=runtime.container_name,
         model=model,
-        hf_cache=host_path(runtime.hf_cache, "runtime.hf_cache", home),
+        hf_cache=(hf_cache := host_path(runtime.hf_cache, "runtime.hf_cache", home)),
+        service_hf_cache=hf_cache if _named_by_user(plan, "runtime.hf_cache") else SERVICE_HF_CACHE,
         layout=layout,
-        budgets=budgets_of(plan, model),
+        timeline=timeline_for(plan, model, layout),
         network=Network(runtime.bind, runtime.port, CONTAINER_PORT),
         secrets=secrets_of(plan),
         vendor=vendor_facts(plan.hardware.vendor),
-        gpus=gpu_selection(plan.hardware, layout.gpus_per_node),
+        gpus=gpus,
         draft=draft_of(plan),
+        kv_transfer=kv,
     )
+
+
+def _derive_disaggregated(plan: Plan, model: ModelSource, home: str | None) -> Deployment:
+    """The group: each role's engine derived from the role's settings (its own layout, port,
+    name, GPUs), the router on the plan's API address, and the group under the plan's name."""
+    settings, hw = plan.settings, plan.hardware
+    pd = settings.disaggregation
+    connector = connector_of(settings)
+    first = 0
+    roles: list[Deployment] = []
+    for role in ROLES:
+        role_plan = plan._replace(settings=role_settings(settings, role))
+        per_node = layout_of(role_plan).gpus_per_node
+        kv = KvTransfer(
+            role=role,
+            connector=connector,
+            side_channel_port=role_ports(settings, role).side_channel,
+            ucx_transports=ucx_transports(settings, hw) if connector.uses_ucx else None,
+            ucx_net_devices=pd.ucx_net_devices if connector.uses_ucx else None,
+            load_failure_policy=pd.load_failure_policy,
+        )
+        roles.append(_derive_engine(role_plan, model, home, gpu_selection(hw, per_node, first), kv))
+        first += per_node
+    runtime = settings.runtime
+    router = Router(
+        name=f"{runtime.container_name}-router",
+        image=pd.router.image or settings.engine.image,
+        network=Network(runtime.bind, runtime.port, CONTAINER_PORT),
+        connector=connector.router_name or connector.vllm_name,
+        policy=pd.router.policy,
+        metrics_port=pd.router.metrics_port,
+        health_check_interval_s=pd.router.health_check_interval_s,
+        health_check_timeout_s=pd.router.health_check_timeout_s,
+    )
+    prefill, decode = roles
+    # The group is named and reached as the plan's server; its engine facts are prefill's.
+    return prefill._replace(
+        plan=plan,
+        name=runtime.container_name,
+        network=router.network,
+        secrets=secrets_of(plan),
+        kv_transfer=None,
+        disaggregated=Disaggregated(prefill, decode, router),
+    )
+
+
+def _named_by_user(plan: Plan, key: str) -> bool:
+    """Whether a layer beyond the built-in defaults set `key` (a recipe, a file, --set)."""
+    source = plan.provenance.get(key)
+    return source is not None and source.layer != "defaults"
 
 
 def require_fit(deployment: Deployment) -> None:
     """Each node must have the GPUs the layout puts on it (plan, render, launch refuse otherwise;
     doctor reports it). A layout wider than one host is a choice (parallelism.nodes), never implied."""
+    if deployment.disaggregated is not None:
+        # Each role is an engine that must fit its nodes; whether both share one host is the
+        # single-host targets' question (Disaggregated.one_host), not the plan's.
+        for role in deployment.disaggregated.roles:
+            require_fit(role)
+        return
     plan, layout = deployment.plan, deployment.layout
     hw = plan.hardware
     minimum = plan.recipe.match.min_memory_gib
@@ -238,9 +441,15 @@ def require_fit(deployment: Deployment) -> None:
     if deployment.vendor.gpus and not layout.fits:
         where = f"each {hw.product} host ({hw.source})" if deployment.simulated else "this host"
         per_node = "" if layout.nodes == 1 else f" on each of {layout.nodes} nodes"
+        # The product that makes the count: DP8 x TP4 = 32 GPUs says which setting to lower.
+        product = f"TP{layout.tensor} x PP{layout.pipeline} x DP{layout.data} = {layout.gpus} GPUs"
+        spread = (
+            "spread the layout over nodes with --set parallelism.nodes=N (rendered for Kubernetes)"
+            if layout.nodes == 1
+            else f"more nodes (parallelism.nodes={layout.nodes} now), or a smaller parallelism.tensor or .data"
+        )
         raise HostPreconditionError(
-            f"the plan needs {layout.gpus_per_node} GPUs{per_node} ({plan.recipe.recipe}, profile "
+            f"the plan needs {layout.gpus_per_node} GPUs{per_node} ({product}; {plan.recipe.recipe}, profile "
             f"{plan.profile}) and {where} has {hw.count}",
-            hint="use a host with more GPUs, another profile, or spread the layout over nodes "
-            "with --set parallelism.nodes=N (rendered for Kubernetes)",
+            hint=f"use a host with more GPUs, another profile, or {spread}",
         )

@@ -3,6 +3,7 @@ that says what is wrong, where, and what to do; the CLI prints it and exits."""
 
 from __future__ import annotations
 
+import difflib
 from enum import IntEnum
 
 
@@ -113,7 +114,5 @@ class CheckFailed(M31Error):
 
 
 def close_matches(word: str, candidates: list[str], n: int = 1, cutoff: float = 0.6) -> list[str]:
-    """The 'did you mean' candidates for a misspelt name (difflib loads only on this error path)."""
-    import difflib
-
+    """The 'did you mean' candidates for a misspelt name."""
     return difflib.get_close_matches(word, candidates, n=n, cutoff=cutoff)

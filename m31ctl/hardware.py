@@ -7,7 +7,10 @@ Sources: ../shared/fixtures/gpu/public-samples.md (identifier facts) and the rea
 
 from __future__ import annotations
 
+import os
+import platform
 import re
+from enum import Enum
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
@@ -33,6 +36,41 @@ SERVED_ARCHS: dict[str, Family] = {
 }
 
 
+class Platform(Enum):
+    """The compute platform a plan runs on (and an engine image is built for): a vendor's driver
+    stack, or vLLM's CPU build. Typed, so a branch on it is a member, never a spelling."""
+
+    CUDA = "cuda"
+    ROCM = "rocm"
+    CPU = "cpu"
+
+    @property
+    def title(self) -> str:
+        return _PLATFORM_TITLES[self]
+
+
+_PLATFORM_TITLES = {Platform.CUDA: "CUDA", Platform.ROCM: "ROCm", Platform.CPU: "CPU"}
+
+
+class GpuContainerRuntime(NamedTuple):
+    """How the Docker Engine hands a vendor's GPUs to a container by device request: the runtime
+    its toolkit registers with the daemon (also the device request's driver in Compose's
+    `deploy.resources.reservations.devices`), or a CDI spec for its devices."""
+
+    name: str  # the daemon's runtime, and Compose's device driver
+    cdi_vendor: str  # a CDI spec's file name carries it; its devices are <cdi_vendor>.com/gpu
+    maker: str  # as messages name it
+    install: str  # the remedy when the daemon has neither
+
+
+NVIDIA_CONTAINER_TOOLKIT = GpuContainerRuntime(
+    name="nvidia",
+    cdi_vendor="nvidia",
+    maker="NVIDIA",
+    install="install nvidia-container-toolkit and run `nvidia-ctk runtime configure --runtime=docker`",
+)
+
+
 class VendorFacts(NamedTuple):
     """What every later stage needs to know about a device vendor: one row per vendor, so a new
     vendor is one entry here rather than a branch in the probe, the container, doctor and each target."""
@@ -40,9 +78,9 @@ class VendorFacts(NamedTuple):
     # Visibility variables, outermost first: the container runtime picks devices, then the
     # compute runtime numbers what it was given (NVML and amdsmi ignore them; the probe applies them).
     visibility_vars: tuple[str, ...]
-    # Docker: NVIDIA GPUs come through a device request (the NVIDIA container toolkit); AMD GPUs
-    # are device nodes plus the groups that own them (ROCm's Docker guide).
-    device_request: bool
+    # Docker: NVIDIA GPUs come through a device request (the NVIDIA container toolkit's runtime);
+    # AMD GPUs are device nodes plus the groups that own them (ROCm's Docker guide).
+    gpu_runtime: GpuContainerRuntime | None
     device_nodes: tuple[str, ...]
     group_add: tuple[str, ...]
     cap_add: tuple[str, ...]
@@ -56,19 +94,25 @@ class VendorFacts(NamedTuple):
     pick_var: str | None = None
     # Whether the plan runs on GPUs at all (the CPU rehearsal and a GPU-less host do not).
     gpus: bool = False
-    # The driver stack doctor checks: "cuda" (driver and CUDA floor, MIG) or "rocm".
-    driver_stack: str | None = None
+    # The platform: the driver stack doctor checks (CUDA: driver and CUDA floor, MIG; ROCm), the
+    # engine build the image must be, the kernels the plan's rules know of.
+    platform: Platform = Platform.CPU
     # The collective the deep check runs (RCCL answers to "nccl" on ROCm), over how many ranks
     # (None: the plan's tensor-parallel group on one node) and how many MiB.
     collective_backend: str | None = None
     collective_ranks: int | None = None
     collective_mib: int = 256
 
+    @property
+    def device_request(self) -> bool:
+        """GPUs through a device request (a GPU container runtime) rather than device nodes."""
+        return self.gpu_runtime is not None
+
 
 VENDORS: dict[str, VendorFacts] = {
     "nvidia": VendorFacts(
         visibility_vars=("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
-        device_request=True,
+        gpu_runtime=NVIDIA_CONTAINER_TOOLKIT,
         device_nodes=(),
         group_add=(),
         cap_add=(),
@@ -76,12 +120,12 @@ VENDORS: dict[str, VendorFacts] = {
         k8s_product_label="nvidia.com/gpu.product",
         pick_var="CUDA_VISIBLE_DEVICES",
         gpus=True,
-        driver_stack="cuda",
+        platform=Platform.CUDA,
         collective_backend="nccl",
     ),
     "amd": VendorFacts(
         visibility_vars=("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"),
-        device_request=False,
+        gpu_runtime=None,
         device_nodes=("/dev/kfd", "/dev/dri"),
         # `video` exists in every Debian/Ubuntu image; `render` may not, and `--group-add render`
         # then aborts `docker run` ("Unable to find group render"): launch adds the host's
@@ -93,16 +137,16 @@ VENDORS: dict[str, VendorFacts] = {
         k8s_product_by_pci_id=True,
         pick_var="ROCR_VISIBLE_DEVICES",
         gpus=True,
-        driver_stack="rocm",
+        platform=Platform.ROCM,
         collective_backend="nccl",
     ),
     # The CPU rehearsal: vLLM's CPU backend, two gloo ranks for the deep check.
     "cpu": VendorFacts(
-        (), False, (), (), (), None, collective_backend="gloo", collective_ranks=2, collective_mib=16
+        (), None, (), (), (), None, collective_backend="gloo", collective_ranks=2, collective_mib=16
     ),
 }
 # A host without GPUs (the probe's answer on a laptop): no facts at all.
-NO_VENDOR = VendorFacts((), False, (), (), (), None)
+NO_VENDOR = VendorFacts((), None, (), (), (), None)
 
 
 def vendor_facts(vendor: str) -> VendorFacts:
@@ -128,6 +172,7 @@ class Product(NamedTuple):
     """A GPU product, for `--hardware NAMExCOUNT` simulation and name matching."""
 
     id: str
+    vendor: str  # Hardware.vendor: the row of VENDORS its host gets
     name: str  # as nvidia-smi / amd-smi print it
     arch: str
     memory_mib: int  # as nvidia-smi reports memory.total; vendor figure where no capture exists
@@ -138,20 +183,27 @@ class Product(NamedTuple):
 PRODUCTS: dict[str, Product] = {
     p.id: p
     for p in (
-        Product("h100", "NVIDIA H100 80GB HBM3", "9.0", 81559),
-        Product("h200", "NVIDIA H200", "9.0", 143771, "0x2335", "nvidia-smi (nvidia-h200x2 capture)"),
-        Product("b200", "NVIDIA B200", "10.0", 183359, "0x2901"),
-        Product("gb200", "NVIDIA GB200", "10.0", 189471),
-        Product("b300", "NVIDIA B300 SXM6 AC", "10.3", 275040),
-        Product("gb300", "NVIDIA GB300", "10.3", 284208),
-        # No capture yet: vendor figure, 288 GB HBM4.
-        Product("rubin", "NVIDIA Rubin", "10.7", 274658, memory_source="vendor figure, 288 GB"),
-        # amd-smi reports VRAM in MB; 288 GB HBM3E on both MI350X and MI355X.
-        Product("mi350x", "AMD Instinct MI350X", "gfx950", 294912, "0x75a0", "vendor figure, 288 GB"),
-        Product("mi355x", "AMD Instinct MI355X", "gfx950", 294912, "0x75a3", "vendor figure, 288 GB"),
-        Product("mi300x", "AMD Instinct MI300X", "gfx942", 196608, "0x74a1", "vendor figure, 192 GB"),
+        Product("h100", "nvidia", "NVIDIA H100 80GB HBM3", "9.0", 81559),
         Product(
-            "rtxpro6000", "NVIDIA RTX PRO 6000 Blackwell", "12.0", 97887, memory_source="vendor figure, 96 GB"
+            "h200", "nvidia", "NVIDIA H200", "9.0", 143771, "0x2335", "nvidia-smi (nvidia-h200x2 capture)"
+        ),
+        Product("b200", "nvidia", "NVIDIA B200", "10.0", 183359, "0x2901"),
+        Product("gb200", "nvidia", "NVIDIA GB200", "10.0", 189471),
+        Product("b300", "nvidia", "NVIDIA B300 SXM6 AC", "10.3", 275040),
+        Product("gb300", "nvidia", "NVIDIA GB300", "10.3", 284208),
+        # No capture yet: vendor figure, 288 GB HBM4.
+        Product("rubin", "nvidia", "NVIDIA Rubin", "10.7", 274658, memory_source="vendor figure, 288 GB"),
+        # amd-smi reports VRAM in MB; 288 GB HBM3E on both MI350X and MI355X.
+        Product("mi350x", "amd", "AMD Instinct MI350X", "gfx950", 294912, "0x75a0", "vendor figure, 288 GB"),
+        Product("mi355x", "amd", "AMD Instinct MI355X", "gfx950", 294912, "0x75a3", "vendor figure, 288 GB"),
+        Product("mi300x", "amd", "AMD Instinct MI300X", "gfx942", 196608, "0x74a1", "vendor figure, 192 GB"),
+        Product(
+            "rtxpro6000",
+            "nvidia",
+            "NVIDIA RTX PRO 6000 Blackwell",
+            "12.0",
+            97887,
+            memory_source="vendor figure, 96 GB",
         ),
     )
 }
@@ -250,9 +302,6 @@ def describe_arch(arch: str | None) -> str:
 
 def cpu_host() -> Hardware:
     """`--hardware cpu`: this machine's CPU as the one device of the CPU rehearsal recipe."""
-    import os
-    import platform
-
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware(
         vendor="cpu",
@@ -293,7 +342,6 @@ def simulated(spec: str) -> Hardware:
             hint="a host, not a cluster: e.g. b300x4 or h200x8 (multi-node layouts render to --target k8s)",
         )
     fam = family_for(product.arch)
-    vendor = "amd" if product.arch.startswith("gfx") else "nvidia"
     memory = product.memory_mib * MIB
     # Plain data, validated inside Hardware's own schema: building GPU's validator apart for
     # these would cost start-up for nothing.
@@ -309,7 +357,7 @@ def simulated(spec: str) -> Hardware:
         for i in range(count)
     ]
     return Hardware(
-        vendor=vendor,
+        vendor=product.vendor,
         family=fam.id if fam else None,
         arch=product.arch,
         product=product.name,

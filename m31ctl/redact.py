@@ -14,6 +14,7 @@ import os
 import re
 from collections.abc import Mapping
 
+from m31ctl import vllm_argv as argv
 from m31ctl.errors import InputError
 
 # The secrets a server reads from its environment, by name (the Deployment passes them by
@@ -36,22 +37,18 @@ def header_safe(name: str, value: str) -> str:
 
 # vLLM flags that carry a secret by value (settings refuse them; see `secret_flag`).
 SECRET_FLAGS = ("--api-key", "--hf-token")
-# vLLM's parser takes unambiguous prefixes of a flag; a stem shorter than this ("--a") names no
-# flag of vLLM's on its own, so it cannot set a secret.
-_MIN_STEM = 2
 
 
 def secret_flag(arg: str) -> str | None:
-    """The secret flag that the argument `arg` sets when vLLM parses it, or None. vLLM reads `_`
-    and `-` alike in flag names, takes `--flag=value`, and accepts any unambiguous prefix of a
-    flag: `--api_key`, `--hf_token=x` and `--api-k` all set a secret. Case is folded too, which
-    refuses spellings vLLM would reject anyway: safe, and one rule fewer to get wrong."""
-    if not arg.startswith("--"):
+    """The secret flag that the argument `arg` sets when vLLM parses it, or None, read with vLLM's
+    argv grammar (m31ctl/vllm_argv.py): `_` and `-` alike, `--flag=value`, and any prefix of a
+    secret flag, even one vLLM would find ambiguous: `--api_key`, `--hf_token=x` and `--api-k`
+    all set a secret. Case is folded too, which refuses spellings vLLM would reject anyway: safe,
+    and one rule fewer to get wrong."""
+    spelled = argv.spell(arg, fold_case=True)
+    if spelled is None:
         return None
-    stem = arg.split("=", 1)[0][2:].replace("_", "-").lower()
-    if len(stem) < _MIN_STEM:
-        return None
-    return next((flag for flag in SECRET_FLAGS if flag[2:].startswith(stem)), None)
+    return argv.prefix_of(spelled.name, SECRET_FLAGS)
 
 
 # Shapes of access tokens and keys, whatever field they were pasted into: Hugging Face ("hf_" and

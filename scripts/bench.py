@@ -26,7 +26,8 @@ FLOOR = [sys.executable, str(Path(__file__).with_name("bench_floor.py")), "--nam
 DEFAULT = {
     "--help": 1.0,
     "plan --hardware b300x4 --json": 1.3,
-    "render --target k8s --hardware b300x4": 1.3,
+    # Pinned to a commit: render asks the hub otherwise (a network round trip, not m31ctl's cost).
+    "render --target k8s --hardware b300x4 --revision 0123456789abcdef0123456789abcdef01234567": 1.3,
     "capacity --hardware b300x4 --json": 1.3,
 }
 

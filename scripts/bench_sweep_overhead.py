@@ -48,8 +48,8 @@ def datasets_again(
 ) -> list[list[str]]:
     """The report's commands with the same datasets, made again into `workdir` (same plan, seed
     and server token counts, so the same bytes)."""
-    from m31ctl.bench import workloads
-    from m31ctl.bench.server import HttpServer
+    from m31ctl.served import workloads
+    from m31ctl.served.server import HttpServer
     from m31ctl.hardware import simulated
     from m31ctl.plan import PlanRequest, resolve
 

@@ -132,8 +132,77 @@ def vllm_py() -> str:
     return python
 
 
+def make_tiny_model(directory: Path, *extra: str, python: str | None = None) -> Path:
+    """The rehearsal's tiny model (m31ctl/rehearsal/make_tiny_model.py, `extra` its options) made in
+    `directory` by vLLM's Python, readable by a container's user when it is mounted."""
+    import subprocess
+
+    made = subprocess.run(
+        [python or vllm_python() or "python3", str(ROOT / "m31ctl" / "rehearsal" / "make_tiny_model.py"),
+         str(directory), *extra],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    if made.returncode != 0:
+        raise RuntimeError(f"make_tiny_model.py exited {made.returncode}: {made.stderr[-2000:]}")
+    for path in [directory.parent, directory, *directory.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_py: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny Llama for the session (4 attention heads, 4 KV heads, 2048 positions): the tests
+    only read it, and each module making its own cost a vLLM import apiece."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-model", python=vllm_py)
+
+
 def last_json(stdout: str) -> Any:
     """The result object of a JSON Lines stream (launch --json prints phase events first)."""
     import json
 
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+# The commit the session's stand-in hub names for every revision: `render` pins a hub checkpoint
+# to the commit the hub answers (m31ctl/revision.py), and the goldens carry this one.
+PINNED_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def revision_hub() -> Iterator[str]:
+    """A stand-in for the hub's model-info endpoint (`/api/models/REPO/revision/REV`, what
+    huggingface_hub's model_info asks), through HF_ENDPOINT for the whole session unless a test
+    sets its own: the real hub is not reachable here."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            parts = self.path.split("?")[0].strip("/").split("/")
+            if len(parts) >= 5 and parts[:2] == ["api", "models"] and parts[-2] == "revision":
+                body = json.dumps(
+                    {"id": "/".join(parts[2:-2]), "sha": PINNED_COMMIT, "siblings": []}
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                self.send_error(404)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    saved = os.environ.get("HF_ENDPOINT")
+    os.environ.setdefault("HF_ENDPOINT", endpoint)
+    try:
+        yield endpoint
+    finally:
+        server.shutdown()
+        if saved is None:
+            os.environ.pop("HF_ENDPOINT", None)

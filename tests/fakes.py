@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from m31ctl.probe.base import CommandResult, ProbeUnavailable
+from m31ctl.probe.snapshot import CommandResult, ProbeUnavailable
 
 GPU_FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 

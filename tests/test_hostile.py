@@ -284,8 +284,8 @@ def test_smoke_against_a_broken_stream():
         result = run_cli("smoke", "--url", url, "--json")
     assert result.returncode == 1, result.stderr
     report = json.loads(result.stdout)
-    checks = {c["check"]: c for c in report["checks"]}
-    assert not checks["chat"]["ok"] and not checks["stream"]["ok"]
+    checks = {c["id"]: c for c in report["checks"]}
+    assert checks["chat"]["status"] == checks["stream"]["status"] == "fail", checks
     assert "internal error" not in result.stderr
 
 
@@ -342,9 +342,17 @@ def _writable(directory: Path) -> bool:
 
 
 def test_huge_gpu_count_is_refused_without_allocating():
-    start = time.monotonic()
-    result = run_cli("plan", "--hardware", "b300x99999999999999999999")
-    assert result.returncode == 2 and time.monotonic() - start < 10, result.stderr
+    """Measured in bytes, not seconds (a busy machine is slow, never a sign of allocating)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        result = run_cli("plan", "--hardware", "b300x99999999999999999999")
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.returncode == 2, result.stderr
+    assert peak < 64 * 2**20, peak  # a plan is kilobytes; a list per GPU would be exabytes
 
 
 def test_schema_version_holding_a_path_is_bad_input():
@@ -628,25 +636,41 @@ def test_deeply_nested_yaml_is_bad_input(tmp_path, depth):
     ],
 )
 def test_baseline_of_the_wrong_shape_is_refused_before_verify_runs(tmp_path, report, problem):
+    """Before verify runs: the server it would ask is never contacted (a listener that counts
+    connections, where a wall-clock bound told a slow machine from a verify that ran)."""
+    import socket
+
     baseline = tmp_path / "baseline.json"
     baseline.write_text(json.dumps(report))
-    start = time.monotonic()
-    result = run_cli(
-        "verify", "--hardware", "b300x4", "--url", "http://127.0.0.1:9", "--baseline", str(baseline)
-    )
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        result = run_cli("verify", "--hardware", "b300x4", "--url", url, "--baseline", str(baseline))
+        try:
+            listener.accept()
+            contacted = True
+        except BlockingIOError:
+            contacted = False
     assert result.returncode == 2 and problem in result.stderr and str(baseline) in result.stderr, (
         result.stderr
     )
-    assert time.monotonic() - start < 10
+    assert not contacted
 
 
 def test_a_good_baseline_loads(tmp_path):
-    from m31ctl.runtime.verify import read_baseline
+    from m31ctl.checks import judged
+    from m31ctl.served.baseline import verify_report as read_baseline
 
     path = tmp_path / "baseline.json"
-    report = {"checks": [{"check": "chat", "status": "pass"}], "bench": {"output_throughput": 12.5}}
+    report = {"checks": [judged("chat", True, "HTTP 200").to_json()], "bench": {"output_throughput": 12.5}}
     path.write_text(json.dumps(report))
     assert read_baseline(path) == report
+    # A baseline saved before one check shape (issue 38) still loads: only its bench figures are read.
+    older = {"checks": [{"check": "chat", "status": "pass", "detail": "HTTP 200"}], "bench": report["bench"]}
+    path.write_text(json.dumps(older))
+    assert read_baseline(path) == older
     path.write_text(json.dumps({"checks": [], "bench": None}))
     assert read_baseline(path)["bench"] is None
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, run_cli
+from tests.ports import free_port
 
 
 def _lock(tmp_path: Path, *args: str) -> Path:
@@ -117,10 +118,12 @@ def test_locked_render_refuses_drift_and_update_lock_accepts_it(tmp_path):
     moved = ("render", "--target", "k8s", "--hardware", "b300x4", "--set", "serving.max_num_seqs=64")
     refused = run_cli(*moved, "--locked", str(lock))
     assert refused.returncode == 4
-    assert (
-        "drifted from" in refused.stderr
-        and "setting serving.max_num_seqs: (none) -> 64 (--set #1)" in refused.stderr
-    )
+    # The old value is the one the lock recorded for the setting (the plan's resolved value,
+    # "(none)" when the plan leaves it unset): the line reads it from the lock, not a guess.
+    recorded = json.loads(lock.read_text())["settings"].get("serving.max_num_seqs")
+    shown = "(none)" if recorded is None else json.dumps(recorded)
+    assert "drifted from" in refused.stderr
+    assert f"setting serving.max_num_seqs: {shown} -> 64 (--set #1)" in refused.stderr, refused.stderr
     accepted = run_cli(*moved, "--locked", str(lock), "--update-lock")
     assert accepted.returncode == 0 and json.loads(lock.read_text())["settings"]["serving.max_num_seqs"] == 64
 
@@ -158,7 +161,7 @@ def test_launch_locked_refuses_a_rebuilt_image_under_the_same_tag(tmp_path):
 
     name = f"m31ctl-locked-{uuid.uuid4().hex[:6]}"
     plan_options = [
-        "--hardware", "cpu", "--set", f"runtime.container_name={name}", "--set", f"runtime.port={_free_port()}",
+        "--hardware", "cpu", "--set", f"runtime.container_name={name}", "--set", f"runtime.port={free_port()}",
         "--set", f"engine.image={tag}", "--set", f"model.path={tmp_path}", "--set", "runtime.env.FAKE_ENGINE_DELAY=1",
     ]  # fmt: skip
     args = ["launch", *plan_options]
@@ -188,14 +191,6 @@ def test_launch_locked_refuses_a_rebuilt_image_under_the_same_tag(tmp_path):
             client.containers.get(name).remove(force=True)
         with contextlib.suppress(Exception):
             client.images.remove(tag, force=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_lock_records_the_checkpoint_commit_and_a_moved_cache_drifts(tmp_path):

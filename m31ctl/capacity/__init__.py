@@ -1,1 +1,1 @@
-"""Capacity: the pure memory model (model.py) and a plan's fit and comparison rows (fit.py)."""
+"""Capacity: the pure memory model (memory.py) and a plan's fit and comparison rows (fit.py)."""

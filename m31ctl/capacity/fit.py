@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import NamedTuple
 
-from m31ctl.capacity.geometry import checkpoint_bytes, config_geometry, facts_geometry, local_config
-from m31ctl.capacity.model import (
+from m31ctl.capacity.geometry import checkpoint_weights, config_geometry, facts_geometry, local_config
+from m31ctl.capacity.memory import (
     GIB,
     INDEXER_AUTO_DTYPE,
     Fit,
-    Layout,
     MemoryInputs,
+    Sharding,
     Weights,
     longest_context,
     resident_sequences,
     split_weights,
 )
+from m31ctl.capacity.reserve import plan_reserve
 from m31ctl.deployment import Deployment
 from m31ctl.errors import InputError
 from m31ctl.plan import Plan
-from m31ctl.plan.recipes import ModelFacts, get_model
+from m31ctl.plan.catalog import ModelFacts, get_model
+from m31ctl.plan.settings import Parallelism
 
 REFERENCE_MODEL = "minimax-m3.1-flash"
 # vLLM's block sizes when the plan leaves it to the engine: the CPU platform picks 128
@@ -29,13 +32,11 @@ ENGINE_DEFAULT_BLOCK_SIZE = 16
 CPU_KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB; vLLM's CPU backend (vllm/platforms/cpu.py)
 
 
-def profile_layouts(deployment: Deployment) -> dict[str, Layout]:
+def profile_layouts(deployment: Deployment) -> dict[str, Sharding]:
     """The recipe's profiles that change the memory layout, by profile name: each profile's
     parallelism over the recipe's, completed by the settings schema's own defaults."""
-    from m31ctl.plan.settings import Parallelism
-
     plan = deployment.plan
-    layouts: dict[str, Layout] = {}
+    layouts: dict[str, Sharding] = {}
     prefix = "parallelism."
     base = {k.removeprefix(prefix): s.value for k, s in plan.recipe.layer.items() if k.startswith(prefix)}
     for name, option in plan.recipe.profiles.items():
@@ -43,7 +44,7 @@ def profile_layouts(deployment: Deployment) -> dict[str, Layout]:
             continue
         values = {k.removeprefix(prefix): s.value for k, s in option.layer.items() if k.startswith(prefix)}
         par = Parallelism.model_validate({**base, **values})
-        layout = Layout(
+        layout = Sharding(
             tensor=par.tensor, data=par.data, expert=par.expert, decode_context=par.decode_context
         )
         # Profiles that share a memory layout would repeat a row.
@@ -52,9 +53,9 @@ def profile_layouts(deployment: Deployment) -> dict[str, Layout]:
     return layouts
 
 
-def plan_layout(deployment: Deployment) -> Layout:
+def plan_layout(deployment: Deployment) -> Sharding:
     p = deployment.plan.settings.parallelism
-    return Layout(
+    return Sharding(
         tensor=p.tensor, data=p.data, expert=p.expert, decode_context=p.decode_context, pipeline=p.pipeline
     )
 
@@ -92,8 +93,9 @@ def memory_inputs(
     model = model or plan.model
     config = local_config(deployment.model.host_path) if own else None
     if config is not None:
-        geometry = config_geometry(config)
-        weights = Weights(float(checkpoint_bytes(config.parent)), 0.0)
+        geometry = config_geometry(config, model.display_name)
+        dense, experts = checkpoint_weights(config.parent)
+        weights = Weights(float(dense), float(experts))
     else:
         geometry = facts_geometry(model)
         weights = _weights(plan, model)
@@ -108,7 +110,7 @@ def memory_inputs(
     return MemoryInputs(
         memory_per_gpu_bytes=plan.hardware.memory_per_gpu_bytes,
         gpu_memory_utilization=settings.serving.gpu_memory_utilization,
-        runtime_reserve_gib=settings.capacity.runtime_reserve_gib,
+        runtime_reserve_gib=_reserve_gib(deployment, config),
         weights=weights,
         geometry=geometry,
         kv_dtype=dtype,
@@ -117,6 +119,19 @@ def memory_inputs(
         kv_space_bytes=None if deployment.vendor.gpus else _cpu_kv_space(plan),
         published_kv_bytes_per_token=None if config else model.published_kv_bytes_per_token.get(dtype),
     )
+
+
+def _reserve_gib(deployment: Deployment, config: Path | None) -> float:
+    """capacity.runtime_reserve_gib as set; where it is the built-in default and the checkpoint's
+    config.json is on this host, for a GPU plan, vLLM's reserve modelled from its parts
+    (capacity/reserve.py: activation peak, non-torch memory, CUDA graph pool)."""
+    plan = deployment.plan
+    setting = plan.settings.capacity.runtime_reserve_gib
+    source = plan.provenance.get("capacity.runtime_reserve_gib")
+    if config is None or not deployment.vendor.gpus or (source is not None and source.layer != "defaults"):
+        return setting
+    modelled = plan_reserve(config, deployment)
+    return setting if modelled is None else modelled.total_gib
 
 
 def _cpu_kv_space(plan: Plan) -> int | None:
@@ -151,7 +166,7 @@ class ComparisonRow(NamedTuple):
     fit: Fit
 
 
-def comparison(deployment: Deployment, context: int, layouts: dict[str, Layout]) -> list[ComparisonRow]:
+def comparison(deployment: Deployment, context: int, layouts: dict[str, Sharding]) -> list[ComparisonRow]:
     """Resident sequences for the plan's model and its comparison models, for every cache dtype
     the recipe allows, in every layout, on this hardware."""
     plan = deployment.plan
@@ -167,7 +182,8 @@ def comparison(deployment: Deployment, context: int, layouts: dict[str, Layout])
             inputs = memory_inputs(deployment, model, dtype)  # one per model and dtype: layouts share it
             for name, layout in fitting.items():
                 fit = resident_sequences(inputs, layout, context)
-                rows.append(ComparisonRow(model.display_name, dtype, f"{name} ({layout.label()})", fit))
+                label = f"{name} ({layout.label()}{', ' + fit.moe if fit.moe else ''})"
+                rows.append(ComparisonRow(model.display_name, dtype, label, fit))
     return rows
 
 
@@ -190,3 +206,33 @@ def capacity_warning(deployment: Deployment) -> str | None:
             f"{serving.max_model_len} tokens fit; long requests will queue or be preempted"
         )
     return None
+
+
+def within_limit(deployment: Deployment, context: int, context_text: str) -> tuple[int, str]:
+    """The plan's longest sequence and why (context_limit); a --context beyond it is refused."""
+    limit, limit_source = context_limit(deployment)
+    if context > limit:
+        raise InputError(
+            f"--context {context_text} ({context:,} tokens) is beyond the {limit:,} positions this plan "
+            f"can serve ({limit_source}): vLLM refuses a longer sequence",
+            hint=f"ask for at most {limit:,} tokens (--context {_short(limit)})",
+        )
+    return limit, limit_source
+
+
+def context_limit(deployment: Deployment) -> tuple[int, str]:
+    """The longest sequence the plan can serve, and why: its serving.max_model_len, or the
+    checkpoint's positions when those are more (a plan may ask capacity about a longer
+    max_model_len than it sets, never beyond what vLLM accepts: its max_model_len check against
+    max_position_embeddings, engine rule vllm-max-model-len)."""
+    plan = deployment.plan
+    set_len = plan.settings.serving.max_model_len
+    positions = plan.model.limits.max_position_embeddings
+    native = int(positions.value) if positions is not None else plan.model.max_context
+    if set_len > native:  # RoPE scaling accepted by the plan's rules
+        return set_len, f"the plan's serving.max_model_len, {plan.provenance.get('serving.max_model_len')}"
+    return native, "the checkpoint's max_position_embeddings"
+
+
+def _short(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)

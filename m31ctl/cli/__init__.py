@@ -7,37 +7,53 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import os
-import signal
 import sys
 from collections.abc import Sequence
-from types import FrameType
 from typing import TextIO
 
+from m31ctl import interrupt
+from m31ctl.cli.output import GuardedStdout, emit_json_line
 from m31ctl.errors import ExitCode, M31Error, OutputError
+from m31ctl.redact import redact
 
-INTERRUPTED = "interrupted; a container being started keeps its labels, and the next launch converges"
+INTERRUPTED = interrupt.INTERRUPTED_LINE
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run m31ctl with `argv` (default: sys.argv[1:]) and return the exit code."""
+    # lazy: the app (typer) loads after run()'s interrupt.install(), so a Ctrl-C meanwhile is recorded
     from m31ctl.cli.app import is_quick
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         args = ["--help"]  # bare `m31ctl`: help, exit 0
     stdout = _standard_streams()
+    interrupt.install()  # Ctrl-C and SIGTERM are recorded; the command stops at its own checks
     try:
         if gc.isenabled() and is_quick(args):
             gc.disable()  # the cyclic collector only costs these commands time (see QUICK_COMMANDS)
             try:
-                return _main(args)
+                return _finished(_main(args))
             finally:
                 gc.enable()
-        return _main(args)
+        return _finished(_main(args))
     finally:
+        interrupt.settle()  # idempotent: also when a SystemExit (shell completion) leaves
+        interrupt.uninstall()
         sys.stdout = stdout  # the caller's own stream again, not the guard around it
+
+
+def _finished(code: int) -> int:
+    """A stop asked for after the command's last check still ends as an interruption: exit 130
+    and the one line, whatever the command had time to finish."""
+    late = interrupt.requested()
+    interrupt.settle()
+    if late and code != ExitCode.INTERRUPTED:
+        return _say(INTERRUPTED, ExitCode.INTERRUPTED)
+    return code
 
 
 def _standard_streams() -> TextIO:
@@ -45,8 +61,6 @@ def _standard_streams() -> TextIO:
     it was. A descriptor closed at start (`>&-`, `<&-`) gets /dev/null in its place: the next file
     m31ctl opens must not take its number (a lock file written through fd 1), and writes go
     nowhere, quietly, as to a reader that left. One open only for reading counts as closed."""
-    from m31ctl.cli.output import GuardedStdout
-
     for fd, name, writes in ((0, "stdin", False), (1, "stdout", True), (2, "stderr", True)):
         stream = getattr(sys, name)
         if stream is not None and _fileno(stream) != fd:
@@ -74,8 +88,6 @@ def _fileno(stream: object) -> int | None:
 
 def _fd_usable(fd: int, writes: bool) -> bool | None:
     """None when `fd` is closed; else whether it is open the right way round."""
-    import fcntl
-
     try:
         mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
     except OSError:
@@ -84,16 +96,22 @@ def _fd_usable(fd: int, writes: bool) -> bool | None:
 
 
 def _main(args: list[str]) -> int:
-    from m31ctl.cli.app import build_app
+    from m31ctl.cli.app import build_app  # lazy: as in main()
 
     aborts, exits = _click_exceptions()
     as_json = "--json" in args
     try:
         result = build_app(args)(args=args, prog_name="m31ctl", standalone_mode=False)
+    except interrupt.StoppedAsAsked:
+        return int(ExitCode.INTERRUPTED)
     except OutputError as exc:  # stdout itself failed: the message goes to stderr only
         _silence_stdout()
         return _say(exc.one_line(), exc.exit_code)
     except M31Error as exc:
+        if interrupt.pending() and exc.exit_code != ExitCode.INTERRUPTED:
+            # What failed after a stop was asked for (a child that got the terminal's Ctrl-C too)
+            # failed because of it: the interruption is the one line.
+            return _say(INTERRUPTED, ExitCode.INTERRUPTED)
         return _fail(exc, as_json)
     except aborts:
         return _say(INTERRUPTED, ExitCode.INTERRUPTED)
@@ -103,6 +121,8 @@ def _main(args: list[str]) -> int:
         _silence_stdout()
         return int(ExitCode.OK)
     except Exception as exc:
+        if interrupt.pending():
+            return _say(INTERRUPTED, ExitCode.INTERRUPTED)
         if hasattr(exc, "format_message"):  # click's usage errors: unknown option, missing value
             return _say(f"{exc.format_message()} (see m31ctl --help)", ExitCode.BAD_INPUT)
         if os.environ.get("M31CTL_DEBUG"):
@@ -120,12 +140,12 @@ def _main(args: list[str]) -> int:
 def _click_exceptions() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
     """(abort, exit) classes: typer's own (typer >= 0.20 vendors click and uses them throughout),
     plus click's where an older typer runs on click itself."""
-    import typer
+    import typer  # lazy: loaded with the app, as in main()
 
     aborts: list[type[BaseException]] = [KeyboardInterrupt, typer.Abort]
     exits: list[type[BaseException]] = [typer.Exit]
     if "click" in sys.modules:  # an older typer imported it; a newer one never loads it
-        from click import exceptions as click_exceptions
+        from click import exceptions as click_exceptions  # optional: only where typer loaded it
 
         aborts.append(click_exceptions.Abort)
         exits.append(click_exceptions.Exit)
@@ -134,22 +154,18 @@ def _click_exceptions() -> tuple[tuple[type[BaseException], ...], tuple[type[Bas
 
 def _fail(exc: M31Error, as_json: bool) -> int:
     if as_json:
-        from m31ctl.cli.output import emit_json
-
+        # One JSON object on one line, as every event and result is: a consumer of launch's (or
+        # pull's, or bench's) JSON Lines reads an error with the same `json.loads(line)`.
         try:
-            emit_json(exc.to_json())
+            emit_json_line(exc.to_json())
         except (BrokenPipeError, OutputError):  # the exit code and stderr still tell
             _silence_stdout()
-    from m31ctl.redact import redact
-
     for line in exc.details:
         _stderr(f"m31ctl: {redact(line)}\n")
     return _say(exc.one_line(), exc.exit_code)
 
 
 def _say(message: str, code: int) -> int:
-    from m31ctl.redact import redact
-
     _stderr(f"m31ctl: error: {redact(message)}\n")
     return int(code)
 
@@ -173,32 +189,17 @@ def _silence_stdout() -> None:
 
 
 def run() -> None:
-    """The console script (and `python -m m31ctl`)."""
-    terminate = _terminate_as_interrupt()
-    from m31ctl.cli.app import is_quick
+    """The console script (and `python -m m31ctl`). SIGTERM is handled as Ctrl-C (CI runners
+    send it on cancel), and both stay recorded, never raised, through the interpreter's exit:
+    a finalizer that runs then must not be interrupted half-way (m31ctl.interrupt)."""
+    interrupt.install()
+    from m31ctl.cli.app import is_quick  # lazy: after interrupt.install(), as in main()
 
-    try:
-        code = main()
-    finally:
-        if terminate:  # from here on, SIGTERM ends the process as it would any other
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    code = main()
+    interrupt.leaving()
     if is_quick(sys.argv[1:]):
         _leave_now(code)
     sys.exit(code)
-
-
-def _terminate_as_interrupt() -> bool:
-    """SIGTERM is handled as Ctrl-C: CI runners send it on cancel, and a launch then ends the
-    same way (the message, exit 130, a start that the next launch converges). Left alone where
-    whoever started m31ctl chose to ignore it."""
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return False
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    return True
-
-
-def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
 
 
 def _leave_now(code: int) -> None:

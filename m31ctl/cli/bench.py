@@ -1,39 +1,29 @@
-"""`m31ctl bench`: find the server and its benchmark runner (as verify does), run the sweep with
-progress (rich on a terminal, JSON lines with --json), then print, plot and write what it found."""
+"""`m31ctl bench`: parse the options and hand them to served/ (bench_run.py: the checks, the
+target as verify finds it, the sweep, the report), show progress (rich on a terminal, JSON lines
+with --json), then write the files the report names, plot, and print it."""
 
 from __future__ import annotations
 
-import math
 import sys
-import tempfile
-from datetime import datetime, timezone
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
+from m31ctl.cli import bench_plot
+from m31ctl.cli.figure import check_path
+from m31ctl.cli.output import console, emit, emit_json_line, json_text, table, text_view, write_file
 from m31ctl.errors import ExitCode, InputError
+from m31ctl.redact import redact
+from m31ctl.served import bench_run
+from m31ctl.served.bench_run import PICKS, BenchRequest, BenchResult
+from m31ctl.served.cost import Costing
 
 if TYPE_CHECKING:
-    from m31ctl.bench.sweep import Event, Runner, Sweep
-    from m31ctl.plan import Plan
+    from m31ctl.deployment import Deployment
+    from m31ctl.served.figures import Point
+    from m31ctl.served.sweep import Event
 
-
-class BenchOptions(NamedTuple):
-    url: str | None
-    name: str | None
-    runtime: str | None
-    bench_python: str | None
-    concurrency: str
-    workload: str
-    slo: str | None
-    requests: int | None
-    output_len: int | None
-    seed: int
-    plot: Path | None
-    write_profile: Path | None
-    output: Path | None
-    baseline: Path | None
-    tolerance: float
-    as_json: bool
+__all__ = ["PICKS", "parse_concurrency", "run_bench"]  # PICKS: bench compare's --pick too
 
 
 def parse_concurrency(text: str) -> tuple[int, ...]:
@@ -50,157 +40,30 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
-def run_bench(plan: Plan, opts: BenchOptions) -> int:
-    from m31ctl.bench import figures, sweep, workloads
-    from m31ctl.bench.server import HttpServer
-
-    concurrencies = parse_concurrency(opts.concurrency)
-    if opts.workload not in workloads.WORKLOADS:
-        raise InputError(
-            f"unknown --workload {opts.workload!r}", hint=f"choose one of: {', '.join(workloads.WORKLOADS)}"
-        )
-    for flag, value in (("--requests", opts.requests), ("--output-len", opts.output_len)):
-        if value is not None and value < 1:
-            raise InputError(f"{flag} {value} must be at least 1")
-    if not (0 <= opts.tolerance < math.inf):
-        raise InputError(f"--tolerance {opts.tolerance:g} must be a non-negative fraction", hint="e.g. 0.25")
-    slo = figures.parse_slo(opts.slo) if opts.slo is not None else ()
-    if opts.plot is not None:
-        from m31ctl.cli.figure import check_path
-
-        check_path(opts.plot)
-    baseline = _read_baseline(opts.baseline, opts.workload) if opts.baseline is not None else None
-    request = sweep.SweepRequest(
-        "", opts.workload, concurrencies, opts.requests, opts.output_len, slo, opts.seed
-    )
-    with tempfile.TemporaryDirectory(prefix="m31ctl-bench-") as tmp:
-        workdir = Path(tmp)
-        workdir.chmod(0o755)  # a sibling container's benchmark reads the datasets
-        base, server_hash, runner = _endpoint(plan, opts, workdir)
-        server = HttpServer(base, plan.settings.model.served_name)
-        progress = _Progress(opts.as_json)
-        try:
-            found = sweep.run(plan, request._replace(base=base), server, runner, workdir, progress.on_event)
-        finally:
-            progress.close()
-            server.close()
-    return _finish(plan, opts, found, server_hash, baseline)
-
-
-def _endpoint(plan: Plan, opts: BenchOptions, workdir: Path) -> tuple[str, str | None, Runner]:
-    """The endpoint, the plan hash its server runs (None for --url), and the benchmark runner:
-    the engine's own Python (the native runtime's, or --bench-python) or its image."""
-    from m31ctl.runtime import load_run, running_server
-
-    runtime: str | None = None
-    server_hash: str | None = None
-    if opts.url is not None:
-        base = opts.url.rstrip("/")
-    else:
-        server = running_server(opts.name, opts.runtime)
-        base, server_hash, runtime = str(server.endpoint), server.plan_hash, server.runtime
-    if opts.bench_python:
-        return base, server_hash, load_run.native_bench(opts.bench_python)
-    if runtime is not None:
-        from m31ctl.deployment import derive
-        from m31ctl.runtime import get_runtime
-
-        # The dataset m31ctl wrote is read at the same path by the engine's benchmark.
-        return base, server_hash, get_runtime(runtime).bench_runner(derive(plan), shared=(str(workdir),))
-    raise InputError(
-        "--url needs --bench-python: a Python with vLLM, to run vllm bench serve",
-        hint="or bench the server m31ctl runs (--name)",
-    )
-
-
-def _read_baseline(path: Path, workload: str) -> list[dict[str, Any]]:
-    """An earlier report's points; one of another workload compares nothing alike (exit 2)."""
-    import json
-
-    from m31ctl.inputs import read_text
-
-    try:
-        data = json.loads(read_text(path, "baseline report"))
-    except ValueError as exc:
-        raise InputError(f"not a bench report: {exc}", where=str(path)) from None
-    if not isinstance(data, dict) or not isinstance(data.get("points"), list):
-        raise InputError("not a bench report (no points)", where=str(path), hint="m31ctl bench -o writes one")
-    if data.get("workload") != workload:
-        raise InputError(
-            f"the baseline measured workload {data.get('workload')!r}; this run measures {workload!r}",
-            where=str(path),
-            hint="compare runs of the same --workload",
-        )
-    return [p for p in data["points"] if isinstance(p, dict)]
-
-
-def _finish(
-    plan: Plan,
-    opts: BenchOptions,
-    found: Sweep,
-    server_hash: str | None,
-    baseline: list[dict[str, Any]] | None,
+def run_bench(
+    asked: Callable[[], Deployment], given: bool, request: BenchRequest, *, output: Path | None, as_json: bool
 ) -> int:
-    from m31ctl.bench import figures, profile
-
-    fingerprint = profile.host_fingerprint(plan.hardware)
-    when = datetime.now(timezone.utc)
-    report: dict[str, Any] = {
-        **found.to_json(),
-        "measured_on": fingerprint,
-        "measured_at": when.isoformat(timespec="seconds"),
-        "server_plan_hash": server_hash,
-        "warnings": [],
-    }
-    if server_hash is not None and server_hash != plan.hash:
-        report["warnings"].append(
-            f"the server runs plan {server_hash}; the figures are read with plan {plan.hash} (GPU count, max length)"
-        )
-    method = plan.settings.speculative.method
-    silent = [p.concurrency for p in found.points if p.complete and p.spec is None]
-    if method != "none" and silent:
-        report["warnings"].append(
-            f"the plan speculates ({method}) but no drafts were counted on /metrics at concurrency "
-            + ", ".join(map(str, silent))
-        )
-    worse: tuple[str, ...] = ()
-    if baseline is not None:
-        worse, compared = figures.regressions(found.points, baseline, opts.tolerance)
-        report["regressions"] = {
-            "compared_points": compared,
-            "worse": list(worse),
-            "tolerance": opts.tolerance,
-        }
-    chosen = found.choice.point
-    if opts.write_profile is not None and chosen is not None:
-        from m31ctl.cli.output import write_file
-
-        origin = profile.provenance(fingerprint, when)
-        data = plan.settings.parallelism.data
-        write_file(opts.write_profile, profile.profile_yaml(chosen, found.workload, found.slo, origin, data))
-        report["profile"] = str(opts.write_profile)
-    if opts.plot is not None:
-        from m31ctl.cli import bench_plot
-
-        bench_plot.draw(
-            found, f"m31ctl bench: {found.workload} on {fingerprint}, plan {plan.hash}", opts.plot
-        )
-        report["plot"] = str(opts.plot)
-    report["ok"] = chosen is not None and not worse
-    if opts.output is not None:
-        import json
-
-        from m31ctl.cli.output import write_file
-        from m31ctl.redact import redact_data
-
-        write_file(opts.output, json.dumps(redact_data(report), indent=2, sort_keys=True) + "\n")
-    if opts.as_json:
-        from m31ctl.cli.output import emit_json_line
-
-        emit_json_line(report)  # the last line of the event stream
-    else:
-        _print(found, report, opts.write_profile is not None)
-    return int(ExitCode.OK if report["ok"] else ExitCode.CHECK_FAILED)
+    """`asked()` resolves the plan options (`given`: any were passed); without them, the plan a
+    server m31ctl runs was launched with is used, as verify does (served/target.py)."""
+    checked = bench_run.check(request)
+    if request.plot is not None:
+        check_path(request.plot)
+    progress = _Progress(as_json)
+    try:
+        result = bench_run.run(asked, given, request, checked, progress.on_event)
+    finally:
+        progress.close()
+    report = result.report
+    if request.profile is not None and result.profile_text is not None:
+        write_file(request.profile, result.profile_text)
+    if request.plot is not None and report["plot"] is not None:
+        title = f"m31ctl bench: {result.found.workload} on {report['measured_on']}, plan {result.plan.hash}"
+        bench_plot.draw(result.found, title, request.plot, result.costing)
+    if output is not None:
+        write_file(output, json_text(report))
+    # Under --json the last line of the event stream.
+    emit(result, as_json, line=True)
+    return int(ExitCode.OK if result.ok else ExitCode.CHECK_FAILED)
 
 
 def _cell(value: float | None, digits: str = ".4g") -> str:
@@ -210,6 +73,8 @@ def _cell(value: float | None, digits: str = ".4g") -> str:
 def point_line(event: Event) -> str:
     p = event.point
     assert p is not None
+    if p.error is not None:
+        return f"concurrency {p.concurrency}: not measured: {p.error} ({event.elapsed_s:.0f} s)"
     done = f"{p.completed}/{p.requests} requests" + (f", {p.failed} failed" if p.failed else "")
     return (
         f"concurrency {p.concurrency}: {done}, {p.tok_s_per_user:.4g} tok/s/user, {p.tok_s_per_gpu:.4g} tok/s/GPU, "
@@ -224,10 +89,14 @@ class _Progress:
         self.as_json = as_json
         self.live: Any = None
         self.task: Any = None
-        if not as_json and sys.stderr.isatty():
-            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        self.started = False
 
-            from m31ctl.cli.output import console
+    def _start(self) -> None:
+        """The bar, on a terminal, from the sweep's first event (after the target is found)."""
+        self.started = True
+        if not self.as_json and sys.stderr.isatty():
+            # lazy: rich's progress bar, only on a terminal
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
             self.live = Progress(
                 SpinnerColumn(),
@@ -240,9 +109,9 @@ class _Progress:
             self.live.start()
 
     def on_event(self, event: Event) -> None:
+        if not self.started:
+            self._start()
         if self.as_json:
-            from m31ctl.cli.output import emit_json_line
-
             data: dict[str, Any] = {
                 "event": "point" if event.kind == "point" else "point-start",
                 "concurrency": event.concurrency,
@@ -270,31 +139,49 @@ class _Progress:
             self.live.stop()
 
 
-def _print(found: Sweep, report: dict[str, Any], profile_asked: bool) -> None:
-    from rich.text import Text
+def _fit_words(t: Any, width: int) -> None:
+    """Where the table is wider than the terminal, each column as wide as its longest word
+    (header included): a cell then wraps at its spaces, never inside a number or a word. Rich's
+    own narrowing evens the columns out and folds a figure mid-number ("355." over "5")."""
+    texts = [[str(cell) for cell in (column.header, *column.cells)] for column in t.columns]
+    gaps = len(t.columns) - 1
+    if sum(max(map(len, cells)) for cells in texts) + gaps <= width:
+        return
+    for column, cells in zip(t.columns, texts, strict=True):
+        column.width = max(len(word) for cell in cells for word in (cell.split() or [""]))
 
-    from m31ctl.cli.output import console, table
-    from m31ctl.redact import redact
 
+@text_view(BenchResult)
+def _print(shown: BenchResult) -> None:
+    from rich.text import Text  # lazy: rich is start-up cost that --json never needs
+
+    found, report, profile_asked, costing = shown.found, shown.report, shown.profile_asked, shown.costing
     out = console()
     title = redact(f"bench {found.endpoint}: {found.workload}, plan {found.plan_hash}, {found.gpus} GPU(s)")
     columns = [
         "conc.",
         "done",
-        "tok/s/user",
-        "tok/s/GPU",
+        "tok/s per user",
+        "tok/s per GPU",
         "output tok/s",
         "TTFT p50/p99 ms",
         "TPOT p50/p99 ms",
     ]
-    columns += ["goodput", "accept. len", "frontier"]
+    columns += ["goodput", "accept. len"]
+    if costing is not None:
+        columns.append(f"{costing.price.currency}/M out")
+    columns.append("frontier")
     t = table(None, columns)
+    # Eleven columns in 80: one space between columns instead of a ruled box, and each column at
+    # least as wide as its longest word (headers included), so a cell wraps at its spaces and never
+    # inside a number or a word (rich folds a cell narrower than a word mid-word).
+    t.box, t.padding, t.collapse_padding, t.pad_edge = None, (0, 1), True, False
     chosen = found.choice.point.concurrency if found.choice.point else None
     for p in found.points:
         mark = ("yes" if p.concurrency in found.frontier else "") + (
             " (chosen)" if p.concurrency == chosen else ""
         )
-        t.add_row(
+        cells = [
             str(p.concurrency),
             f"{p.completed}/{p.requests}",
             _cell(p.tok_s_per_user),
@@ -304,11 +191,23 @@ def _print(found: Sweep, report: dict[str, Any], profile_asked: bool) -> None:
             f"{_cell(p.tpot_p50_ms)} / {_cell(p.tpot_p99_ms)}",
             "-" if p.goodput_share is None else f"{p.goodput_share:.0%}",
             _cell(p.spec.acceptance_length if p.spec else None),
-            mark,
-        )
+        ]
+        if costing is not None:
+            cells.append(_cell(costing.per_million_output(p)))
+        t.add_row(*cells, mark)
+    _fit_words(t, out.width)
     out.print(Text(title, style="bold"))
     out.print(t)
-    lines = [f"choice: {found.choice.reason}"]
+    lines = _errors(found.points)
+    lines += [
+        f"KV over NIXL at concurrency {p.concurrency}: {p.kv_transfer.transfers} transfers, "
+        f"{p.kv_transfer.bytes_transferred / 1e6:,.1f} MB, {p.kv_transfer.failed_transfers} failed; prompt "
+        f"tokens {p.kv_transfer.external_prompt_tokens:,} from prefill, {p.kv_transfer.local_prompt_tokens:,} "
+        "computed by decode"
+        for p in found.points
+        if p.kv_transfer is not None
+    ]
+    lines.append(f"choice: {found.choice.reason}")
     lines += [f"  concurrency {n.concurrency}: {n.reason}" for n in found.choice.neighbours]
     lines += [f"warning: {w}" for w in report["warnings"]]
     regressions = report.get("regressions")
@@ -324,8 +223,34 @@ def _print(found: Sweep, report: dict[str, Any], profile_asked: bool) -> None:
             if "profile" in report
             else "profile: not written (no operating point)"
         )
-    if "plot" in report:
+    if costing is not None:
+        lines.append(_cost_line(costing, found.choice.point))
+    if report.get("plot"):
         lines.append(f"plot: {report['plot']}")
     lines.append(f"measured on {report['measured_on']} in {found.wall_s:.1f} s")
     for line in lines:
         out.print(Text(redact(line)))
+
+
+def _errors(points: tuple[Point, ...]) -> list[str]:
+    """Why points were not measured, one line per distinct cause (every point usually shares it)."""
+    causes: dict[str, list[int]] = {}
+    for p in points:
+        if p.error is not None:
+            causes.setdefault(p.error, []).append(p.concurrency)
+    return [
+        f"error: concurrency {', '.join(map(str, at))} not measured: {cause}" for cause, at in causes.items()
+    ]
+
+
+def _cost_line(costing: Costing, chosen: Point | None) -> str:
+    money = costing.price.currency
+    line = f"cost: {costing.price.describe()} x {costing.rented} = {costing.per_hour:.4g} {money}/hour"
+    if chosen is not None:
+        tokens = costing.tokens_per_unit(chosen)
+        line += (
+            f"; at the chosen point {_cell(costing.per_million_output(chosen))} {money} per million output "
+            f"tokens, {_cell(costing.per_million_total(chosen))} per million total, "
+            f"{_cell(tokens)} tokens per {money}"
+        )
+    return line + " (GPU rental while busy: no idle time, power or networking)"

@@ -2,50 +2,111 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from m31ctl.capacity.fit import comparison, plan_fit, plan_layout, plan_longest_context, profile_layouts
-from m31ctl.capacity.model import parse_context
-from m31ctl.cli.output import console, emit_json, table
-from m31ctl.cli.views import capacity_line, fit_json, sensitivity_line
+from m31ctl.capacity.fit import (
+    ComparisonRow,
+    comparison,
+    plan_fit,
+    plan_layout,
+    plan_longest_context,
+    profile_layouts,
+    within_limit,
+)
+from m31ctl.capacity.memory import Fit, parse_context
+from m31ctl.cli.figure import check_path
+from m31ctl.cli.output import console, emit, table, text_view
+from m31ctl.cli.plot import draw
+from m31ctl.cli.views import capacity_line, fit_json, geometry_line, sensitivity_line
 from m31ctl.deployment import Deployment
+
+
+@dataclass(frozen=True)
+class LongestContext:
+    """`--sequences N`: the longest context N sequences hold (memory's answer, capped at `limit`)."""
+
+    sequences: int
+    tokens: int
+    memory_tokens: int
+    limit_tokens: int
+    limit_source: str
+
+
+@dataclass(frozen=True)
+class CapacityShown:
+    """capacity's result: the plan's fit at the context asked, the longest context for
+    --sequences, and how the recipes' profiles and cache dtypes compare."""
+
+    deployment: Deployment
+    context: int
+    fit: Fit
+    longest: LongestContext | None
+    rows: list[ComparisonRow]
+    plot: Path | None
+    # A P/D group's roles, each on its own layout: (role, its fit at the context).
+    roles: tuple[tuple[str, Fit], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        plan = self.deployment.plan
+        longest = self.longest
+        return {
+            "hardware": f"{plan.hardware.count}x {plan.hardware.product}",
+            "recipe": plan.recipe.recipe,
+            "profile": plan.profile,
+            "layout": plan_layout(self.deployment).label(),
+            "fit": fit_json(self.fit),
+            "longest_context": {
+                "sequences": longest.sequences,
+                "tokens": longest.tokens,
+                "memory_tokens": longest.memory_tokens,
+                "limit_tokens": longest.limit_tokens,
+                "limit_source": longest.limit_source,
+            }
+            if longest is not None
+            else None,
+            "comparison": [
+                {**fit_json(r.fit), "model": r.model, "kv_dtype": r.kv_dtype, "layout": r.layout}
+                for r in self.rows
+            ],
+            "plot": str(self.plot) if self.plot else None,
+            "roles": {role: fit_json(fit) for role, fit in self.roles} or None,
+        }
 
 
 def run(
     deployment: Deployment, context_text: str, sequences: int | None, plot: Path | None, as_json: bool
 ) -> None:
-    plan = deployment.plan
     context = parse_context(context_text)
+    limit, limit_source = within_limit(deployment, context, context_text)
     if plot is not None:
-        from m31ctl.cli.figure import check_path
-
         check_path(plot)
     fit = plan_fit(deployment, context)
-    longest = plan_longest_context(deployment, sequences) if sequences is not None else None
+    longest = None
+    if sequences is not None:
+        memory_longest = plan_longest_context(deployment, sequences)
+        # What memory would hold is not what the engine serves: one sequence is at most `limit` long.
+        longest = LongestContext(sequences, min(memory_longest, limit), memory_longest, limit, limit_source)
     rows = comparison(deployment, context, profile_layouts(deployment))
     if plot is not None:
-        from m31ctl.cli.plot import draw
-
-        draw(deployment, profile_layouts(deployment), plot, sensitivity_line(fit))
-    if as_json:
-        emit_json(
-            {
-                "hardware": f"{plan.hardware.count}x {plan.hardware.product}",
-                "recipe": plan.recipe.recipe,
-                "profile": plan.profile,
-                "layout": plan_layout(deployment).label(),
-                "fit": fit_json(fit),
-                "longest_context": {"sequences": sequences, "tokens": longest}
-                if sequences is not None
-                else None,
-                "comparison": [
-                    {**fit_json(r.fit), "model": r.model, "kv_dtype": r.kv_dtype, "layout": r.layout}
-                    for r in rows
-                ],
-                "plot": str(plot) if plot else None,
-            }
+        draw(deployment, profile_layouts(deployment), plot, sensitivity_line(fit), max_context=limit)
+    # Each P/D role's own capacity: prefill's KV tokens are the prompt tokens it holds in flight
+    # until decode has pulled them; decode's sequences are what stays resident while it generates.
+    group = deployment.disaggregated
+    roles = (
+        tuple(
+            (role.kv_transfer.role.value, plan_fit(role, context)) for role in group.roles if role.kv_transfer
         )
-        return
+        if group
+        else ()
+    )
+    emit(CapacityShown(deployment, context, fit, longest, rows, plot, roles), as_json)
+
+
+@text_view(CapacityShown)
+def _capacity_text(shown: CapacityShown) -> None:
+    plan, fit, longest = shown.deployment.plan, shown.fit, shown.longest
     out = console()
     hw = plan.hardware
     out.print(
@@ -53,6 +114,7 @@ def run(
         f"{plan.model.display_name}, {plan.settings.cache.kv_dtype} KV cache"
     )
     out.print(capacity_line(fit))
+    out.print(geometry_line(fit.geometry), markup=False)
     if fit.fits:
         per_token = fit.kv_bytes_per_token
         out.print(
@@ -65,14 +127,37 @@ def run(
         if band:
             out.print(band)
     if longest is not None:
-        out.print(f"longest context for {sequences} sequences: {longest} tokens")
+        capped = (
+            f" (memory would hold {longest.memory_tokens:,}; {longest.limit_source})"
+            if longest.memory_tokens > longest.limit_tokens
+            else ""
+        )
+        noun = "sequence" if longest.sequences == 1 else "sequences"
+        out.print(
+            f"longest context for {longest.sequences} {noun}: {longest.tokens:,} tokens{capped}", markup=False
+        )
+    for role, role_fit in shown.roles:
+        out.print(_role_line(role, role_fit, shown.context), markup=False)
     t = table(
-        f"Resident sequences at {context} tokens",
+        f"Resident sequences at {shown.context} tokens",
         ["model", "KV cache", "layout", "sequences", "published basis"],
     )
-    for r in rows:
+    for r in shown.rows:
         basis = r.fit.sequences_published_basis
         t.add_row(r.model, r.kv_dtype, r.layout, str(r.fit.sequences), "-" if basis is None else str(basis))
     out.print(t)
-    if plot:
-        out.print(f"plot written to {plot}")
+    # Which geometry each model's rows used (the plan's model's is the line above).
+    for origin in dict.fromkeys(r.fit.geometry for r in shown.rows if r.fit.geometry != fit.geometry):
+        out.print(geometry_line(origin), markup=False)
+    if shown.plot:
+        out.print(f"plot written to {shown.plot}")
+
+
+def _role_line(role: str, fit: Fit, context: int) -> str:
+    """A P/D role's capacity in the terms of its work."""
+    if role == "prefill":
+        return (
+            f"prefill ({fit.layout}): {fit.kv_cache_tokens:,} KV tokens per engine, the prompt tokens it "
+            f"holds in flight until decode pulls them ({fit.sequences} prompts of {context:,})"
+        )
+    return f"{role} ({fit.layout}): {fit.sequences} sequences of {context:,} tokens stay resident"

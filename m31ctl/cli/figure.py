@@ -20,10 +20,10 @@ def check_path(path: Path) -> None:
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend (no display needed), or exit 2 saying how to get it."""
     try:
-        import matplotlib
+        import matplotlib  # optional and heavy: only a --plot loads it
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"): no display needed
     except ImportError:
         raise InputError("--plot needs matplotlib", hint="pip install 'm31ctl[plot]'") from None
     return plt

@@ -6,21 +6,27 @@ import json as jsonlib
 import shlex
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import typer
+
 from m31ctl.capacity.fit import plan_fit
-from m31ctl.cli.output import console, emit_json, table
+from m31ctl.cli import output
+from m31ctl.cli.output import console, emit_json_line, table, text_view
 from m31ctl.cli.views import plan_json, print_plan
 from m31ctl.deployment import Deployment
 from m31ctl.runtime import Survey
-from m31ctl.runtime.base import DryRun, LaunchResult, PullEvent, PullProgress, Reporter
 from m31ctl.runtime.phases import Phase
+from m31ctl.runtime.protocol import DryRun, LaunchResult, PullEvent, PullProgress, Reporter
 
 
 def reporter() -> Reporter:
     """Progress lines go to stderr, so stdout stays one JSON object under --json."""
 
     def report(line: str) -> None:
+        if output.QUIET:
+            return
         sys.stderr.write(f"m31ctl: {line}\n")
         sys.stderr.flush()
 
@@ -33,13 +39,25 @@ class PhaseDisplay:
 
     def __init__(self, live: bool) -> None:
         self._status: Any = None
-        if live and sys.stderr.isatty():
-            from m31ctl.cli.output import console
-
-            self._status = console(stderr=True).status("starting", spinner="dots")
+        if live and not output.QUIET and sys.stderr.isatty():
+            # The preflight runs first (doctor's checks, seconds): the engine is not starting yet.
+            self._status = console(stderr=True).status("preflight: checking the host", spinner="dots")
             self._status.start()
+        self._phase_seen = False
+
+    def reporting(self, report: Reporter) -> Reporter:
+        """`report`, and until the engine's first phase the status line follows its lines
+        (the preflight's warnings, the pull, "started NAME ...")."""
+
+        def both(line: str) -> None:
+            report(line)
+            if self._status is not None and not self._phase_seen:
+                self._status.update(line if len(line) <= 70 else line[:69] + "\u2026")
+
+        return both
 
     def on_phase(self, phase: Phase, elapsed: float) -> None:
+        self._phase_seen = True
         if self._status is not None:
             self._status.update(f"{phase.value} ({elapsed:.0f} s since start)")
 
@@ -53,13 +71,12 @@ def confirm(question: str) -> bool:
     """Ask on a terminal; anywhere else (CI, a pipe) the answer is no."""
     if not sys.stdin.isatty():
         return False
-    import typer
-
     return bool(typer.confirm(question, default=False))
 
 
 def pull_progress() -> PullProgress:
     """A rich progress display of an image pull, per layer, on stderr; closed on the final None."""
+    # lazy: rich's progress display, only for an image pull on a terminal
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     state: dict[str, Any] = {"progress": None, "tasks": {}}
@@ -89,13 +106,26 @@ def pull_progress() -> PullProgress:
     return on_event
 
 
-def print_dry_run(deployment: Deployment, dry: DryRun, as_json: bool) -> None:
-    if as_json:
-        payload: dict[str, Any] = {"plan": plan_json(deployment, plan_fit(deployment)), **dry.detail}
-        payload[dry.argv_key] = list(dry.argv)
-        emit_json(payload)
-        return
-    print_plan(deployment, plan_fit(deployment), explain=False)
+@dataclass(frozen=True)
+class DryRunShown:
+    """`launch --dry-run`: the plan, and what the runtime would start."""
+
+    deployment: Deployment
+    dry: DryRun
+
+    def to_json(self) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "plan": plan_json(self.deployment, plan_fit(self.deployment)),
+            **self.dry.detail,
+        }
+        payload[self.dry.argv_key] = list(self.dry.argv)
+        return payload
+
+
+@text_view(DryRunShown)
+def print_dry_run(shown: DryRunShown) -> None:
+    dry = shown.dry
+    print_plan(shown.deployment, plan_fit(shown.deployment), explain=False)
     out = console()
     out.print()
     out.print(f"{dry.kind.capitalize()} (dry run, nothing started):", markup=False)
@@ -104,7 +134,6 @@ def print_dry_run(deployment: Deployment, dry: DryRun, as_json: bool) -> None:
 
 def phase_events() -> Callable[[Phase, float], None]:
     """launch --json: each startup phase as one JSON line on stdout, as it begins (for CI logs)."""
-    from m31ctl.cli.output import emit_json_line
 
     def on_phase(phase: Phase, elapsed: float) -> None:
         emit_json_line({"event": "phase", "phase": phase.value, "elapsed_s": round(elapsed, 3)})
@@ -112,13 +141,21 @@ def phase_events() -> Callable[[Phase, float], None]:
     return on_phase
 
 
-def print_result(deployment: Deployment, result: LaunchResult, as_json: bool) -> None:
-    if as_json:
-        # The last line of the event stream: the result object.
-        from m31ctl.cli.output import emit_json_line
+@dataclass(frozen=True)
+class LaunchShown:
+    """launch's result (under --json the last line of its event stream), with the deployment
+    its text view quotes (the served model, the API key's variable)."""
 
-        emit_json_line(result.to_json())
-        return
+    deployment: Deployment
+    result: LaunchResult
+
+    def to_json(self) -> dict[str, Any]:
+        return self.result.to_json()
+
+
+@text_view(LaunchShown)
+def print_result(shown: LaunchShown) -> None:
+    deployment, result = shown.deployment, shown.result
     out = console()
     verb = {"unchanged": "already serving this plan; nothing changed"}.get(result.action, result.action)
     out.print(f"{result.server}: {verb} (plan {result.plan_hash}, {result.runtime})", markup=False)
@@ -148,29 +185,38 @@ def print_unreachable(found: Survey) -> None:
         sys.stderr.write(f"m31ctl: {name} runtime not asked: {error.one_line()}\n")
 
 
-def print_status(found: Survey, as_json: bool, differences: dict[str, tuple[str, ...]] | None = None) -> None:
-    """The servers; with `differences` (status given plan options), how each one's plan differs."""
-    if as_json:
-        rows = [s.to_json() for s in found.servers]
-        if differences is not None:
+@dataclass(frozen=True)
+class StatusShown:
+    """status's result: the servers; with `differences` (status given plan options), how each
+    one's recorded plan differs from the plan given."""
+
+    found: Survey
+    differences: dict[str, tuple[str, ...]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        rows = [s.to_json() for s in self.found.servers]
+        if self.differences is not None:
             for row in rows:
-                changed = differences.get(row["name"], ())
+                changed = self.differences.get(row["name"], ())
                 row.update({"runs_plan": not changed, "plan_differences": list(changed)})
-        emit_json(
-            {
-                "servers": rows,
-                # The older key, kept for pipelines that read it: it lists native servers too.
-                "containers": rows,
-                "unreachable": {name: error.one_line() for name, error in found.unreachable.items()},
-            }
-        )
-        return
+        return {
+            "servers": rows,
+            # The older key, kept for pipelines that read it: it lists native servers too.
+            "containers": rows,
+            "unreachable": {name: error.one_line() for name, error in self.found.unreachable.items()},
+        }
+
+
+@text_view(StatusShown)
+def print_status(shown: StatusShown) -> None:
+    found, differences = shown.found, shown.differences
     print_unreachable(found)
     if not found.servers:
         console().print("no m31ctl servers")
         return
     columns = ["name", "runtime", "state", "health", "plan", "recipe", "endpoint", "restarts"]
-    t = table(None, columns + (["vs the plan given"] if differences is not None else []))
+    columns += ["vs the plan given"] if differences is not None else []
+    rows = []
     for s in found.servers:
         cells = [
             s.name,
@@ -185,5 +231,39 @@ def print_status(found: Survey, as_json: bool, differences: dict[str, tuple[str,
         if differences is not None:
             changed = differences.get(s.name, ())
             cells.append("\n".join(changed) if changed else "same")
+        rows.append(cells)
+    out = console()
+    # A ruled table costs 3 columns a cell plus 1: where the longest cells do not fit the terminal,
+    # rich would fold names, URLs and hashes mid-word. Then each server is a record of its own.
+    widths = [
+        max(len(line) for cell in column for line in cell.split("\n"))
+        for column in zip(columns, *rows, strict=True)
+    ]
+    if sum(widths) + 3 * len(widths) + 1 > out.width:
+        for cells in rows:
+            out.print(f"{cells[0]}  {cells[1]}  {cells[2]}  health {cells[3]}", markup=False, soft_wrap=True)
+            for label, value in zip(columns[4:], cells[4:], strict=True):
+                out.print(f"  {label}: {value.replace(chr(10), '; ')}", markup=False, soft_wrap=True)
+        return
+    t = table(None, columns)
+    for cells in rows:
         t.add_row(*cells)
-    console().print(t)
+    out.print(t)
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """stop's result: the servers it stopped, by name."""
+
+    servers: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stopped": self.servers}
+
+
+@text_view(Stopped)
+def _stopped_text(stopped: Stopped) -> None:
+    if not stopped.servers:
+        sys.stderr.write("nothing to stop\n")
+    else:  # as `docker stop` names them
+        sys.stdout.write("".join(f"stopped {server}\n" for server in stopped.servers))

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import typer
+
+from m31ctl.errors import InputError, M31Error, close_matches
 
 if TYPE_CHECKING:
     from m31ctl.plan import PlanRequest
@@ -21,16 +24,27 @@ HardwareOpt = Annotated[
     str | None,
     typer.Option(
         "--hardware",
+        metavar="SPEC",
         help="Plan for PRODUCTxCOUNT (e.g. b300x4, h200x8, mi355xx8) or cpu instead of probing this host.",
     ),
 ]
-RecipeOpt = Annotated[str | None, typer.Option("--recipe", help="Use this recipe instead of the probed one.")]
-VariantOpt = Annotated[str | None, typer.Option("--variant", help="Recipe variant (e.g. aiter on MI355X).")]
-ProfileOpt = Annotated[
-    str | None, typer.Option("--profile", help="latency (the default), throughput or long-context.")
+RecipeOpt = Annotated[
+    str | None, typer.Option("--recipe", metavar="NAME", help="Use this recipe instead of the probed one.")
 ]
-FileOpt = Annotated[list[Path] | None, typer.Option("-f", "--file", help="Override file (YAML); repeatable.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="key.path=value (JSON allowed); repeatable.")]
+VariantOpt = Annotated[
+    str | None, typer.Option("--variant", metavar="NAME", help="Recipe variant (e.g. aiter on MI355X).")
+]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option("--profile", metavar="NAME", help="latency (the default), throughput or long-context."),
+]
+FileOpt = Annotated[
+    list[Path] | None, typer.Option("-f", "--file", metavar="FILE", help="Override file (YAML); repeatable.")
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", metavar="KEY=VALUE", help="key.path=value (JSON allowed); repeatable."),
+]
 NoValidateOpt = Annotated[
     bool, typer.Option("--no-validate", help="Skip checking the engine argv against vLLM's schema.")
 ]
@@ -38,30 +52,69 @@ NoValidateOpt = Annotated[
 # --- output and runtime ------------------------------------------------------------------------
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object for machines.")]
 LaunchRuntimeOpt = Annotated[
-    str, typer.Option("--runtime", help="docker (a container) or native (vLLM from a local Python).")
+    str,
+    typer.Option(
+        "--runtime", metavar="RUNTIME", help="docker (a container) or native (vLLM from a local Python)."
+    ),
 ]
 AnyRuntimeOpt = Annotated[
     str | None,
-    typer.Option("--runtime", help="Only this runtime (docker or native); default: look in every runtime."),
+    typer.Option(
+        "--runtime",
+        metavar="RUNTIME",
+        help="Only this runtime (docker or native); default: look in every runtime.",
+    ),
 ]
-NameOpt = Annotated[str | None, typer.Option("--name", help="Which m31ctl server (default: all of ours).")]
+NameOpt = Annotated[
+    str | None, typer.Option("--name", metavar="NAME", help="Which m31ctl server (default: all of ours).")
+]
 # --- a running server and its engine's benchmark (smoke, verify, bench) -------------------------
-UrlOpt = Annotated[str | None, typer.Option("--url", help="Endpoint (default: the running m31ctl server).")]
+UrlOpt = Annotated[
+    str | None, typer.Option("--url", metavar="URL", help="Endpoint (default: the running m31ctl server).")
+]
 BenchPythonOpt = Annotated[
     str | None,
-    typer.Option("--bench-python", help="A Python with vLLM to run vllm bench serve (needed with --url)."),
+    typer.Option(
+        "--bench-python",
+        metavar="PYTHON",
+        help="A Python with vLLM to run vllm bench serve (needed with --url).",
+    ),
 ]
 
 # --- lock files (m31ctl lock) -------------------------------------------------------------------
 LockedOpt = Annotated[
     Path | None,
     typer.Option(
-        "--locked", help="Compare with this lock file; drift refuses (exit 4) unless --update-lock."
+        "--locked",
+        metavar="FILE",
+        help="Compare with this lock file; drift refuses (exit 4) unless --update-lock.",
+    ),
+]
+# doctor has no --update-lock: there, drift from the lock is a failed check.
+DoctorLockedOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--locked", metavar="FILE", help="Compare with this lock file; drift is a failed check (exit 1)."
     ),
 ]
 UpdateLockOpt = Annotated[
     bool, typer.Option("--update-lock", help="With --locked: rewrite the lock to what resolves now.")
 ]
+
+
+# Words kubectl and helm users pass to -o as an output format: here -o is where m31ctl writes.
+_FORMAT_WORDS = frozenset({"json", "yaml", "yml", "wide", "name", "table", "text", "jsonpath"})
+
+
+def not_a_format(value: Path | None) -> Path | None:
+    """-o's callback: a bare format word (`render -o json`) is refused rather than written to as
+    ./json; a path that happens to be named so is still reachable by its full path."""
+    if value is not None and str(value).lower() in _FORMAT_WORDS:
+        raise InputError(
+            f"-o {value}: -o names the directory or file m31ctl writes, not an output format",
+            hint=f"for JSON pass --json; to write to a path named {value}, give its full path",
+        )
+    return value
 
 
 class PlanOptions(NamedTuple):
@@ -82,17 +135,66 @@ class PlanOptions(NamedTuple):
 
     def request(self) -> PlanRequest:
         """The values as a request; probes this host unless --hardware."""
+        # lazy: the plan's modules, which --help and the commands without a plan never load
         from m31ctl.plan import PlanRequest
 
         if self.hardware is not None:
-            from m31ctl.hardware import simulated
+            from m31ctl.hardware import simulated  # lazy: as above
 
-            hw = simulated(self.hardware)
+            try:
+                hw = simulated(self.hardware)
+            except InputError as exc:
+                raise self._with_a_count_that_fits(exc) from None
         else:
-            from m31ctl.probe import detect
+            from m31ctl.probe import detect  # lazy: as above
 
             hw = detect().hardware
         return PlanRequest(hw, self.recipe, self.variant, self.profile, self.files, self.sets)
+
+    def argv(self) -> list[str]:
+        """The options as they were given, for a hint that says which command to run next."""
+        words: list[str] = []
+        for flag, value in (("--hardware", self.hardware), ("--recipe", self.recipe),
+                            ("--variant", self.variant), ("--profile", self.profile)):  # fmt: skip
+            if value is not None:
+                words += [flag, value]
+        for path in self.files:
+            words += ["-f", str(path)]
+        for expr in self.sets:
+            words += ["--set", expr]
+        return words
+
+    def _with_a_count_that_fits(self, error: Exception) -> Exception:
+        """`--hardware h200` (a product without a count): the hint names the smallest host of
+        it whose plan fits (h200x8: Hopper's TP8), not a count the plan then refuses."""
+        from m31ctl.hardware import PRODUCTS, simulated  # lazy: as in request()
+
+        asked = (self.hardware or "").strip().lower()
+        product = re.sub(r"x\d*$", "", asked) if asked not in PRODUCTS else asked
+        if product not in PRODUCTS:  # a misspelt product: the closest one's host
+            product = next(iter(close_matches(product, list(PRODUCTS))), "")
+        if not isinstance(error, InputError) or product not in PRODUCTS:
+            return error
+        # lazy: as in request()
+        from m31ctl.deployment import derive, require_fit
+        from m31ctl.plan import PlanRequest, resolve
+
+        for count in (1, 2, 4, 8):
+            spec = f"{product}x{count}"
+            request = PlanRequest(
+                simulated(spec), self.recipe, self.variant, self.profile, self.files, self.sets
+            )
+            try:
+                require_fit(derive(resolve(request)))
+            except M31Error:
+                continue
+            message = (
+                f"--hardware {self.hardware!r} needs a GPU count" if asked == product else str(error.message)
+            )
+            return InputError(
+                message, hint=f"did you mean {spec}, the smallest {product} host this plan fits?"
+            )
+        return error
 
 
 # The group's options as typer sees them, in the order --help lists them: (name, type, default).

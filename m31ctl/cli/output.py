@@ -8,10 +8,18 @@ import errno
 import json
 import sys
 import unicodedata
-from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TextIO, TypeVar
+
+from m31ctl.errors import InputError, OutputError
+from m31ctl.redact import redact_data
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+
+# `m31ctl --quiet`: progress lines (launch's, stop's) are left out; results and errors are not.
+QUIET = False
 
 
 class GuardedStdout:
@@ -50,8 +58,6 @@ class GuardedStdout:
 
 
 def _output_error(exc: OSError) -> Exception:
-    from m31ctl.errors import OutputError
-
     if isinstance(exc, BrokenPipeError) or exc.errno == errno.EBADF:
         return BrokenPipeError(exc.errno, exc.strerror)
     return OutputError(f"cannot write to standard output: {exc.strerror or exc}")
@@ -88,24 +94,57 @@ def _plain(exc: UnicodeError) -> tuple[str, int]:
 codecs.register_error(_PLAIN, _plain)
 
 
-def emit_json(payload: Any) -> None:
-    from m31ctl.redact import redact_data
+class Result(Protocol):
+    """What a command returns for printing: its JSON (`--json`) is `to_json()`, its text is the
+    view registered for its type (`text_view`)."""
 
-    sys.stdout.write(json.dumps(redact_data(payload), indent=2, sort_keys=True) + "\n")
+    def to_json(self) -> Any: ...
+
+
+R = TypeVar("R")
+_TEXT_VIEWS: dict[type, Callable[[Any], None]] = {}
+
+
+def text_view(kind: type[R]) -> Callable[[Callable[[R], None]], Callable[[R], None]]:
+    """Register `fn` as how a `kind` result reads to people (a decorator)."""
+
+    def register(fn: Callable[[R], None]) -> Callable[[R], None]:
+        _TEXT_VIEWS[kind] = fn
+        return fn
+
+    return register
+
+
+def emit(result: Result, as_json: bool, *, line: bool = False) -> None:
+    """The one output path of a command's result: `to_json()` under --json (one compact line with
+    `line`, the last of a JSON Lines stream: launch, bench, pull), else its type's text view."""
+    if as_json:
+        (emit_json_line if line else emit_json)(result.to_json())
+        return
+    view = next((_TEXT_VIEWS[kind] for kind in type(result).__mro__ if kind in _TEXT_VIEWS), None)
+    if view is None:  # a command whose view module was not imported: a bug, said as one
+        raise TypeError(f"no text view registered for {type(result).__name__}")
+    view(result)
+
+
+def emit_json(payload: Any) -> None:
+    sys.stdout.write(json_text(payload))
+
+
+def json_text(payload: Any) -> str:
+    """A saved report (`-o FILE`): the JSON --json prints, redacted alike (a report quotes the
+    server's answers, which may echo the API key it was sent)."""
+    return json.dumps(redact_data(payload), indent=2, sort_keys=True) + "\n"
 
 
 def emit_json_line(payload: Any) -> None:
     """One compact JSON object on one line (a stream of events: JSON Lines)."""
-    from m31ctl.redact import redact_data
-
     sys.stdout.write(json.dumps(redact_data(payload), sort_keys=True, separators=(",", ":")) + "\n")
     sys.stdout.flush()
 
 
 def console(stderr: bool = False) -> Any:
-    import shutil
-
-    from rich.console import Console
+    from rich.console import Console  # lazy: rich is start-up cost that JSON output never needs
 
     class _Console(Console):
         def on_broken_pipe(self) -> None:
@@ -114,24 +153,23 @@ def console(stderr: bool = False) -> Any:
             self.quiet = True
             raise BrokenPipeError
 
-    # Pipes and CI logs get a wide page rather than rich's 80-column guess.
-    width = shutil.get_terminal_size((140, 24)).columns
-    return _Console(stderr=stderr, highlight=False, width=max(width, 100))
+    # The terminal's width, else $COLUMNS, else 80 (rich's own rule, also for pipes and CI logs):
+    # tables wrap their cells to fit it, so every view reads in an 80-column terminal.
+    return _Console(stderr=stderr, highlight=False)
 
 
 def table(title: str | None, columns: list[str]) -> Any:
-    from rich.table import Table
+    from rich.table import Table  # lazy: rich, as in console()
 
     t = Table(title=title, show_header=True, header_style="bold", title_justify="left")
     for name in columns:
-        t.add_column(name)
+        t.add_column(name, overflow="fold")  # narrowed to fit the width: wrapped, never cut with "..."
     return t
 
 
 def write_file(path: Path, text: str) -> None:
     """A report or lock file, whole or not at all; an unwritable place is bad input (exit 2)."""
-    from m31ctl.errors import InputError
-    from m31ctl.render.files import write_text_atomic
+    from m31ctl.render.files import write_text_atomic  # lazy: m31ctl.render loads every target
 
     try:
         write_text_atomic(path, text)

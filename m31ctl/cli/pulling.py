@@ -12,12 +12,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from m31ctl.cli.output import emit_json_line
-from m31ctl.errors import InputError, M31Error
+from m31ctl.cli.output import console, emit, emit_json_line, text_view
+from m31ctl.errors import ExitCode, InputError, M31Error
+from m31ctl.interrupt import StoppedAsAsked
 from m31ctl.pull import (
     Corrupt,
     Fallback,
     FileDone,
+    PartialDownload,
     Progress,
     PullEvent,
     PullOptions,
@@ -26,6 +28,7 @@ from m31ctl.pull import (
     Started,
     pull,
 )
+from m31ctl.redact import redact
 
 if TYPE_CHECKING:
     from m31ctl.deployment import Deployment
@@ -45,15 +48,32 @@ def run_pull(
     except M31Error as exc:
         view.close()
         if as_json:  # the stream stays JSON Lines: the error is its last line, as a result would be
-            return _json_error(exc)
+            code = _json_error(exc)
+            if exc.exit_code == ExitCode.INTERRUPTED:
+                # Its one line is written; a command that returns 130 would get the general
+                # interruption line as well (cli's reading of click's Ctrl-C at a prompt).
+                raise StoppedAsAsked from None
+            return code
         raise
     finally:
         view.close()
-    if as_json:
-        emit_json_line({"event": "result", **dataclasses.asdict(result)})
-    else:
-        sys.stdout.write(summary(result))
+    emit(PullShown(result), as_json, line=True)
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PullShown:
+    """pull's result: under --json the last line of its event stream."""
+
+    result: PullResult
+
+    def to_json(self) -> dict[str, Any]:
+        return {"event": "result", **dataclasses.asdict(self.result)}
+
+
+@text_view(PullShown)
+def _pull_text(shown: PullShown) -> None:
+    sys.stdout.write(summary(shown.result))
 
 
 def before_launch(as_json: bool) -> Callable[[Deployment], bool]:
@@ -78,14 +98,27 @@ def summary(result: PullResult) -> str:
     lines = [
         f"pulled {result.repo} at {result.revision}: commit {result.commit}",
         f"  {result.files_total} files, {size(result.bytes_total)}, in {result.snapshot}",
-        f"  fetched {size(result.bytes_fetched)} in {result.elapsed_s:.1f} s ({size(rate)}/s); "
-        f"{result.files_cached} files were complete already"
+        f"  fetched {size(result.bytes_fetched)} in {result.elapsed_s:.1f} s ({size(rate)}/s"
+        + (f", up to {result.connections} transfers at once" if result.connections > 1 else "")
+        + f"); {result.files_cached} files were complete already"
+        + (
+            f"; {result.files_reused} linked from blobs the cache held ({size(result.bytes_reused)})"
+            if result.files_reused
+            else ""
+        )
         + (f"; {size(result.bytes_resumed)} resumed from partial files" if result.bytes_resumed else ""),
     ]
+    lines += [f"  {partial_line(p)}" for p in result.partial_files]
     if result.verified:
         again = f"; fetched again: {', '.join(result.refetched)}" if result.refetched else ""
         lines.append(f"  verified: every file at the hub's size and hash{again}")
     return "\n".join(lines) + "\n"
+
+
+def partial_line(p: PartialDownload) -> str:
+    """What became of one partial file found in blobs/."""
+    of = f" (part of {p.file})" if p.file else ""
+    return f"partial file {p.name} of {p.tool}{of}, {size(p.bytes)}: {p.action}, {p.reason}"
 
 
 def size(count: float) -> str:
@@ -109,9 +142,10 @@ def event_line(event: PullEvent) -> str | None:
         return (
             f"pulling {event.repo} at {event.revision} (commit {event.commit[:12]}) into {event.cache_dir}: "
             f"{event.files_total} files, {size(event.bytes_total)}; {event.files_cached} complete already, "
-            f"{size(event.bytes_partial)} in partial files, {size(event.bytes_needed)} to fetch, "
-            f"{size(event.free_bytes)} free"
-        )
+            + (f"{event.files_reused} in blobs/ already (linked), " if event.files_reused else "")
+            + f"{size(event.bytes_partial)} in partial files, {size(event.bytes_needed)} to fetch, "
+            f"{size(event.free_bytes)} free; up to {event.connections} transfers at once"
+        ) + "".join(f"\n{partial_line(p)}" for p in event.partial_files)
     if isinstance(event, Retry):
         return (
             f"{event.file}: {event.reason}; retry {event.attempt} of {event.retries} over {event.via} "
@@ -155,7 +189,9 @@ class _PlainView(_View):
     def on_event(self, event: PullEvent) -> None:
         line = event_line(event)
         if isinstance(event, FileDone):
-            line = f"{event.file}: {size(event.size)} done over {event.via}"
+            line = f"{event.file}: {size(event.size)} done over {event.via}" + (
+                f", in {event.parts} byte ranges at once" if event.parts > 1 else ""
+            )
         elif isinstance(event, Progress) and time.monotonic() - self._last >= self.EVERY_S:
             self._last = time.monotonic()
             line = (
@@ -163,7 +199,7 @@ class _PlainView(_View):
                 f"{size(event.rate_bps)}/s, ETA {_eta(event.eta_s)}, files {event.files_done}/{event.files_total}"
             )
         if line:
-            sys.stderr.write(f"m31ctl: {line}\n")
+            sys.stderr.write("".join(f"m31ctl: {text}\n" for text in line.splitlines()))
             sys.stderr.flush()
 
 
@@ -184,7 +220,7 @@ class _LiveView(_View):
                 self._task,
                 completed=event.bytes_done,
                 total=event.bytes_total,
-                description=_short(event.file),
+                description=_in_flight(event),
                 phase=event.phase,
                 rate=f"{size(event.rate_bps)}/s",
                 eta=_eta(event.eta_s),
@@ -194,9 +230,7 @@ class _LiveView(_View):
             self._progress.console.print(line, markup=False, highlight=False)
 
     def _start(self, event: Started) -> None:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
-
-        from m31ctl.cli.output import console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn  # lazy: a terminal's only
 
         self._progress = Progress(
             TextColumn("{task.fields[phase]}"),
@@ -226,13 +260,17 @@ class _LiveView(_View):
             self._progress = None
 
 
+def _in_flight(event: Progress) -> str:
+    """The file in flight, or the first of several and how many more."""
+    more = len(event.in_flight) - 1
+    return _short(event.file) + (f" (+{more} more)" if more > 0 else "")
+
+
 def _short(path: str, width: int = 40) -> str:
     return path if len(path) <= width else "..." + path[-(width - 3) :]
 
 
 def _json_error(exc: M31Error) -> int:
-    from m31ctl.redact import redact
-
     emit_json_line({"event": "error", **exc.to_json()})
     for line in exc.details:
         sys.stderr.write(f"m31ctl: {redact(line)}\n")

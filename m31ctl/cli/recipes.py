@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m31ctl.cli.output import console, emit_json, table
-from m31ctl.plan.recipes import Recipe, builtin_recipes, get_recipe
+from m31ctl.cli.output import console, emit, table, text_view
+from m31ctl.plan.catalog import Recipe, builtin_recipes, get_recipe
 from m31ctl.plan.resolve import check_recipe_file
 
 
@@ -28,13 +29,52 @@ def summary(recipe: Recipe) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class RecipeList:
+    """`recipes list`: the built-in recipes."""
+
+    recipes: list[Recipe]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"recipes": [summary(r) for r in self.recipes]}
+
+
+@dataclass(frozen=True)
+class RecipeShown:
+    """`recipes show NAME`: one recipe's summary."""
+
+    data: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.data
+
+
+@dataclass(frozen=True)
+class RecipeChecked:
+    """`recipes validate FILE`: the recipe, and every variant x profile that resolved (with its plan hash)."""
+
+    path: Path
+    recipe: Recipe
+    checked: list[tuple[str, str, str]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": str(self.path),
+            "recipe": self.recipe.recipe,
+            "valid": True,
+            "checked": [{"variant": v, "profile": p, "plan_hash": h} for v, p, h in self.checked],
+        }
+
+
 def list_recipes(as_json: bool) -> None:
-    recipes = builtin_recipes()
-    if as_json:
-        emit_json({"recipes": [summary(r) for r in recipes.values()]})
-        return
+    emit(RecipeList(list(builtin_recipes().values())), as_json)
+
+
+@text_view(RecipeList)
+def _list_text(listed: RecipeList) -> None:
+    recipes = listed.recipes
     t = table(None, ["recipe", "status", "hardware", "min GPUs", "variants", "profiles"])
-    for r in recipes.values():
+    for r in recipes:
         profiles = [n for n, o in r.profiles.items() if not o.unsupported]
         t.add_row(
             r.recipe,
@@ -48,12 +88,14 @@ def list_recipes(as_json: bool) -> None:
 
 
 def show(name: str, as_json: bool) -> None:
-    data = summary(get_recipe(name))
-    if as_json:
-        emit_json(data)
-        return
-    from rich.text import Text
+    emit(RecipeShown(summary(get_recipe(name))), as_json)
 
+
+@text_view(RecipeShown)
+def _show_text(shown: RecipeShown) -> None:
+    from rich.text import Text  # lazy: rich is start-up cost that --json never needs
+
+    data = shown.data
     out = console()
     out.print(Text(f"{data['name']} ({data['status']}): {data['description']}", style="bold"))
     out.print(Text(f"file: {data['file']}"))
@@ -79,18 +121,14 @@ def show(name: str, as_json: bool) -> None:
 def validate(path: Path, as_json: bool) -> None:
     """Load a recipe file and resolve every variant x profile; the first error is the answer."""
     recipe, checked = check_recipe_file(path)
-    if as_json:
-        emit_json(
-            {
-                "file": str(path),
-                "recipe": recipe.recipe,
-                "valid": True,
-                "checked": [{"variant": v, "profile": p, "plan_hash": h} for v, p, h in checked],
-            }
-        )
-        return
+    emit(RecipeChecked(path, recipe, list(checked)), as_json)
+
+
+@text_view(RecipeChecked)
+def _checked_text(found: RecipeChecked) -> None:
     console().print(
-        f"{path}: recipe {recipe.recipe} is valid ({len(checked)} variant x profile combinations resolve)",
+        f"{found.path}: recipe {found.recipe.recipe} is valid "
+        f"({len(found.checked)} variant x profile combinations resolve)",
         markup=False,
     )
 

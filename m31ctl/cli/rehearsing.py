@@ -4,37 +4,42 @@ never became ready), with the failing node's own error line."""
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import TYPE_CHECKING
 
-from m31ctl.cli.output import emit_json
+from m31ctl.cli.output import emit, text_view
 from m31ctl.errors import ExitCode
+from m31ctl.labels import Label
+from m31ctl.rehearsal.result import RehearsalResult
+from m31ctl.rehearsal.runner import Options, rehearse
 
 if TYPE_CHECKING:
     from m31ctl.plan import Plan
-    from m31ctl.rehearsal.result import RehearsalResult
-    from m31ctl.rehearsal.runner import Options
 
 
 def run_rehearse(plan: Plan, options: Options, as_json: bool) -> int:
-    from m31ctl.rehearsal.runner import rehearse
-
     def progress(line: str) -> None:
         sys.stderr.write(f"rehearse: {line}\n")
         sys.stderr.flush()
 
     result = rehearse(plan, options, progress=progress)
-    if as_json:
-        emit_json(result.to_json())
-    else:
-        sys.stdout.write(summary(result))
+    emit(result, as_json)
     return int(ExitCode.OK if result.served else ExitCode.NOT_READY)
+
+
+@text_view(RehearsalResult)
+def _rehearsal_text(result: RehearsalResult) -> None:
+    sys.stdout.write(summary(result))
 
 
 def summary(result: RehearsalResult) -> str:
     lines = [f"{'SERVED' if result.served else 'FAILED'}: {result.layout} (plan {result.plan_hash})"]
     lines += ["scaled and replaced for this host:"]
-    lines += [f"  {c.key}: {c.plan!r} -> {c.twin!r} ({c.why})" for c in result.changes]
+    for why, changes in result.changes_by_reason():
+        lines.append(f"  {why or 'the rehearsal'}:")
+        # Values as `plan` prints them (JSON: null, {"VLLM_...": "1"}), not as Python's repr.
+        lines += [f"    {c.key}: {_value(c.plan)} -> {_value(c.twin)}" for c in changes]
     for node in result.nodes:
         ready = f"ready after {node.ready_s} s" if node.ready_s is not None else "not ready"
         ended = "" if node.exit_code is None else f", exited {node.exit_code}"
@@ -56,7 +61,7 @@ def summary(result: RehearsalResult) -> str:
     if result.not_emulated:
         lines.append("not emulated: " + "; ".join(result.not_emulated))
     if result.kept:
-        label = f"label=io.m31ctl.rehearsal={result.session}"
+        label = f"label={Label.REHEARSAL}={result.session}"
         lines.append(
             f"kept (--keep): docker rm -f -v $(docker ps -aq --filter {label}); "
             f"docker network rm $(docker network ls -q --filter {label}); "
@@ -66,3 +71,7 @@ def summary(result: RehearsalResult) -> str:
         lines.append("LEFT BEHIND: " + " ".join(result.leftovers))
     lines.append(f"took {result.timings_s.get('total_s', 0):g} s")
     return "\n".join(lines) + "\n"
+
+
+def _value(value: object) -> str:
+    return json.dumps(value, sort_keys=True, default=str)

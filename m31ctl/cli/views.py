@@ -1,24 +1,27 @@
-"""What `plan`, `probe` and `capacity` print: JSON payloads and human tables."""
+"""What `plan`, `probe` and `validate` return and print: their results' JSON and text views (and
+the pieces capacity and launch share)."""
 
 from __future__ import annotations
 
 import json
 import shlex
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from m31ctl.cli.output import console, emit_json
+from m31ctl.cli.output import console, table, text_view
 from m31ctl.engine.adapter import build_invocation
+from m31ctl.engine.router import one_host_router
+from m31ctl.engine.validate import GroupValidation, PlanValidation
 from m31ctl.hardware import Hardware
-from m31ctl.plan.recipes import match_recipe
+from m31ctl.plan.catalog import match_recipe
+from m31ctl.plan.runtime_shapes import MOE_SOURCE
 
 if TYPE_CHECKING:
-    from m31ctl.capacity.model import Band, Fit, Sensitivity
-    from m31ctl.deployment import Deployment
-    from m31ctl.doctor import DoctorReport
-    from m31ctl.engine.validate import PlanValidation
+    from m31ctl.capacity.memory import Band, Fit, GeometryOrigin, Sensitivity
+    from m31ctl.deployment import Deployment, Disaggregated
     from m31ctl.probe import ProbeReport
-    from m31ctl.runtime.smoke import SmokeReport
+    from m31ctl.timeline import Timeline
 
 GB = 1e9
 
@@ -62,7 +65,26 @@ def fit_json(fit: Fit) -> dict[str, Any]:
         "kv_per_sequence_gb": round(fit.kv_bytes_per_sequence / GB, 3),
         "sensitivity": _sensitivity_json(fit.sensitivity),
         "sensitivity_published_basis": _sensitivity_json(fit.sensitivity_published_basis),
+        "geometry": geometry_json(fit.geometry),
     }
+
+
+def geometry_json(origin: GeometryOrigin) -> dict[str, Any]:
+    """Which geometry sized the KV cache: whose, what, where it was read, and what is unpublished."""
+    return {
+        "model": origin.model,
+        "name": origin.name,
+        "source": origin.source,
+        "published": origin.published,
+        "unpublished": list(origin.unpublished),
+    }
+
+
+def geometry_line(origin: GeometryOrigin) -> str:
+    """'geometry of MiniMax-M3 (MXFP8): MiniMax-M3-preview's (...), from recipes/models.yaml;
+    published' (or the facts that are not)."""
+    shown = "published" if origin.published else f"unpublished: {', '.join(origin.unpublished)}"
+    return f"geometry of {origin.model}: {origin.name}, from {origin.source}; {shown}"
 
 
 def capacity_line(fit: Fit) -> str:
@@ -105,8 +127,11 @@ def sensitivity_line(fit: Fit, published: bool = False) -> str | None:
 def plan_json(deployment: Deployment, fit: Fit | None) -> dict[str, Any]:
     """The stable `plan --json` object (documented in the README)."""
     plan = deployment.plan
-    inv = build_invocation(deployment)
-    return {
+    group = deployment.disaggregated
+    # A P/D plan runs two engines and a router: each is under "disaggregation", the single-engine
+    # keys describe the decode engine (where the client's tokens come from).
+    inv = build_invocation(group.decode if group else deployment)
+    body = {
         "plan_hash": plan.hash,
         "recipe": plan.recipe.recipe,
         "recipe_status": plan.recipe.status,
@@ -124,8 +149,99 @@ def plan_json(deployment: Deployment, fit: Fit | None) -> dict[str, Any]:
         "settings": plan.settings_dict(),
         "provenance": {key: source for key, _value, source in plan.explain()},
         "capacity": fit_json(fit) if fit else None,
+        "timeline": timeline_json(deployment.timeline),
         "warnings": list(plan.warnings),
     }
+    if group:
+        body["disaggregation"] = disaggregation_json(group)
+    body["moe_layout"] = moe_layout_json(group.decode if group else deployment)
+    return body
+
+
+def moe_layout_json(engine: Deployment) -> dict[str, Any] | None:
+    """The MoE layer as vLLM builds it for the engine's layout (Plan.moe_layout); None for a
+    dense model."""
+    plan = engine.plan
+    moe = plan.moe_layout
+    if moe is None:
+        return None
+    expert_source = plan.provenance.get("parallelism.expert")
+    return {
+        "ranks": moe.ranks,
+        "expert_parallel": moe.expert_parallel,
+        "expert_parallel_size": moe.expert_size,
+        "tensor_parallel_size": moe.tensor_size,
+        "experts_per_gpu": moe.experts_per_gpu(),
+        "pipeline_stages": moe.pipeline,
+        "nodes": moe.nodes,
+        "description": moe.how(),
+        "source": MOE_SOURCE,
+        "expert_parallel_source": str(expert_source) if expert_source else "schema default",
+    }
+
+
+def _engine_json(engine: Deployment) -> dict[str, Any]:
+    inv = build_invocation(engine)
+    return {
+        "name": engine.name,
+        "kv_role": engine.kv_transfer.role.kv_role if engine.kv_transfer else None,
+        "port": engine.network.port,
+        "gpus": engine.layout.gpus,
+        "gpu_indices": list(engine.gpus.indices),
+        "nodes": engine.layout.nodes,
+        "image": inv.image,
+        "argv": list(inv.args),
+        "env": inv.env_dict,
+        "moe_layout": moe_layout_json(engine),
+    }
+
+
+def disaggregation_json(group: Disaggregated) -> dict[str, Any]:
+    router = one_host_router(group)
+    return {
+        "prefill": _engine_json(group.prefill),
+        "decode": _engine_json(group.decode),
+        "router": {"name": group.router.name, "image": router.image, "argv": list(router.argv)},
+        "one_host": group.one_host,
+    }
+
+
+def _print_commands(deployment: Deployment, out: Any) -> None:
+    from rich.text import Text  # lazy: rich, as in print_plan
+
+    group = deployment.disaggregated
+    for engine in deployment.engines:
+        inv = build_invocation(engine)
+        command = shlex.join([*(f"{k}={v}" for k, v in inv.env), "vllm", "serve", *inv.args])
+        role = f"{engine.kv_transfer.role.value}, " if engine.kv_transfer else ""
+        out.print(Text(f"Command ({role}image {inv.image}):"))
+        out.print(Text(command), soft_wrap=True)
+    if group:
+        router = one_host_router(group)
+        out.print(Text(f"Command (router, image {router.image}):"))
+        out.print(Text(shlex.join(router.argv)), soft_wrap=True)
+
+
+def timeline_json(timeline: Timeline) -> dict[str, Any]:
+    """The deployment's clock (m31ctl/timeline.py): each phase with its source and setting, and
+    the two waits every runtime derives from them."""
+    return {
+        "phases": [
+            {"phase": name, "seconds": clock.seconds, "source": clock.source, "setting": clock.setting}
+            for name, clock in timeline.rows()
+        ],
+        "ready_s": timeline.ready_s,
+        "start_s": timeline.start_s,
+    }
+
+
+def clock_line(timeline: Timeline) -> str:
+    download = f"download {timeline.download_s} s, then " if timeline.download_s else ""
+    return (
+        f"{download}the engine ready within {timeline.ready_s} s (load {timeline.load_s} s; vLLM's "
+        f"engine-ready limit raised to {timeline.engine_ready_s} s); stop: {timeline.drain_s} s drain, "
+        f"kill after {timeline.stop_s} s"
+    )
 
 
 def _gpus_used(deployment: Deployment) -> str:
@@ -135,10 +251,26 @@ def _gpus_used(deployment: Deployment) -> str:
     return str(layout.gpus_per_node)
 
 
-def print_plan(deployment: Deployment, fit: Fit | None, explain: bool) -> None:
-    from rich.text import Text
+@dataclass(frozen=True)
+class PlanShown:
+    """`plan`'s result: the deployment and its fit; `explain` and `brief` pick the text's detail."""
 
-    from m31ctl.cli.output import table
+    deployment: Deployment
+    fit: Fit | None
+    explain: bool = False
+    brief: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return plan_json(self.deployment, self.fit)
+
+
+@text_view(PlanShown)
+def _plan_text(shown: PlanShown) -> None:
+    print_plan(shown.deployment, shown.fit, shown.explain, brief=shown.brief)
+
+
+def print_plan(deployment: Deployment, fit: Fit | None, explain: bool, brief: bool = False) -> None:
+    from rich.text import Text  # lazy: rich is start-up cost that `plan --json` never needs
 
     plan = deployment.plan
     out = console()
@@ -156,17 +288,39 @@ def print_plan(deployment: Deployment, fit: Fit | None, explain: bool) -> None:
             f"the plan uses {_gpus_used(deployment)}"
         )
     )
-    columns = ["setting", "value", "source"] if explain else ["setting", "value"]
-    t = table(None, columns)
-    for key, value, source in plan.explain():
-        if not explain and value in (None, [], {}, ()):
-            continue  # unset values say nothing; --explain shows them all
-        row = [Text(key), Text(json.dumps(value))] + ([Text(source)] if explain else [])
-        t.add_row(*row)
-    out.print(t)
+    if brief:
+        overridden = sorted(
+            {key.split(".")[0] for key, _value, source in plan.explain() if "--set" in source}
+        )
+        out.print(
+            Text(
+                f"Settings: {len(plan.explain())} resolved"
+                + (f" ({', '.join(overridden)} set on the command line)" if overridden else "")
+                + "; `m31ctl plan --explain` lists each with its source"
+            )
+        )
+    else:
+        columns = ["setting", "value", "source"] if explain else ["setting", "value"]
+        t = table(None, columns)
+        for key, value, source in plan.explain():
+            if not explain and value in (None, [], {}, ()):
+                continue  # unset values say nothing; --explain shows them all
+            row = [Text(key), Text(json.dumps(value))] + ([Text(source)] if explain else [])
+            t.add_row(*row)
+        out.print(t)
     if fit:
         out.print(Text(f"Capacity: {capacity_line(fit)}"))
-    inv = build_invocation(deployment)
+    for engine in deployment.engines:
+        moe = engine.plan.moe_layout
+        if moe is not None:
+            role = f" ({engine.kv_transfer.role.value})" if engine.kv_transfer else ""
+            out.print(Text(f"MoE layout{role}: {moe.describe()}"))
+    out.print(Text(f"Clock: {clock_line(deployment.timeline)}"))
+    if explain:
+        clocks = table(None, ["phase", "seconds", "from", "changed by"])
+        for name, clock in deployment.timeline.rows():
+            clocks.add_row(Text(name), Text(str(clock.seconds)), Text(clock.source), Text(clock.setting))
+        out.print(clocks)
     requirements = plan.recipe.recommended
     if requirements.cuda_driver:
         out.print(
@@ -174,14 +328,27 @@ def print_plan(deployment: Deployment, fit: Fit | None, explain: bool) -> None:
         )
     if requirements.rocm:
         out.print(Text(f"Requires: ROCm {requirements.rocm}"))
-    for note in inv.effects:
+    for note in dict.fromkeys(n for engine in deployment.engines for n in build_invocation(engine).effects):
         out.print(Text(f"Engine: {note}"))
     for warning in plan.warnings:
         out.print(Text(f"warning: {warning}", style="yellow"))
     out.print()
-    command = shlex.join([*(f"{k}={v}" for k, v in inv.env), "vllm", "serve", *inv.args])
-    out.print(Text(f"Command (image {inv.image}):"))
-    out.print(Text(command), soft_wrap=True)
+    _print_commands(deployment, out)
+
+
+@dataclass(frozen=True)
+class ProbeShown:
+    """`probe`'s result: what was detected, and the recipe that matches it."""
+
+    report: ProbeReport
+
+    def to_json(self) -> dict[str, Any]:
+        return probe_json(self.report)
+
+
+@text_view(ProbeShown)
+def _probe_text(shown: ProbeShown) -> None:
+    print_probe(shown.report)
 
 
 def probe_json(report: ProbeReport) -> dict[str, Any]:
@@ -271,62 +438,26 @@ def print_probe(report: ProbeReport) -> None:
         )
 
 
-def print_validation(report: PlanValidation, as_json: bool) -> None:
-    """`m31ctl validate`: every finding on stderr, or the JSON report."""
-    if as_json:
-        emit_json(report.to_json())
-        return
+@text_view(PlanValidation)
+def print_validation(report: PlanValidation) -> None:
+    """`m31ctl validate`: every finding on stderr, and a line when they allow the plan."""
+    _print_engine_validation(report, "")
+
+
+@text_view(GroupValidation)
+def print_group_validation(report: GroupValidation) -> None:
+    for role, one in report.roles:
+        _print_engine_validation(one, role)
+
+
+def _print_engine_validation(report: PlanValidation, role: str) -> None:
+    """One engine's findings and verdict (`role`: the P/D role it plays, said first)."""
+    said = f"{role}: " if role else ""
     for finding in report.findings:
-        sys.stderr.write(f"m31ctl: {finding.line()}\n")
+        sys.stderr.write(f"m31ctl: {said}{finding.line()}\n")
     if report.ok:
         inv = report.invocation
         sys.stdout.write(
-            f"ok: {len(inv.args)} argv elements and {len(inv.env)} environment variables "
-            f"match vLLM {report.schema.version} ({inv.image})\n"
-        )
-
-
-def print_doctor(report: DoctorReport) -> None:
-    from rich.text import Text
-
-    from m31ctl.cli.output import table
-
-    out = console()
-    if report.plan is None:
-        out.print(Text(f"No plan for this host: {report.plan_error}"))
-    else:
-        p = report.plan
-        out.print(
-            f"Plan {p.hash}: recipe {p.recipe.recipe}, variant {p.variant}, profile {p.profile}, "
-            f"{p.gpus_needed} GPUs",
-            markup=False,
-        )
-    colors = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
-    t = table(None, ["check", "status", "finding", "remedy"])
-    for r in report.results:
-        t.add_row(r.title, Text(r.status, style=colors[r.status]), Text(r.message), Text(r.remedy))
-    out.print(t)
-    s = report.summary()
-    out.print(f"{s['ok']} ok, {s['warn']} warn, {s['fail']} fail, {s['skip']} skip")
-
-
-def print_smoke(report: SmokeReport, as_json: bool) -> None:
-    from m31ctl.redact import redact
-
-    if as_json:
-        emit_json(report.to_json())
-        return
-    # Redacted line by line: a server's answer (quoted in a failed check, or its model name) may
-    # echo the API key it was sent.
-    for check in report.checks:
-        mark = "FAIL" if check.failed else "ok  "
-        sys.stdout.write(redact(f"{mark} {check.id}: {check.message}") + "\n")
-    if report.ttft_s is not None:
-        rate = f"{report.tokens_per_s:.1f} tokens/s" if report.tokens_per_s else "rate n/a"
-        sys.stdout.write(
-            redact(
-                f"time to first token {report.ttft_s * 1000:.0f} ms, {rate}, "
-                f"chat latency {report.latency_s or 0:.2f} s ({report.model} at {report.endpoint})"
-            )
-            + "\n"
+            f"{'ok' if not role else role + ': ok'}: {len(inv.args)} argv elements and {len(inv.env)} "
+            f"environment variables match vLLM {report.schema.version} ({inv.image})\n"
         )

@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from m31ctl.checks import CheckStatus
 from m31ctl.deployment import Deployment, derive
-from m31ctl.doctor.base import CheckResult, Context, EngineScripts, run_checks
+from m31ctl.doctor.base import CheckContext, CheckResult, EngineScripts, run_checks
 from m31ctl.doctor.checks import all_checks
-from m31ctl.errors import HostPreconditionError, UnsupportedHardware
+from m31ctl.errors import DockerUnreachable, HostPreconditionError, UnsupportedHardware
 from m31ctl.hardware import Hardware
 from m31ctl.plan import Plan, PlanRequest, resolve
 from m31ctl.probe import ProbeReport, detect
+from m31ctl.runtime.gates import CheckId
 
 
 @dataclass(frozen=True)
@@ -24,12 +27,12 @@ class DoctorReport:
 
     @property
     def failed(self) -> bool:
-        return any(r.status == "fail" for r in self.results)
+        return any(r.failed for r in self.results)
 
     def summary(self) -> dict[str, int]:
-        counts = {"ok": 0, "warn": 0, "fail": 0, "skip": 0}
+        counts = {status.value: 0 for status in CheckStatus}
         for r in self.results:
-            counts[r.status] += 1
+            counts[r.status.value] += 1
         return counts
 
 
@@ -48,22 +51,30 @@ def diagnose(
     docker: Callable[[], Any] | None = None,
     deep: str | None = None,
     scripts: EngineScripts | None = None,
+    locked: Path | None = None,
+    files: tuple[Path, ...] = (),
+    runtime: str | None = None,
 ) -> DoctorReport:
     """Run every check. `docker` connects to the Engine (the default: the local one); `deep` (a
     runtime's name) adds the checks that run the engine's Python on the plan's GPUs, through that
-    runtime unless `scripts` stands in for it."""
+    runtime unless `scripts` stands in for it; `locked` adds the check against that lock file
+    (`files`: the -f files that fed the plan); `runtime`: the runtime the plan is checked for
+    (checks its launches are not gated on skip)."""
     probe = probe or detect()
     deployment, error = plan_for_host(request, probe)
-    ctx = Context(
+    ctx = CheckContext(
         deployment=deployment,
         plan_error=error,
         probe=probe,
         env=os.environ,
         docker=docker,
         deep=deep,
+        runtime=runtime,
         scripts=scripts,
+        lock_path=locked,
+        plan_files=files,
     )
-    checks = [c for c in all_checks() if deep or not c.deep]
+    checks = [c for c in all_checks() if (deep or not c.deep) and (locked or not c.locked)]
     plan = deployment.plan if deployment is not None else None
     return DoctorReport(plan, error, tuple(run_checks(checks, ctx)))
 
@@ -78,14 +89,15 @@ class PlanDiagnosis:
 
 def diagnose_plan(deployment: Deployment) -> PlanDiagnosis:
     probe = detect()
-    ctx = Context(deployment=deployment, plan_error=None, probe=probe, env=os.environ)
-    report = DoctorReport(deployment.plan, None, tuple(run_checks(all_checks(), ctx)))
+    ctx = CheckContext(deployment=deployment, plan_error=None, probe=probe, env=os.environ)
+    checks = [c for c in all_checks() if not c.locked]
+    report = DoctorReport(deployment.plan, None, tuple(run_checks(checks, ctx)))
     return PlanDiagnosis(report, probe.hardware)
 
 
 def preflight(
     deployment: Deployment,
-    check_ids: tuple[str, ...],
+    check_ids: tuple[CheckId, ...],
     env: Mapping[str, str],
     probe: ProbeReport | None = None,
     deep: str | None = None,
@@ -93,14 +105,13 @@ def preflight(
     """The doctor's checks that gate a launch (each runtime names its own), plus the deep ones
     (engine and all-reduce on the plan's GPUs, where `deep` says) unless skipped; raises on
     failure, so nothing starts on a host that cannot run the plan."""
-    from m31ctl.errors import DockerUnreachable
 
     probe = probe or detect()
-    ctx = Context(deployment=deployment, plan_error=None, probe=probe, env=env, deep=deep)
+    ctx = CheckContext(deployment=deployment, plan_error=None, probe=probe, env=env, deep=deep)
     chosen = [c for c in all_checks() if c.id in check_ids or (deep and c.deep)]
     results = run_checks(chosen, ctx)
-    failed = [r for r in results if r.status == "fail"]
-    docker = next((r for r in failed if r.id == "docker"), None)
+    failed = [r for r in results if r.failed]
+    docker = next((r for r in failed if r.id == CheckId.DOCKER.value), None)
     if docker is not None:
         raise DockerUnreachable(docker.message, hint=docker.remedy)
     if failed:

@@ -12,21 +12,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from m31ctl.checks import CheckResult, Status
+from m31ctl.checks import CheckResult, CheckStatus
 from m31ctl.deployment import Deployment
+from m31ctl.errors import DockerUnreachable, M31Error
 from m31ctl.plan import Plan
 from m31ctl.probe import ProbeReport
-from m31ctl.probe.base import Runner, run_command
-from m31ctl.runtime.base import ScriptRun
+from m31ctl.probe.snapshot import Runner, run_command
+from m31ctl.runtime import get_runtime
+from m31ctl.runtime.engine_api import connect
+from m31ctl.runtime.gates import CheckId
+from m31ctl.runtime.protocol import ScriptRun
 
 __all__ = [
     "Check",
+    "CheckContext",
     "CheckResult",
-    "Context",
+    "CheckStatus",
     "EngineScripts",
     "Outcome",
     "SkipCheck",
-    "Status",
     "run_checks",
 ]
 
@@ -43,13 +47,13 @@ class SkipCheck(Exception):
 
 @dataclass(frozen=True)
 class Outcome:
-    status: Status
+    status: CheckStatus
     message: str
     remedy: str = ""
 
 
 class EngineScripts(Protocol):
-    """What the deep checks need of a runtime (m31ctl.runtime.base.Runtime has it): a script run
+    """What the deep checks need of a runtime (m31ctl.runtime.protocol.Runtime has it): a script run
     with the engine's own Python and the server's settings. Tests pass a replay of captures."""
 
     def run_engine_script(
@@ -63,7 +67,7 @@ class EngineScripts(Protocol):
 
 
 @dataclass
-class Context:
+class CheckContext:
     """What checks may read. Side effects go through these callables, so tests can pass fakes."""
 
     deployment: Deployment | None
@@ -75,8 +79,14 @@ class Context:
     # doctor --deep: the runtime (a name in m31ctl.runtime.RUNTIMES) whose engine Python the
     # deep checks run with; None: they are not run.
     deep: str | None = None
+    # The runtime the plan is checked for (doctor's --runtime, with or without --deep): the checks
+    # a launch by it is not gated on skip. None: --deep's runtime, else docker's gates.
+    runtime: str | None = None
     # Overrides the runtime's scripts (tests replay captured probe output through it).
     scripts: EngineScripts | None = None
+    # doctor --locked FILE: the lock the lock check compares with, and the -f files that fed the plan.
+    lock_path: Path | None = None
+    plan_files: tuple[Path, ...] = ()
     _memo: dict[str, Any] = field(default_factory=dict, init=False)
     _memo_lock: Any = field(default_factory=threading.Lock, init=False)
     _docker_client: Any = field(default=None, init=False)
@@ -117,14 +127,12 @@ class Context:
             return self.scripts
         if self.deep is None:
             raise SkipCheck("runs with --deep only")
-        from m31ctl.runtime import get_runtime
 
         return get_runtime(self.deep)
 
     def engine(self) -> Any:
         """The client for checks that need Docker only as a means: when the Engine is
         unreachable they skip, and the docker check alone reports it."""
-        from m31ctl.errors import DockerUnreachable
 
         try:
             return self.docker_client()
@@ -143,8 +151,6 @@ class Context:
         if self._docker_client is None and self._docker_error is None:
             try:
                 if self.docker is None:
-                    from m31ctl.runtime.engine_api import connect
-
                     self._docker_client = connect(timeout=5)
                 else:
                     self._docker_client = self.docker()
@@ -154,16 +160,17 @@ class Context:
 
 @dataclass(frozen=True)
 class Check:
-    id: str
+    id: CheckId
     title: str
-    fn: Callable[[Context], Outcome]
+    fn: Callable[[CheckContext], Outcome]
     timeout_s: float = 5.0
     deep: bool = False  # needs the image and the GPUs: `doctor --deep` only
+    locked: bool = False  # compares with a lock file: `--locked FILE` only
 
 
-def run_checks(checks: Sequence[Check], ctx: Context, workers: int = 8) -> list[CheckResult]:
+def run_checks(checks: Sequence[Check], ctx: CheckContext, workers: int = 8) -> list[CheckResult]:
     """Run all checks concurrently; a check that raises or overruns fails alone."""
-    results: dict[str, CheckResult] = {}
+    results: dict[CheckId, CheckResult] = {}
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="doctor")
     started = {c.id: time.monotonic() for c in checks}
     futures = {c.id: pool.submit(_timed, c, ctx) for c in checks}
@@ -173,9 +180,9 @@ def run_checks(checks: Sequence[Check], ctx: Context, workers: int = 8) -> list[
             results[check.id] = futures[check.id].result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             results[check.id] = CheckResult(
-                check.id,
+                check.id.value,
                 check.title,
-                "fail",
+                CheckStatus.FAIL,
                 f"no answer within {check.timeout_s:g} s",
                 "see what hangs; rerun",
                 check.timeout_s,
@@ -184,20 +191,18 @@ def run_checks(checks: Sequence[Check], ctx: Context, workers: int = 8) -> list[
     return [results[c.id] for c in checks]
 
 
-def _timed(check: Check, ctx: Context) -> CheckResult:
+def _timed(check: Check, ctx: CheckContext) -> CheckResult:
     start = time.monotonic()
     try:
         outcome = check.fn(ctx)
     except SkipCheck as skip:
-        outcome = Outcome("skip", str(skip), skip.remedy)
+        outcome = Outcome(CheckStatus.SKIP, str(skip), skip.remedy)
     except Exception as exc:
-        from m31ctl.errors import M31Error
-
         message = exc.message if isinstance(exc, M31Error) else f"{type(exc).__name__}: {exc}"
         remedy = (
             (exc.hint or "") if isinstance(exc, M31Error) else "this is a bug in the check; please report it"
         )
-        outcome = Outcome("fail", message, remedy)
+        outcome = Outcome(CheckStatus.FAIL, message, remedy)
     return CheckResult(
-        check.id, check.title, outcome.status, outcome.message, outcome.remedy, time.monotonic() - start
+        check.id.value, check.title, outcome.status, outcome.message, outcome.remedy, time.monotonic() - start
     )

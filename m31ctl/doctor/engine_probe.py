@@ -16,13 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from m31ctl.deployment import Deployment
-from m31ctl.doctor.base import Context, SkipCheck
+from m31ctl.doctor.base import CheckContext, SkipCheck
 from m31ctl.errors import DockerUnreachable
-from m31ctl.runtime.base import ScriptRun, ScriptUnavailable
+from m31ctl.runtime.protocol import ScriptRun, ScriptUnavailable
 
 COLLECTIVE_SCRIPT = Path(__file__).resolve().parent.parent / "engine" / "collective_check.py"
 DEEP_TIMEOUT_S = 180.0
 DEEP_TIMEOUT_ENV = "M31CTL_DEEP_TIMEOUT_S"  # a shorter bound for the all-reduce (tests, impatient CI)
+# The all-reduce's bound counts from the moment every rank has started (collective_check.py keeps
+# it); before that, the engine's Python imports vLLM and each rank its torch, which takes what it
+# takes on this machine (22 s on an idle 2-core host, several times that on a busy one). Only a
+# start-up that never ends meets this allowance, which ends the whole run.
+DEEP_START_ALLOWANCE_S = 600.0
+DEEP_RUN_LIMIT_S = DEEP_TIMEOUT_S + DEEP_START_ALLOWANCE_S
 
 
 def deep_timeout(env: Mapping[str, str]) -> float:
@@ -58,7 +64,9 @@ class EngineFacts:
 
 @dataclass(frozen=True)
 class CollectiveFacts:
-    """One all-reduce over `world` ranks; exit codes per rank (None: still running when joined)."""
+    """One all-reduce over `world` ranks; exit codes per rank (None: still running when joined).
+    timed_out: the script killed a collective still running at its bound (bound_s), counted from
+    the moment every rank had started."""
 
     backend: str | None
     world: int | None
@@ -67,6 +75,8 @@ class CollectiveFacts:
     bytes: int
     busbw_gbps: float | None  # NCCL-tests' bus bandwidth; None for one rank (nothing exchanged)
     correct: bool
+    timed_out: bool = False
+    bound_s: float | None = None
 
     @property
     def ranks_ok(self) -> bool:
@@ -129,6 +139,8 @@ def collective_facts(data: Mapping[str, Any]) -> CollectiveFacts:
         bytes=_int(data, "bytes") or 0,
         busbw_gbps=_float(data, "busbw_gbps"),
         correct=data.get("correct") is True,
+        timed_out=data.get("timed_out") is True,
+        bound_s=_float(data, "bound_s"),
     )
 
 
@@ -156,7 +168,7 @@ def collective_shape(deployment: Deployment) -> tuple[int, str, int]:
 
 
 def run_engine_script(
-    ctx: Context, script: Path, args: list[str], timeout: float, env: Mapping[str, str] | None = None
+    ctx: CheckContext, script: Path, args: list[str], timeout: float, env: Mapping[str, str] | None = None
 ) -> ScriptRun:
     """A script with the engine's Python through the runtime --deep names; a runtime that has no
     engine Python to ask here (no image, no Docker Engine) makes the check skip, not fail."""
@@ -169,14 +181,15 @@ def run_engine_script(
         raise SkipCheck("needs the Docker Engine (see the docker check)", "or --runtime native") from None
 
 
-def deep_probe(ctx: Context) -> DeepProbe:
+def deep_probe(ctx: CheckContext) -> DeepProbe:
     """collective_check.py once per doctor run (engine-image and collective both read it)."""
     deployment = ctx.require_deployment()
 
     def run() -> DeepProbe:
         world, backend, mib = collective_shape(deployment)
-        args = ["--world", str(world), "--backend", backend, "--mib", str(mib)]
-        return read_probe(run_engine_script(ctx, COLLECTIVE_SCRIPT, args, deep_timeout(ctx.env)))
+        bound = deep_timeout(ctx.env)
+        args = ["--world", str(world), "--backend", backend, "--mib", str(mib), "--bound", f"{bound:g}"]
+        return read_probe(run_engine_script(ctx, COLLECTIVE_SCRIPT, args, bound + DEEP_START_ALLOWANCE_S))
 
     found: DeepProbe = ctx.once("deep", run)
     return found

@@ -8,11 +8,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from functools import cache
+from types import SimpleNamespace
+from typing import Any, NamedTuple, cast
 
-from m31ctl.deployment import Deployment
-from m31ctl.engine.owned import refuse_owned_flags
+from m31ctl.deployment import Deployment, KvTransfer, Layout
+from m31ctl.engine import owned
+from m31ctl.errors import InputError
+from m31ctl.plan.disaggregation import KV_TRANSFER_FLAG
 from m31ctl.plan.settings import PlanSettings
+from m31ctl.timeline import ENGINE_READY_ENV
+
+# huggingface_hub's offline switch (vLLM reads the cache only).
+OFFLINE_ENV = "HF_HUB_OFFLINE"
+# What only the engine reads: a download step run with the engine's environment leaves them out.
+ENGINE_ONLY_ENV = (OFFLINE_ENV, ENGINE_READY_ENV)
 
 # Domain cache dtype -> vLLM's spelling, per flag (--kv-cache-dtype says bfloat16, the
 # indexer config says bf16).
@@ -88,19 +98,70 @@ def multi_node_args(deployment: Deployment, role: NodeRole) -> list[str]:
     return args
 
 
-def build_invocation(deployment: Deployment, *, node: NodeRole | None = None) -> EngineInvocation:
+# The KV transfer of a P/D role engine (vllm/envs.py; config/kv_transfer.py).
+SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+# Where a role advertises its NIXL side channel when the target names no address: its own host
+# (both roles on one host, natively). vLLM's default, "localhost", is a name ZMQ binds to only
+# where it resolves; an address never needs resolving.
+LOOPBACK_SIDE_CHANNEL = "127.0.0.1"
+
+
+def kv_transfer_args(kv: KvTransfer) -> list[str]:
+    """The role's --kv-transfer-config: the connector and its side of the pair. The load
+    failure policy is written only when it is not vLLM's default (fail)."""
+    config: dict[str, Any] = {"kv_connector": kv.connector.vllm_name, "kv_role": kv.role.kv_role}
+    if kv.load_failure_policy != "fail":
+        config["kv_load_failure_policy"] = kv.load_failure_policy
+    return [KV_TRANSFER_FLAG, _json(config)]
+
+
+def kv_transfer_env(kv: KvTransfer, side_channel_host: str) -> dict[str, str]:
+    """What the connector reads from the environment: NIXL's handshake side channel (the host
+    the role binds and advertises to its peer; vLLM adds the data-parallel index to the port)
+    and UCX's transports."""
+    env: dict[str, str] = {}
+    if kv.connector.uses_ucx:
+        env[SIDE_CHANNEL_HOST_ENV] = side_channel_host
+        env[SIDE_CHANNEL_PORT_ENV] = str(kv.side_channel_port)
+        if kv.ucx_transports:
+            env["UCX_TLS"] = kv.ucx_transports
+        if kv.ucx_net_devices:
+            env["UCX_NET_DEVICES"] = kv.ucx_net_devices
+    return env
+
+
+def build_invocation(
+    deployment: Deployment, *, node: NodeRole | None = None, side_channel_host: str = LOOPBACK_SIDE_CHANNEL
+) -> EngineInvocation:
     """The argv after `vllm serve` and the environment for the plan. `node`: this pod's part in
     a layout that spans nodes (the Kubernetes LeaderWorkerSet), whose flags come before the
-    user's extra_args."""
+    user's extra_args. `side_channel_host`: a P/D role's address its peer reaches it at (a word
+    the target supplies, e.g. the pod IP from the downward API)."""
+    if deployment.disaggregated is not None:
+        raise InputError(
+            f"{deployment.name} is a prefill/decode group: its engines are its roles "
+            "(deployment.disaggregated.prefill and .decode), each invoked on its own"
+        )
     refuse_owned_flags(deployment)  # extra_args come last: an owned flag there would win
     s = deployment.plan.settings
-    args: list[str] = [deployment.model.reference, "--served-model-name", s.model.served_name]
+    args: list[str] = [
+        deployment.model.reference,
+        *_revision_args(deployment),
+        "--served-model-name",
+        s.model.served_name,
+    ]
     for section in _SECTIONS:
         args += section(s)
     if node is not None:
         args += multi_node_args(deployment, node)
+    kv = deployment.kv_transfer
+    if kv is not None:
+        args += kv_transfer_args(kv)
     args += list(s.engine.extra_args)
-    env, effects = _environment(s)
+    env, effects = _environment(deployment)
+    if kv is not None:
+        env = tuple(sorted({**dict(env), **kv_transfer_env(kv, side_channel_host)}.items()))
     return EngineInvocation(image=s.engine.image, args=tuple(args), env=env, effects=effects)
 
 
@@ -122,8 +183,13 @@ def _cache_args(s: PlanSettings) -> list[str]:
     args: list[str] = []
     if s.cache.kv_dtype != "auto":
         args += ["--kv-cache-dtype", KV_CACHE_DTYPE[s.cache.kv_dtype]]
+    attention: dict[str, Any] = {}
     if s.cache.indexer_dtype != "auto":
-        args += ["--attention-config", _json({"indexer_kv_dtype": _INDEXER_DTYPE[s.cache.indexer_dtype]})]
+        attention["indexer_kv_dtype"] = _INDEXER_DTYPE[s.cache.indexer_dtype]
+    if s.cache.indexer_context_parallel:  # vLLM 0.33 config/attention.py minimax_m3_indexer_cp
+        attention["minimax_m3_indexer_cp"] = True
+    if attention:
+        args += ["--attention-config", _json(attention)]
     if s.cache.block_size is not None:
         args += ["--block-size", str(s.cache.block_size)]
     if s.attention_backend:
@@ -157,8 +223,11 @@ def _multimodal_args(s: PlanSettings) -> list[str]:
     if limits:
         args += ["--limit-mm-per-prompt", _json(limits)]
     if mm.encoder_data_parallel and mm.encoder_attention_backend:
-        args += ["--mm-encoder-tp-mode", "data", "--mm-encoder-attn-backend", mm.encoder_attention_backend,
-                 "--mm-processor-cache-type", "shm"]  # fmt: skip
+        args += ["--mm-encoder-tp-mode", "data", "--mm-encoder-attn-backend", mm.encoder_attention_backend]
+        # vLLM uses the shared-memory processor cache with one data-parallel rank only (DP > 1:
+        # "processor_only", vllm/multimodal/cache/factories.py _get_cache_type).
+        if s.parallelism.data == 1:
+            args += ["--mm-processor-cache-type", "shm"]
     return args
 
 
@@ -185,9 +254,23 @@ _SECTIONS: tuple[Callable[[PlanSettings], list[str]], ...] = (
 )  # fmt: skip
 
 
-def _environment(s: PlanSettings) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+def _revision_args(deployment: Deployment) -> list[str]:
+    """A checkpoint pinned at a commit (the rendered targets download it first): vLLM reads that
+    snapshot, and the tokenizer's revision follows the model's (vllm/config/model.py)."""
+    commit = deployment.model.commit
+    return ["--revision", commit] if commit else []
+
+
+def _environment(deployment: Deployment) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
     """The engine's environment (sorted, no secrets) and what it does beyond its face value."""
-    env: dict[str, str] = {}
+    s = deployment.plan.settings
+    # vLLM's own limit on the engine's start (vllm/envs.py, default 600 s) raised to the load
+    # budget: under the default a longer load exits, and every restart policy loops on it.
+    env: dict[str, str] = {ENGINE_READY_ENV: str(deployment.timeline.engine_ready_s)}
+    if deployment.model.commit:
+        # The snapshot is in the cache before the engine starts: a restart never downloads, and
+        # a repo that moved on cannot hand the engine other files.
+        env[OFFLINE_ENV] = "1"
     effects: list[str] = []
     if s.moe.backend == "aiter":
         env.update(_AITER_MOE_ENV)
@@ -196,8 +279,12 @@ def _environment(s: PlanSettings) -> tuple[tuple[tuple[str, str], ...], tuple[st
             + ", ".join(AITER_DEFAULT_ON)
         )
     if s.moe.expert_requantization == "mxfp8":
+        # Nothing reaches the engine: stock vLLM 0.33 has no code path that re-quantizes NVFP4
+        # experts at load (docs/decisions.md), so the setting only changes what capacity counts.
         effects.append(
-            "the AITER MoE path re-quantizes the NVFP4 experts to MXFP8 at load (caches stay as set)"
+            "moe.expert_requantization=mxfp8 is a capacity assumption for an image that re-quantizes "
+            "the NVFP4 experts to MXFP8 at load (capacity counts them at 8.25 bits); no code path in "
+            "stock vLLM 0.33 does so and m31ctl passes the engine nothing for it"
         )
     env.update(s.runtime.env)
     return tuple(sorted(env.items())), tuple(effects)
@@ -210,3 +297,97 @@ def native_command(deployment: Deployment, python: str) -> list[str]:
     network = deployment.network
     return [python, "-m", API_SERVER_MODULE, "--model", model, *rest,
             "--host", network.bind, "--port", str(network.port)]  # fmt: skip
+
+
+# What the adapter emits, and so owns: engine.extra_args may not set it again (m31ctl/engine/owned.py).
+def _everything_on() -> list[PlanSettings]:
+    """Settings that switch every argv section of the adapter on (several: multimodal's modes
+    exclude each other, and a flag may depend on the layout)."""
+    base = {
+        "model": {"id": "x", "path": "x", "served_name": "x"},
+        "engine": {"image": "x"},
+        "attention_backend": "x",
+        "cache": {
+            "kv_dtype": "fp8",
+            "indexer_dtype": "fp8",
+            "indexer_context_parallel": True,
+            "block_size": 128,
+        },
+        "speculative": {
+            "method": "dspark",
+            "tokens": 1,
+            "draft_attention_backend": "x",
+            "draft_sampling": "greedy",
+        },
+        "moe": {"backend": "x"},
+        "serving": {
+            "max_num_seqs": 1,
+            "tool_call_parser": "x",
+            "reasoning_parser": "x",
+            "trust_remote_code": True,
+            "shutdown_timeout": 1,
+        },
+    }
+    wide = {"tensor": 2, "pipeline": 2, "data": 2, "expert": True, "decode_context": 2}
+    encoder = {"image": False, "encoder_data_parallel": True, "encoder_attention_backend": "x"}
+    return [
+        PlanSettings.model_validate({**base, "parallelism": parallelism, "multimodal": multimodal})
+        for parallelism in (wide, {})  # some flags depend on the layout (one DP rank: shm cache)
+        for multimodal in (encoder, {"text_only": True})
+    ]
+
+
+@cache
+def emitted_flags() -> frozenset[str]:
+    """Every flag the adapter can put into `vllm serve`'s argv (its sections, and the multi-node
+    flags of a leader and a worker, over Ray and without)."""
+    flags: set[str] = {"--served-model-name"}
+    for settings in _everything_on():
+        for section in _SECTIONS:
+            flags.update(a for a in section(settings) if a.startswith("--"))
+    for pipeline, data in ((2, 1), (1, 2)):
+        layout = Layout(
+            nodes=2,
+            gpus_per_host=8,
+            gpus_per_node=8,
+            tensor=8,
+            pipeline=pipeline,
+            data=data,
+            expert=False,
+            data_local=1,
+        )
+        for leader in (True, False):
+            role = NodeRole(leader, "$LEADER", "$RANK")
+            fake = cast("Deployment", SimpleNamespace(layout=layout))
+            flags.update(a for a in multi_node_args(fake, role) if a.startswith("--"))
+    return frozenset(flags)
+
+
+def owned_settings(version: str | None = None) -> dict[str, str]:
+    """The flags this adapter owns -> the setting that owns each (m31ctl/engine/owned.py)."""
+    return owned.owned_settings(emitted_flags(), version)
+
+
+def owned_flag(arg: str, version: str = "0.32.0") -> str | None:
+    """The owned flag (canonical) `arg` sets when vLLM `version` parses it, or None."""
+    return owned.owned_flag(arg, emitted_flags(), version)
+
+
+def refuse_owned_flags(deployment: Deployment) -> None:
+    """Raise InputError for the first owned flag in engine.extra_args."""
+    plan = deployment.plan
+    version = plan.settings.engine.schema_version
+    for arg in plan.settings.engine.extra_args:
+        flag = owned_flag(arg, version)
+        if flag is None:
+            continue
+        setting = owned_settings(version)[flag]
+        spelled = arg.split("=", 1)[0]
+        named = flag if spelled == flag else f"{spelled!r} (vLLM's {flag})"
+        source = plan.provenance.get("engine.extra_args")
+        raise InputError(
+            f"engine.extra_args sets {named}, which m31ctl sets from {setting}: the container, "
+            "probes, rendered files and capacity would describe another server than vLLM runs",
+            where=str(source) if source else None,
+            hint=f"remove it from engine.extra_args and set {setting}",
+        )

@@ -15,6 +15,11 @@ parser refused the argv), "config" (create_engine_config refused it). Exit statu
 2 not run. Standalone: imports nothing from m31ctl (m31ctl/engine/dry_run.py runs it).
 
     python config_check.py -- MODEL --tensor-parallel-size 2 --decode-context-parallel-size 2
+
+The answer also carries "schema": what this vLLM's `vllm serve` accepts (extract_schema.py,
+beside this file), from the same import, so doctor checks the argv against the engine's own
+schema (an older or newer vLLM than the one m31ctl ships a schema for) without a second vLLM
+start-up; "schema_error" where it could not be made.
 """
 
 import contextlib
@@ -70,12 +75,16 @@ def _refusal(stage: str, exc: BaseException, **extra: Any) -> dict[str, Any]:
 
 
 def _parser() -> Any:
+    # vLLM: in the engine's Python only, once check() has imported it (or reported why not)
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    try:  # vLLM 0.32 and later
+    try:  # vLLM 0.32
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    except ImportError:  # earlier releases
-        from vllm.entrypoints.openai.cli_args import make_arg_parser
+    except ImportError:
+        try:  # 0.33
+            from vllm.entrypoints.common.cli_args import make_arg_parser
+        except ImportError:  # 0.26 and earlier
+            from vllm.entrypoints.openai.cli_args import make_arg_parser
     return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 
 
@@ -93,7 +102,7 @@ def _name(value: Any) -> Any:
 def _attention_backend(config: Any) -> dict[str, Any]:
     """The main model's attention backend as vLLM selects it on this platform (the selector the
     workers call), for the model's head size, dtype and cache dtype."""
-    try:
+    try:  # vLLM, as in _parser; a selector that moved is a finding, not a crash
         from vllm.config import set_current_vllm_config
         from vllm.v1.attention.selector import get_attn_backend
 
@@ -149,14 +158,26 @@ def _resolved(config: Any) -> dict[str, Any]:
     return resolved
 
 
-def check(argv: list[str]) -> tuple[int, dict[str, Any]]:
+def _schema() -> dict[str, Any]:
+    """extract_schema.py's document, or why it could not be made (the check goes on without it)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
+        import extract_schema  # type: ignore[import-not-found]  # beside this script, wherever it runs
+
+        return {"schema": extract_schema.extract()}
+    except Exception as exc:
+        return {"schema_error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def check(argv: list[str]) -> tuple[int, dict[str, Any]]:
+    try:  # vLLM, imported here so that failing to import it is the "import" stage's refusal
         import vllm
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
     except Exception as exc:
         return 2, _refusal("import", exc)
     facts = {"vllm": getattr(vllm, "__version__", None), "platform": str(current_platform.device_type)}
+    facts.update(_schema())
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):

@@ -88,21 +88,32 @@ def _config_fields(cls: Any) -> dict[str, Any]:
     return fields
 
 
+def serve_parser_factory() -> Any:
+    """vLLM's `vllm serve` parser builder, wherever this release keeps it."""
+    try:  # 0.32
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    except ImportError:
+        try:  # 0.33 moved the serve parser
+            from vllm.entrypoints.common.cli_args import make_arg_parser
+        except ImportError:  # 0.26 and earlier: the OpenAI server's own module
+            from vllm.entrypoints.openai.cli_args import make_arg_parser
+    return make_arg_parser
+
+
 def extract() -> dict[str, Any]:
+    # vLLM: run in the engine's Python only (the host has no vLLM; this module is standalone there)
     import vllm
     import vllm.config as config
     import vllm.envs as envs
 
-    try:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    except ImportError:  # 0.33 moved the serve parser
-        from vllm.entrypoints.common.cli_args import make_arg_parser
+    make_arg_parser = serve_parser_factory()
+    # vLLM, as above
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     from vllm.reasoning import ReasoningParserManager
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    try:
+    try:  # vLLM, as above; its tool parsers moved between releases
         from vllm.tool_parsers import ToolParserManager
     except ImportError:  # older layout
         from vllm.entrypoints.openai.tool_parsers import ToolParserManager

@@ -3,85 +3,120 @@
 argparse keeps the last value of a repeated flag, so `--port 9000` in extra_args (appended last)
 would win over runtime.port while the container still publishes runtime.port, the URL, the probes
 and the Service point at it, and capacity, the lock and the rendered files describe the plan's
-layout. Such a flag is refused (exit 2) naming the setting to use instead.
+layout. Such a flag is refused (exit 2) naming the setting to use instead, in every spelling vLLM
+reads (m31ctl/vllm_argv.py: `_` or `-`, an unambiguous prefix, `--flag=value`, a dotted key of
+a JSON flag such as `-ac.key`, a short alias such as `-tp`).
+
+The owned set is what the adapter emits: `emitted_flags()` runs the adapter's own argv sections
+over settings that switch every section on (and the multi-node flags for each role), so a flag the
+adapter learns to emit is owned from then on. A few flags the adapter never emits are owned too
+(`ALSO_OWNED`): they would change where the server listens, how it speaks, or bypass the plan.
 """
 
 from __future__ import annotations
 
-from m31ctl.deployment import Deployment
-from m31ctl.errors import InputError
+from typing import TYPE_CHECKING
+
+from m31ctl import vllm_argv as argv
+
+if TYPE_CHECKING:
+    pass
 
 _NODES = "parallelism.nodes (multi-node flags are set per pod)"
-# Every spelling vLLM 0.32 registers (engine/schemas/vllm-0.32.0.json `options`), by setting.
-OWNED: dict[str, str] = {
-    "--port": "runtime.port",
-    "--host": "runtime.bind",
-    "--uds": "runtime.bind and runtime.port",
-    "--model": "model.path",
+_HTTP = "runtime (m31ctl's probes, URLs and Services speak plain HTTP to the port it publishes)"
+# The setting that owns each flag the adapter emits, for the message. A flag emitted but missing
+# here is still owned (named by its argv section): tests/engine/test_engine_schema.py keeps them equal.
+SETTING_FOR: dict[str, str] = {
     "--served-model-name": "model.served_name",
     "--tensor-parallel-size": "parallelism.tensor",
-    "-tp": "parallelism.tensor",
     "--pipeline-parallel-size": "parallelism.pipeline",
-    "-pp": "parallelism.pipeline",
     "--data-parallel-size": "parallelism.data",
-    "-dp": "parallelism.data",
     "--enable-expert-parallel": "parallelism.expert",
-    "--no-enable-expert-parallel": "parallelism.expert",
-    "-ep": "parallelism.expert",
     "--decode-context-parallel-size": "parallelism.decode_context",
-    "-dcp": "parallelism.decode_context",
     "--data-parallel-size-local": _NODES,
-    "-dpl": _NODES,
-    "--data-parallel-start-rank": _NODES,
-    "-dpr": _NODES,
-    "--data-parallel-rank": _NODES,
-    "-dpn": _NODES,
     "--data-parallel-address": _NODES,
-    "-dpa": _NODES,
     "--data-parallel-rpc-port": _NODES,
-    "-dpp": _NODES,
+    "--data-parallel-start-rank": _NODES,
     "--headless": _NODES,
-    "--nnodes": _NODES,
-    "-n": _NODES,
-    "--node-rank": _NODES,
-    "-r": _NODES,
+    "--distributed-executor-backend": _NODES,
     "--kv-cache-dtype": "cache.kv_dtype",
+    "--attention-config": "cache.indexer_dtype and cache.indexer_context_parallel",
     "--block-size": "cache.block_size",
+    "--attention-backend": "attention_backend",
+    "--speculative-config": "speculative.*",
+    "--moe-backend": "moe.backend",
+    "--language-model-only": "multimodal.text_only",
+    "--limit-mm-per-prompt": "multimodal.image and multimodal.video",
+    "--mm-encoder-tp-mode": "multimodal.encoder_data_parallel",
+    "--mm-encoder-attn-backend": "multimodal.encoder_attention_backend",
+    "--mm-processor-cache-type": "multimodal.encoder_data_parallel",
+    "--max-model-len": "serving.max_model_len",
+    "--max-num-seqs": "serving.max_num_seqs",
+    "--gpu-memory-utilization": "serving.gpu_memory_utilization",
+    "--enable-auto-tool-choice": "serving.tool_call_parser",
+    "--tool-call-parser": "serving.tool_call_parser",
+    "--reasoning-parser": "serving.reasoning_parser",
+    "--trust-remote-code": "serving.trust_remote_code",
+    "--shutdown-timeout": "serving.shutdown_timeout",
 }
-# A stem this short names no flag on its own (as m31ctl.redact reads vLLM's prefixes).
-_MIN_STEM = 2
+# Owned though the adapter's `vllm serve` argv does not carry them (canonical long options).
+ALSO_OWNED: dict[str, str] = {
+    "--model": "model.path",
+    "--revision": "the checkpoint commit m31ctl lock pins",
+    "--host": "runtime.bind",
+    "--port": "runtime.port",
+    "--uds": "runtime.bind and runtime.port",
+    "--data-parallel-rank": _NODES,
+    "--nnodes": _NODES,
+    "--node-rank": _NODES,
+    "--master-addr": _NODES,
+    "--master-port": _NODES,
+    # The shortcuts write the speculative config (vllm/engine/arg_utils.py --spec-*).
+    "--spec-method": "speculative.method",
+    "--spec-model": "speculative.* (the DSpark draft ships in the checkpoint)",
+    "--spec-tokens": "speculative.tokens",
+    # A YAML file of flags: m31ctl cannot see what it sets, so none of the plan's checks would hold.
+    "--config": "the plan itself (put each flag in its setting, or in engine.extra_args)",
+    "--ssl-keyfile": _HTTP,
+    "--ssl-certfile": _HTTP,
+    "--ssl-ca-certs": _HTTP,
+    "--ssl-cert-reqs": _HTTP,
+    "--ssl-ciphers": _HTTP,
+    "--enable-ssl-refresh": _HTTP,
+}
 
 
-def owned_flag(arg: str) -> str | None:
-    """The owned flag that `arg` sets when vLLM parses it, or None. vLLM reads `_` and `-` alike,
-    takes `--flag=value`, and accepts an unambiguous prefix of a long flag (`--serv`): a prefix of
-    an owned flag is refused too; where it is ambiguous vLLM would reject it anyway."""
-    if not arg.startswith("-"):
+def owned_settings(emitted: frozenset[str], version: str | None = None) -> dict[str, str]:
+    """Owned flag -> the setting that owns it, for the flags the adapter `emitted` (its
+    emitted_flags: passed in, as the adapter imports this module); with `version`, keyed by vLLM's
+    canonical option of each (the adapter's `--gpu-memory-utilization` is `--device-memory-utilization`)."""
+    owned = {flag: SETTING_FOR.get(flag, "the plan (the adapter emits it)") for flag in emitted}
+    owned = {**owned, **ALSO_OWNED}
+    if version is None:
+        return owned
+    try:
+        groups = argv.option_groups(version)
+    except argv.UnknownSchema:
+        return owned
+    return {groups.get(flag, flag): setting for flag, setting in owned.items()}
+
+
+def owned_flag(arg: str, emitted: frozenset[str], version: str = "0.32.0") -> str | None:
+    """The owned flag (canonical) that `arg` sets when vLLM `version` parses it, or None."""
+    spelled = argv.spell(arg, fold_case=True)
+    if spelled is None:
         return None
-    name = arg.split("=", 1)[0].lower()
-    if not name.startswith("--"):
-        return name if name in OWNED else None
-    name = "--" + name[2:].replace("_", "-")
-    if name in OWNED:
-        return name
-    if len(name) - 2 < _MIN_STEM:
+    owned = owned_settings(emitted, version)
+    try:
+        found = argv.canonical(arg, version, fold_case=True)
+    except argv.UnknownSchema:
+        found = argv.Resolution(None, ())
+    if found.flag is not None:
+        return found.flag if found.flag in owned else None
+    # A version without a schema, or a name vLLM does not list: read it against the owned names
+    # alone (an exact name or the prefix of one).
+    if spelled.name in owned:
+        return spelled.name
+    if found.candidates:  # ambiguous in vLLM: it refuses the token itself
         return None
-    return next((flag for flag in OWNED if flag.startswith("--") and flag.startswith(name)), None)
-
-
-def refuse_owned_flags(deployment: Deployment) -> None:
-    """Raise InputError for the first owned flag in engine.extra_args."""
-    plan = deployment.plan
-    for arg in plan.settings.engine.extra_args:
-        flag = owned_flag(arg)
-        if flag is None:
-            continue
-        spelled = arg.split("=", 1)[0]
-        named = flag if spelled == flag else f"{spelled!r} (vLLM's {flag})"
-        source = plan.provenance.get("engine.extra_args")
-        raise InputError(
-            f"engine.extra_args sets {named}, which m31ctl sets from {OWNED[flag]}: the container, "
-            "probes, rendered files and capacity would describe another server than vLLM runs",
-            where=str(source) if source else None,
-            hint=f"remove it from engine.extra_args and set {OWNED[flag]}",
-        )
+    return argv.prefix_of(spelled.name, sorted(owned))

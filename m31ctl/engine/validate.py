@@ -12,12 +12,13 @@ import json
 import re
 from dataclasses import dataclass
 from functools import cache, cached_property
-from pathlib import Path
 from typing import Any, NamedTuple
 
+from m31ctl import vllm_argv as argv
 from m31ctl.deployment import Deployment
 from m31ctl.engine.adapter import EngineInvocation, build_invocation
 from m31ctl.errors import InputError, close_matches
+from m31ctl.plan.engine_rules import capability_table
 
 # Environment variables vLLM removed, and what replaced them (vllm-engine-facts.md). vLLM only
 # warns "Unknown vLLM environment variable" for them, so the setting silently does nothing.
@@ -31,6 +32,14 @@ REMOVED_ENV = {
 _HUMAN_INT = re.compile(r"^(auto|-1|\d+(\.\d+)?[kKmMgG]?)$")
 # Config keys whose values name attention backends (the enum, plus image extensions).
 _BACKEND_KEYS = {("--speculative-config", "attention_backend"), ("--attention-config", "backend")}
+
+
+def _scalar(raw: str) -> Any:
+    """A dotted key's value as vLLM reads it: JSON where it parses, else the string."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
 
 
 class Finding(NamedTuple):
@@ -57,23 +66,17 @@ class EngineSchema:
         return set(self.data["attention_backends"]) | set(self.extension.get("attention_backends", ()))
 
 
-# The schemas ship inside the package (a plain directory in the wheel and in a checkout).
-SCHEMAS = Path(__file__).resolve().parent / "schemas"
-_VERSION = re.compile(r"^[0-9]+(\.[0-9A-Za-z]+)*$")
+SCHEMAS = argv.SCHEMAS
 
 
-@cache
 def _schema_data(version: str) -> dict[str, Any]:
-    path = SCHEMAS / f"vllm-{version}.json"
-    if not _VERSION.match(version) or not path.is_file():
-        known = sorted(p.stem.removeprefix("vllm-") for p in SCHEMAS.glob("vllm-*.json"))
+    try:
+        return argv.schema_data(version)
+    except argv.UnknownSchema:
         raise InputError(
             f"no engine schema for vLLM {version!r}",
-            hint=f"engine.schema_version must be one of: {', '.join(known)}",
-        )
-    text = path.read_text(encoding="utf-8")
-    data: dict[str, Any] = json.loads(text)
-    return data
+            hint=f"engine.schema_version must be one of: {', '.join(argv.known_versions())}",
+        ) from None
 
 
 @cache
@@ -91,8 +94,6 @@ def schema_for(image: str, version: str) -> EngineSchema:
     extensions = _extensions()
     extension = extensions.get(image)
     if extension is None:
-        from m31ctl.plan.engine_rules import capability_table
-
         known = capability_table().engine_for(image) is not None
         extension = {} if known else _union(extensions.values())
     return EngineSchema(version, _schema_data(version), extension, image)
@@ -190,18 +191,17 @@ def _check_value(flag: dict[str, Any], token: str, value: str, schema: EngineSch
 
 
 def _lookup(name: str, options: dict[str, dict[str, Any]]) -> tuple[dict[str, Any] | None, Finding | None]:
-    if name in options:
-        return options[name], None
-    if name.startswith("--") and name.replace("_", "-") in options:
-        return options[name.replace("_", "-")], None  # vLLM reads _ and - alike
-    prefixed = sorted(o for o in options if o.startswith(name) and o.startswith("--"))
-    if len(prefixed) >= 1 and name.startswith("--"):
+    """The flag a normalized name sets (m31ctl/vllm_argv.py), or the finding: vLLM takes an
+    unambiguous prefix silently, which is a mistake waiting for the next flag that shares it."""
+    found = argv.resolve(name, options)
+    if found.flag is not None and not found.abbreviated:
+        return options[found.flag], None
+    if found.candidates:
+        flags = list(dict.fromkeys(argv.canonical_option(options[c]["options"]) for c in found.candidates))
         return None, Finding(
             name,
             "abbreviated flag",
-            f"write it in full: {prefixed[0]}"
-            if len(prefixed) == 1
-            else f"ambiguous: {', '.join(prefixed[:4])}",
+            f"write it in full: {flags[0]}" if len(flags) == 1 else f"ambiguous: {', '.join(flags[:4])}",
         )
     return None, Finding(name, "unknown flag", _closest(name, [o for o in options if o.startswith("--")]))
 
@@ -228,7 +228,11 @@ def validate(inv: EngineInvocation, schema: EngineSchema) -> list[Finding]:
         if not token.startswith("-"):
             findings.append(Finding(token, "stray positional argument"))
             continue
-        name, eq, inline = token.partition("=")
+        spelled = argv.spell(token)
+        if spelled is None:  # a negative number where a flag was expected
+            findings.append(Finding(token, "stray positional argument"))
+            continue
+        name, eq, inline = spelled.name, spelled.inline is not None, spelled.inline or ""
         flag, problem = _lookup(name, options)
         if problem is not None:
             findings.append(problem)
@@ -237,6 +241,12 @@ def validate(inv: EngineInvocation, schema: EngineSchema) -> list[Finding]:
             continue
         assert flag is not None
         if flag["type"] == "flag":
+            continue
+        if spelled.key is not None:  # `-ac.key value`: one key of a JSON flag, checked as such
+            value = inline if eq else (args[i] if i < len(args) else "")
+            i += 0 if eq else 1
+            canonical = max(flag["options"], key=len)
+            findings += _check_json_config(canonical, json.dumps({spelled.key: _scalar(value)}), schema)
             continue
         if eq:
             values = [inline]
@@ -314,8 +324,33 @@ class PlanValidation(NamedTuple):
         }
 
 
-def validate_plan(deployment: Deployment) -> PlanValidation:
-    """Every finding for the plan's engine invocation against the schema it names."""
+class GroupValidation(NamedTuple):
+    """`m31ctl validate` of a P/D group: each role engine's validation, by role."""
+
+    roles: tuple[tuple[str, PlanValidation], ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(one.ok for _, one in self.roles)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "roles": {role: one.to_json() for role, one in self.roles}}
+
+
+def validate_engine(deployment: Deployment) -> PlanValidation:
+    """Every finding for one engine's invocation against the schema its image names."""
     inv = build_invocation(deployment)
     schema = schema_for(inv.image, deployment.plan.settings.engine.schema_version)
     return PlanValidation(schema, inv, tuple(validate(inv, schema)))
+
+
+def validate_plan(deployment: Deployment) -> PlanValidation | GroupValidation:
+    """The plan's engine, or each role engine of a P/D group (each may name its own image)."""
+    group = deployment.disaggregated
+    if group is None:
+        return validate_engine(deployment)
+    return GroupValidation(
+        tuple(
+            (role.kv_transfer.role.value, validate_engine(role)) for role in group.roles if role.kv_transfer
+        )
+    )

@@ -24,17 +24,18 @@ from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from m31ctl import vllm_argv as argv
 from m31ctl.checkpoint import cached_snapshot, host_path, model_source
 from m31ctl.errors import InputError, RuleViolation
-from m31ctl.hardware import Hardware, vendor_facts
+from m31ctl.hardware import Hardware, Platform, vendor_facts
+from m31ctl.plan.catalog import ModelFacts, get_model
 from m31ctl.plan.layers import Layer
 from m31ctl.plan.parsed import parsed
-from m31ctl.plan.recipes import ModelFacts, get_model
+from m31ctl.plan.runtime_shapes import RUNTIME_RULES
 from m31ctl.plan.settings import PlanSettings
 from m31ctl.resources import recipes_dir
 
 CAPABILITIES_FILE = "engines/capabilities.yaml"
-_PLATFORM_NAME = {"cuda": "CUDA", "rocm": "ROCm", "cpu": "CPU"}
 _ALLOW_LONG = "VLLM_ALLOW_LONG_MAX_MODEL_LEN"
 # RoPE types whose factor vLLM does not apply to max_position_embeddings (vllm/config/model.py
 # _get_and_verify_max_len: "YaRN variants leave max_position_embeddings already scaled").
@@ -46,7 +47,7 @@ _NO_TOKENIZER_LIMIT = 10**20
 # --- the capability table --------------------------------------------------------------------
 
 
-class Answer(NamedTuple):
+class CapabilityAnswer(NamedTuple):
     has: bool | str  # True, False, "claimed" or "unknown"
     source: str
 
@@ -54,7 +55,7 @@ class Answer(NamedTuple):
 class Engine(NamedTuple):
     id: str
     description: str
-    platform: str
+    platform: Platform
     vllm: str
     images: tuple[str, ...]
 
@@ -62,9 +63,9 @@ class Engine(NamedTuple):
 class Capability(NamedTuple):
     id: str
     name: str
-    engines: tuple[tuple[str, Answer], ...]  # (engine pattern, answer), first match answers
+    engines: tuple[tuple[str, CapabilityAnswer], ...]  # (engine pattern, answer), first match answers
 
-    def answer(self, engine: str) -> Answer | None:
+    def answer(self, engine: str) -> CapabilityAnswer | None:
         for pattern, answer in self.engines:
             if fnmatch.fnmatchcase(engine, pattern):
                 return answer
@@ -98,18 +99,26 @@ def image_reference(image: str) -> str | None:
 
 
 def _parse_table(raw: bytes) -> Any:
-    import yaml
+    import yaml  # lazy: PyYAML costs start-up, and the memo answers most runs without parsing
 
     return yaml.safe_load(raw.decode("utf-8"))
 
 
-def _answer(data: Any, where: str) -> Answer:
+def _answer(data: Any, where: str) -> CapabilityAnswer:
     if not isinstance(data, dict) or "has" not in data or len(str(data.get("source") or "")) < 8:
         raise InputError("every answer needs `has` and a `source`", where=where)
     has = data["has"]
     if has not in (True, False, "claimed", "unknown"):
         raise InputError(f"has: {has!r} must be true, false, claimed or unknown", where=where)
-    return Answer(has, " ".join(str(data["source"]).split()))
+    return CapabilityAnswer(has, " ".join(str(data["source"]).split()))
+
+
+def _platform(value: Any, where: str) -> Platform:
+    try:
+        return Platform(value)
+    except ValueError:
+        names = ", ".join(p.value for p in Platform)
+        raise InputError(f"platform: {value!r} must be one of {names}", where=where) from None
 
 
 @cache
@@ -121,7 +130,7 @@ def capability_table() -> CapabilityTable:
         Engine(
             id=name,
             description=str(entry["description"]),
-            platform=str(entry["platform"]),
+            platform=_platform(entry.get("platform"), f"{where} engines.{name}.platform"),
             vllm=str(entry["vllm"]),
             images=tuple(entry["images"]),
         )
@@ -294,59 +303,23 @@ def checkpoint_facts(settings: PlanSettings, model: ModelFacts) -> CheckpointFac
 # --- what the plan asks of the engine ----------------------------------------------------------
 
 
-def flag_values(args: tuple[str, ...], *names: str) -> list[str]:
-    """The values given to a flag in argv (`--flag value` or `--flag=value`; vLLM reads - and _
-    alike)."""
-    spelled = {n.replace("_", "-") for n in names}
-    values = []
-    for i, token in enumerate(args):
-        name, eq, inline = token.partition("=")
-        if name.replace("_", "-") not in spelled:
-            continue
-        if eq:
-            values.append(inline)
-        elif i + 1 < len(args):
-            values.append(args[i + 1])
-    return values
+def _switch(args: tuple[str, ...], *names: str) -> bool:
+    groups = dict.fromkeys(names, names[0])
+    return any(True for _ in argv.occurrences(args, groups, ()))
 
 
-def _json_flag(args: tuple[str, ...], *names: str) -> dict[str, Any]:
-    """A JSON-valued flag merged over its occurrences, with vLLM's dotted keys
-    (`-ac.key value`) folded in."""
-    merged: dict[str, Any] = {}
-    for value in flag_values(args, *names):
-        try:
-            data = json.loads(value)
-        except ValueError:
-            continue
-        if isinstance(data, dict):
-            merged.update(data)
-    for i, token in enumerate(args):
-        name, eq, inline = token.partition("=")
-        for flag in names:
-            if name.replace("_", "-").startswith(flag.replace("_", "-") + "."):
-                key = name.split(".", 1)[1]
-                raw = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
-                try:
-                    merged[key] = json.loads(raw)
-                except ValueError:
-                    merged[key] = raw
-    return merged
-
-
-class Context(NamedTuple):
+class RuleContext(NamedTuple):
     settings: PlanSettings
     hardware: Hardware
     model: ModelFacts
     facts: CheckpointFacts
-    attention_config: dict[str, Any]  # from engine.extra_args (the adapter adds indexer_kv_dtype)
     hf_overrides: dict[str, Any]
     monokernel: bool
 
     @property
-    def platform(self) -> str:
-        # The vendor's driver stack (hardware.VENDORS): cuda, rocm, or none (the CPU build).
-        return vendor_facts(self.hardware.vendor).driver_stack or "cpu"
+    def platform(self) -> Platform:
+        # The vendor's platform (hardware.VENDORS): CUDA, ROCm, or the CPU build (a GPU-less host too).
+        return vendor_facts(self.hardware.vendor).platform
 
     @property
     def env(self) -> Mapping[str, str]:
@@ -354,7 +327,7 @@ class Context(NamedTuple):
 
     @property
     def indexer_cp(self) -> bool:
-        return self.attention_config.get("minimax_m3_indexer_cp") in (True, "true", "True", 1)
+        return self.settings.cache.indexer_context_parallel
 
     @property
     def minimax_m3(self) -> bool:
@@ -362,16 +335,15 @@ class Context(NamedTuple):
         return self.facts.sparse_block_size is not None
 
 
-def _context(settings: PlanSettings, hw: Hardware, model: ModelFacts) -> Context:
+def _context(settings: PlanSettings, hw: Hardware, model: ModelFacts) -> RuleContext:
     extra = settings.engine.extra_args
-    return Context(
+    return RuleContext(
         settings=settings,
         hardware=hw,
         model=model,
         facts=checkpoint_facts(settings, model),
-        attention_config=_json_flag(extra, "--attention-config", "-ac"),
-        hf_overrides=_json_flag(extra, "--hf-overrides"),
-        monokernel=bool(flag_values(extra, "--monokernel")) or "--monokernel" in extra,
+        hf_overrides=argv.json_config(extra, "--hf-overrides"),
+        monokernel=_switch(extra, "--monokernel") and not _switch(extra, "--no-monokernel"),
     )
 
 
@@ -383,10 +355,10 @@ class EngineRule(NamedTuple):
     key: str  # the setting a violation is blamed on
     summary: str
     source: str  # the vLLM code it mirrors
-    check: Callable[[Context], str | None]  # why the plan breaks it, or None
+    check: Callable[[RuleContext], str | None]  # why the plan breaks it, or None
 
 
-def _tp_divides_heads(ctx: Context) -> str | None:
+def _tp_divides_heads(ctx: RuleContext) -> str | None:
     heads, tp = ctx.facts.attention_heads, ctx.settings.parallelism.tensor
     if heads is None or heads.value % tp == 0:
         return None
@@ -396,7 +368,7 @@ def _tp_divides_heads(ctx: Context) -> str | None:
     )
 
 
-def _dcp_kv_heads(ctx: Context) -> str | None:
+def _dcp_kv_heads(ctx: RuleContext) -> str | None:
     dcp, tp, kv = ctx.settings.parallelism.decode_context, ctx.settings.parallelism.tensor, ctx.facts.kv_heads
     if dcp <= 1 or tp > kv.value:
         return None
@@ -408,7 +380,7 @@ def _dcp_kv_heads(ctx: Context) -> str | None:
     )
 
 
-def _dcp_max(ctx: Context) -> str | None:
+def _dcp_max(ctx: RuleContext) -> str | None:
     dcp, tp, kv = ctx.settings.parallelism.decode_context, ctx.settings.parallelism.tensor, ctx.facts.kv_heads
     if dcp <= 1 or tp <= kv.value or dcp <= tp // kv.value:
         return None
@@ -418,7 +390,7 @@ def _dcp_max(ctx: Context) -> str | None:
     )
 
 
-def _dcp_q_per_kv(ctx: Context) -> str | None:
+def _dcp_q_per_kv(ctx: RuleContext) -> str | None:
     dcp, heads, kv = ctx.settings.parallelism.decode_context, ctx.facts.attention_heads, ctx.facts.kv_heads
     if dcp <= 1 or heads is None or (heads.value // kv.value) % dcp == 0:
         return None
@@ -428,7 +400,7 @@ def _dcp_q_per_kv(ctx: Context) -> str | None:
     )
 
 
-def _overridden_rope(ctx: Context) -> tuple[RopeScaling | None, str]:
+def _overridden_rope(ctx: RuleContext) -> tuple[RopeScaling | None, str]:
     """RoPE scaling from --hf-overrides in engine.extra_args, and a note when it is misplaced."""
     overrides = ctx.hf_overrides
     text_config = overrides.get("text_config")
@@ -446,7 +418,7 @@ def _overridden_rope(ctx: Context) -> tuple[RopeScaling | None, str]:
     return top, ""
 
 
-def _derived_max_len(ctx: Context) -> tuple[int, str] | None:
+def _derived_max_len(ctx: RuleContext) -> tuple[int, str] | None:
     """vLLM's derived max_model_len: max_position_embeddings, times a RoPE factor that is not
     YaRN-like, capped by the tokenizer's model_max_length."""
     positions = ctx.facts.max_positions
@@ -463,11 +435,11 @@ def _derived_max_len(ctx: Context) -> tuple[int, str] | None:
     return derived, key
 
 
-def _allow_long(ctx: Context) -> bool:
+def _allow_long(ctx: RuleContext) -> bool:
     return ctx.env.get(_ALLOW_LONG, "0").strip().lower() in ("1", "true")
 
 
-def _max_model_len(ctx: Context) -> str | None:
+def _max_model_len(ctx: RuleContext) -> str | None:
     derived = _derived_max_len(ctx)
     wanted = ctx.settings.serving.max_model_len
     if derived is None or wanted <= derived[0] or _allow_long(ctx):
@@ -479,7 +451,7 @@ def _max_model_len(ctx: Context) -> str | None:
     )
 
 
-def _long_context_rope(ctx: Context) -> str | None:
+def _long_context_rope(ctx: RuleContext) -> str | None:
     derived = _derived_max_len(ctx)
     wanted = ctx.settings.serving.max_model_len
     if derived is None or wanted <= derived[0] or not _allow_long(ctx):
@@ -501,7 +473,26 @@ def _long_context_rope(ctx: Context) -> str | None:
     )
 
 
-def _block_size(ctx: Context) -> str | None:
+def _nvidia_ignores_rope_scaling(ctx: RuleContext) -> str | None:
+    positions = ctx.facts.max_positions
+    wanted = ctx.settings.serving.max_model_len
+    if (
+        ctx.platform is not Platform.CUDA
+        or not ctx.minimax_m3
+        or positions is None
+        or wanted <= positions.value
+    ):
+        return None
+    return (
+        f"max_model_len {wanted} is past the checkpoint's {positions.value} positions ({positions.source}), "
+        "and vLLM's NVIDIA MiniMax-M3 model builds its rotary embedding from rope_theta and "
+        "partial_rotary_factor alone, ignoring rope_scaling (YaRN in --hf-overrides changes nothing "
+        "there): positions past the native ones read beyond the rotary cache. Only the AMD model "
+        "applies YaRN; on NVIDIA serve at most the native context"
+    )
+
+
+def _block_size(ctx: RuleContext) -> str | None:
     sparse, block = ctx.facts.sparse_block_size, ctx.settings.cache.block_size
     if sparse is None or block is None or block == sparse.value:
         return None
@@ -511,9 +502,9 @@ def _block_size(ctx: Context) -> str | None:
     )
 
 
-def _nvfp4_sm10x(ctx: Context) -> str | None:
+def _nvfp4_sm10x(ctx: RuleContext) -> str | None:
     hw = ctx.hardware
-    if ctx.settings.cache.kv_dtype != "nvfp4" or ctx.platform != "cuda" or not ctx.minimax_m3:
+    if ctx.settings.cache.kv_dtype != "nvfp4" or ctx.platform is not Platform.CUDA or not ctx.minimax_m3:
         return None
     if (hw.arch or "").split(".")[0] == "10":
         return None
@@ -523,15 +514,13 @@ def _nvfp4_sm10x(ctx: Context) -> str | None:
     )
 
 
-def _indexer_cp(ctx: Context) -> str | None:
+def _indexer_cp(ctx: RuleContext) -> str | None:
     if not ctx.indexer_cp:
         return None
     s = ctx.settings
     problems = []
-    if ctx.platform != "rocm":
-        problems.append(
-            f"it runs on ROCm only (this host is {_PLATFORM_NAME.get(ctx.platform, ctx.platform)})"
-        )
+    if ctx.platform is not Platform.ROCM:
+        problems.append(f"it runs on ROCm only (this host is {ctx.platform.title})")
     if s.parallelism.tensor < 2:
         problems.append("it needs --tensor-parallel-size > 1 (it shards over the TP group)")
     if s.cache.indexer_dtype not in ("auto", "bf16", "fp8"):
@@ -543,7 +532,7 @@ def _indexer_cp(ctx: Context) -> str | None:
     return "minimax_m3_indexer_cp: " + "; ".join(problems) if problems else None
 
 
-def _dspark_tokens(ctx: Context) -> str | None:
+def _dspark_tokens(ctx: RuleContext) -> str | None:
     spec, block = ctx.settings.speculative, ctx.facts.draft_block_size
     if spec.method != "dspark" or block is None or spec.tokens is None or spec.tokens <= block.value:
         return None
@@ -554,7 +543,7 @@ def _dspark_tokens(ctx: Context) -> str | None:
     )
 
 
-def _monokernel(ctx: Context) -> str | None:
+def _monokernel(ctx: RuleContext) -> str | None:
     if not ctx.monokernel:
         return None
     s = ctx.settings
@@ -636,6 +625,15 @@ ENGINE_RULES: tuple[EngineRule, ...] = (
         _long_context_rope,
     ),
     EngineRule(
+        "vllm-nvidia-m3-no-rope-scaling",
+        "serving.max_model_len",
+        "on NVIDIA, a MiniMax-M3 context stays within the checkpoint's max_position_embeddings: the "
+        "NVIDIA model code ignores rope_scaling",
+        "vLLM 0.32/0.33 vllm/models/minimax_m3/nvidia/model.py (get_rope with rope_theta and "
+        "partial_rotary_factor only); vllm/models/minimax_m3/amd/model.py applies rope_scaling",
+        _nvidia_ignores_rope_scaling,
+    ),
+    EngineRule(
         "vllm-msa-block-size",
         "cache.block_size",
         "a MiniMax-M3 KV cache block equals the MSA sparse block (128 tokens)",
@@ -652,7 +650,7 @@ ENGINE_RULES: tuple[EngineRule, ...] = (
     ),
     EngineRule(
         "vllm-indexer-cp",
-        "engine.extra_args",
+        "cache.indexer_context_parallel",
         "indexer context parallelism (minimax_m3_indexer_cp): ROCm, TP > 1, a bf16 or fp8 index cache, -dcp 1",
         "vLLM 0.33 vllm/config/attention.py AttentionConfig.minimax_m3_indexer_cp and __post_init__; "
         "vllm/models/minimax_m3/common/indexer.py select_indexer_impl_cls; "
@@ -688,7 +686,7 @@ class Use(NamedTuple):
     value: Any
 
 
-def capability_uses(ctx: Context) -> list[Use]:
+def capability_uses(ctx: RuleContext) -> list[Use]:
     """Which capabilities of the table the plan uses, and the setting that uses each."""
     s = ctx.settings
     uses: list[Use] = []
@@ -698,6 +696,8 @@ def capability_uses(ctx: Context) -> list[Use]:
     ):
         if backend == "FLASHINFER_TS":
             uses.append(Use("flashinfer_ts", key, backend))
+    if s.speculative.draft_attention_backend == "FLASHINFER_TS" and s.cache.kv_dtype == "nvfp4":
+        uses.append(Use("flashinfer_ts_nvfp4_draft", "speculative.draft_attention_backend", "FLASHINFER_TS"))
     if ctx.minimax_m3 and s.cache.indexer_dtype == "nvfp4":
         uses.append(Use("nvfp4_indexer_cache", "cache.indexer_dtype", "nvfp4"))
     if s.cache.kv_dtype == "nvfp4":
@@ -714,7 +714,7 @@ def capability_uses(ctx: Context) -> list[Use]:
     if s.moe.backend in ("deep_gemm_mega_moe", "aiter_mega_moe") and ctx.minimax_m3:
         uses.append(Use("mega_moe", "moe.backend", s.moe.backend))
     if ctx.indexer_cp:
-        uses.append(Use("indexer_context_parallel", "engine.extra_args", "minimax_m3_indexer_cp"))
+        uses.append(Use("indexer_context_parallel", "cache.indexer_context_parallel", True))
     if ctx.monokernel:
         uses.append(Use("monokernel", "engine.extra_args", "--monokernel"))
     if s.speculative.method == "dspark" and ctx.minimax_m3:
@@ -730,7 +730,7 @@ def _culprit(merged: Layer, key: str) -> str:
     return str(setting.source) if setting else "schema default"
 
 
-def _value(ctx: Context, key: str) -> Any:
+def _value(ctx: RuleContext, key: str) -> Any:
     node: Any = ctx.settings.model_dump(mode="json")
     for part in key.split("."):
         node = node.get(part) if isinstance(node, dict) else None
@@ -758,7 +758,7 @@ def check_engine(settings: PlanSettings, merged: Layer, hw: Hardware) -> tuple[s
     return tuple(warnings)
 
 
-def _capability_check(ctx: Context, merged: Layer) -> list[str]:
+def _capability_check(ctx: RuleContext, merged: Layer) -> list[str]:
     image = ctx.settings.engine.image
     table = capability_table()
     engine = table.engine_for(image)
@@ -769,17 +769,17 @@ def _capability_check(ctx: Context, merged: Layer) -> list[str]:
             return []
         named = [table.capabilities[u.capability].name for u in uses]
         if gpu:
-            named.insert(0, f"a {_PLATFORM_NAME[ctx.platform]} build")
+            named.insert(0, f"a {ctx.platform.title} build")
         return [
             f"engine.image={image} is not in m31ctl's engine capability table (recipes/{CAPABILITIES_FILE}): "
             f"cannot check that it has {', '.join(named)}"
         ]
     label = f"{image} ({engine.description})"
     missing: list[str] = []
-    if engine.platform != ctx.platform:
+    if engine.platform is not ctx.platform:
         missing.append(
-            f"a {_PLATFORM_NAME.get(ctx.platform, ctx.platform)} build for this host's "
-            f"{ctx.hardware.vendor} GPUs: it is a {_PLATFORM_NAME.get(engine.platform, engine.platform)} "
+            f"a {ctx.platform.title} build for this host's "
+            f"{ctx.hardware.vendor} GPUs: it is a {engine.platform.title} "
             f"build [recipes/{CAPABILITIES_FILE} engines.{engine.id}]"
         )
     unknown: list[str] = []
@@ -829,6 +829,18 @@ def engine_rules_markdown() -> str:
         lines.append(f"| {rule.id} | `{rule.key}` | {_cell(rule.summary)} | {_cell(rule.source)} |")
     lines += [
         "",
+        "## Runtime shapes",
+        "",
+        "Limits vLLM meets only under load, and the MoE layout it builds (m31ctl/plan/runtime_shapes.py):",
+        "set or refused before launch, or stated as a warning.",
+        "",
+        "| rule | setting | must | source |",
+        "| --- | --- | --- | --- |",
+    ]
+    for shape in RUNTIME_RULES:
+        lines.append(f"| {shape.id} | `{shape.key}` | {_cell(shape.summary)} | {_cell(shape.source)} |")
+    lines += [
+        "",
         "## Engine images",
         "",
         "| engine | platform | vLLM base | images |",
@@ -837,7 +849,7 @@ def engine_rules_markdown() -> str:
     for engine in table.engines:
         images = ", ".join(f"`{i}`" for i in engine.images)
         lines.append(
-            f"| {engine.id} ({_cell(engine.description)}) | {engine.platform} | {engine.vllm} | {images} |"
+            f"| {engine.id} ({_cell(engine.description)}) | {engine.platform.value} | {engine.vllm} | {images} |"
         )
     lines += ["", "## Capabilities", "", "`claimed`: the launch post says so, no code seen.", ""]
     for capability in table.capabilities.values():

@@ -49,6 +49,18 @@ def flatten_value(value: Any, source: Source, prefix: str) -> Layer:
     return {prefix: Setting(value, source)}
 
 
+class FlagSet(str):
+    """A `--set` expression a command flag stands for (`--port 8001` is runtime.port=8001): its
+    source is the flag the user typed, not a `--set #N` they never typed."""
+
+    flag: str
+
+    def __new__(cls, expr: str, flag: str) -> FlagSet:
+        made = super().__new__(cls, expr)
+        made.flag = flag
+        return made
+
+
 def parse_set(expr: str, index: int) -> Layer:
     """`--set key.path=value`; the value is JSON when it parses as JSON, else a string."""
     key, sep, raw = expr.partition("=")
@@ -73,7 +85,7 @@ def parse_set(expr: str, index: int) -> Layer:
             f"--set {key}: the value is too large or too deeply nested",
             hint="settings are small numbers, strings and short lists",
         ) from None
-    source = Source("--set", detail=f"--set #{index}")
+    source = Source("--set", detail=getattr(expr, "flag", None) or f"--set #{index}")
     return flatten_value(value, source, key)
 
 

@@ -16,7 +16,7 @@ from m31ctl.memo import memoized
 
 # The code that turns a settings file into data: an edit to it (in a checkout) parses again.
 _PARSER_CODE = tuple(
-    str(Path(__file__).with_name(name)) for name in ("recipes.py", "yamlfile.py", "layers.py")
+    str(Path(__file__).with_name(name)) for name in ("catalog.py", "yamlfile.py", "layers.py")
 )
 
 

@@ -11,11 +11,10 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
+from m31ctl.checkpoint import model_source
 from m31ctl.errors import InputError, RuleViolation, close_matches
 from m31ctl.hardware import PRODUCTS, SERVED_ARCHS, Hardware, cpu_host, simulated, vendor_facts
-from m31ctl.plan.engine_rules import check_engine
-from m31ctl.plan.layers import Layer, Setting, Source, merge, parse_set, unflatten
-from m31ctl.plan.recipes import (
+from m31ctl.plan.catalog import (
     ModelFacts,
     Recipe,
     defaults_layer,
@@ -24,7 +23,18 @@ from m31ctl.plan.recipes import (
     load_recipe,
     select_recipe,
 )
+from m31ctl.plan.disaggregation import check_disaggregation, check_role_engines, engine_settings
+from m31ctl.plan.engine_rules import check_engine, checkpoint_facts
+from m31ctl.plan.layers import Layer, Setting, Source, merge, parse_set, unflatten
 from m31ctl.plan.runtime_notes import runtime_warnings
+from m31ctl.plan.runtime_shapes import (
+    MoELayout,
+    apply_decode_limit,
+    decide_expert,
+    decode_limits,
+    moe_layout,
+    shape_warnings,
+)
 from m31ctl.plan.settings import Parallelism, PlanSettings
 from m31ctl.redact import redact
 
@@ -56,8 +66,29 @@ class Plan(NamedTuple):
     def gpus_needed(self) -> int:
         return self.settings.parallelism.gpus
 
+    @property
+    def moe_layout(self) -> MoELayout | None:
+        """The MoE layer as vLLM builds it for these settings' layout (plan/runtime_shapes.py), for
+        every plan of a MoE model, None for a dense one. A P/D pair's roles each have their own:
+        the plan of each role engine (Deployment.engines) answers for it."""
+        if self.model.expert_weights == "none":
+            return None
+        return moe_layout(self.settings.parallelism, self.hardware)
+
+    @property
+    def max_num_seqs_limit(self) -> int | None:
+        """The most sequences per engine the plan's engines (each P/D role's layout) run under
+        their runtime rules, or None where none applies (`bench --write-profile` must not write
+        more)."""
+        heads = msa_query_heads(self.settings, self.model)
+        limits = decode_limits(engine_settings(self.settings), self.hardware, heads)
+        return min(limit.max_num_seqs for _who, limit in limits) if limits else None
+
     def settings_dict(self) -> dict[str, Any]:
-        return self.settings.model_dump(mode="json")
+        # An aggregated plan leaves the disaggregation section out: its identity (hash, lock,
+        # rendered labels) stays what it was before P/D existed; the section shows once enabled.
+        exclude = None if self.settings.disaggregation.enabled else {"disaggregation"}
+        return self.settings.model_dump(mode="json", exclude=exclude)
 
     @property
     def hash(self) -> str:
@@ -258,7 +289,7 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
     profile = recipe.profile(request.profile or DEFAULT_PROFILE)
     layers: list[Layer] = [defaults_layer(), recipe.layer, variant.layer, profile.layer]
     if request.files:
-        from m31ctl.plan.yamlfile import load_layer_file
+        from m31ctl.plan.yamlfile import load_layer_file  # lazy: PyYAML, only for -f files
 
         layers += [load_layer_file(path) for path in request.files]
     layers += [parse_set(expr, i) for i, expr in enumerate(request.sets, start=1)]
@@ -274,6 +305,17 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
     settings, merged = _split_across_nodes(settings, merged, request.hardware)
     _check_nodes(settings, merged)
     model = get_model(settings.model.id)
+    # Runtime shapes (plan/runtime_shapes.py): expert parallelism decided, the decode row limit
+    # set or enforced, over each engine's own layout (a P/D pair's roles), before the engine
+    # rules read the final settings.
+    settings, merged = decide_expert(settings, merged, model, engine_settings(settings))
+    heads = msa_query_heads(settings, model)
+    settings, merged = apply_decode_limit(
+        settings, merged, request.hardware, heads, engine_settings(settings)
+    )
+    check_disaggregation(settings, merged, request.hardware, model)
+    # A disaggregated plan runs two engines, each refused as the server it is.
+    engine_check = check_role_engines if settings.disaggregation.enabled else check_engine
     return Plan(
         recipe=recipe,
         variant=variant.name,
@@ -284,8 +326,41 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
         provenance=MappingProxyType({k: s.source for k, s in merged.items()}),
         warnings=_warnings(recipe, settings, request.hardware)
         + runtime_warnings(settings, request.hardware)
-        + check_engine(settings, merged, request.hardware),
+        + shape_warnings(settings, request.hardware, model, engine_settings(settings))
+        + unpublished_warnings(settings, model)
+        + engine_check(settings, merged, request.hardware),
     )
+
+
+def msa_query_heads(settings: PlanSettings, model: ModelFacts) -> int | None:
+    """A MiniMax Sparse Attention model's query heads (the checkpoint's config.json where it is
+    on this host, else recipes/models.yaml), or None for another model."""
+    facts = checkpoint_facts(settings, model)
+    return facts.attention_heads.value if facts.attention_heads and facts.sparse_block_size else None
+
+
+def unpublished_warnings(settings: PlanSettings, model: ModelFacts) -> tuple[str, ...]:
+    """The model facts capacity uses that no one has published (recipes/models.yaml
+    `published: false`), unless the checkpoint's own config.json is on this host."""
+    local = model_source(settings.model.path).host_path
+    if local is not None and (Path(local) / "config.json").is_file():
+        return ()
+    geometry = model.geometry
+    notes = []
+    unpublished = geometry.unpublished()
+    if unpublished:
+        notes.append(
+            f"capacity for {model.display_name} uses unpublished geometry: {', '.join(unpublished)} "
+            f"(recipes/models.yaml, {geometry.name}); the checkpoint's config.json settles it once "
+            "model.path is a local copy"
+        )
+    if settings.speculative.method != "none" and geometry.draft_layers is None:
+        notes.append(
+            f"capacity does not count the {settings.speculative.method} draft's KV cache (it shares the "
+            "pool, in the main cache's dtype): its geometry is unpublished (the checkpoint's "
+            "dspark/config.json states it once model.path is a local copy)"
+        )
+    return tuple(notes)
 
 
 def _warnings(recipe: Recipe, settings: PlanSettings, hw: Hardware) -> tuple[str, ...]:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from m31ctl.labels import Label
 from m31ctl.names import name_problem
 from m31ctl.redact import SECRET_ENV, secret_flag
 from m31ctl.units import Size
@@ -100,6 +101,9 @@ class Parallelism(_Frozen):
 class CacheSettings(_Frozen):
     kv_dtype: CacheDtype = "auto"
     indexer_dtype: CacheDtype = "auto"
+    # Indexer context parallelism: the sparse indexer's scoring sharded over the TP group (vLLM
+    # 0.33 --attention-config minimax_m3_indexer_cp; ROCm, TP > 1, bf16/fp8 index cache, -dcp 1).
+    indexer_context_parallel: bool = False
     block_size: StrictInt | None = Field(None, ge=1)
 
 
@@ -122,12 +126,15 @@ class SpeculativeSettings(_Frozen):
 
 class MoESettings(_Frozen):
     backend: str = "auto"
-    # What the chosen MoE path does to the NVFP4 experts at load (informational, shown in the plan).
+    # A capacity assumption, passed to no engine: "mxfp8" counts the experts at 8.25 bits, for a
+    # day-zero image whose AITER MoE path re-quantizes NVFP4 experts at load as the launch post says;
+    # stock vLLM 0.33 has no such code path (docs/decisions.md, issue 35 audit).
     expert_requantization: Literal["none", "mxfp8"] = "none"
 
     @model_validator(mode="after")
     def _requantization_needs_aiter(self) -> MoESettings:
-        # Only AITER's MoE path re-quantizes NVFP4 experts (CDNA4 lacks NVFP4 dequantization).
+        # The launch post places the re-quantization in AITER's MoE path (CDNA4 lacks NVFP4
+        # dequantization): the assumption makes sense with that backend only.
         if self.expert_requantization == "mxfp8" and self.backend != "aiter":
             raise ValueError(
                 "moe.expert_requantization=mxfp8 happens only in the AITER MoE path (moe.backend=aiter)"
@@ -171,7 +178,7 @@ class Serving(_Frozen):
     )
 
 
-class Runtime(_Frozen):
+class RuntimeSettings(_Frozen):
     # --set runtime.env.X=1 parses 1 as JSON; environment values are strings all the same.
     model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True, defer_build=True)
 
@@ -238,7 +245,7 @@ class Runtime(_Frozen):
         return not ipaddress.ip_address(self.bind).is_loopback
 
     @model_validator(mode="after")
-    def _exposed_needs_key(self) -> Runtime:
+    def _exposed_needs_key(self) -> RuntimeSettings:
         if self.exposed and not self.api_key:
             raise ValueError(
                 f"runtime.bind={self.bind} exposes the server beyond this host, which requires an API key: "
@@ -276,8 +283,10 @@ class KubernetesSettings(_Frozen):
     # need VLLM_API_KEY from the Secret unless this says otherwise (runtime.api_key aside).
     require_api_key: bool = True
     # NetworkPolicy peers (podSelector / namespaceSelector / ipBlock objects) admitted to the API
-    # port; the default is every pod of the namespace. [] admits none (kubelet probes still pass).
-    api_clients: tuple[dict[str, Any], ...] = ({"podSelector": {}},)
+    # port. The default admits the namespace's pods that carry the client label, not every pod:
+    # the API key guards /v1 only, and /invocations, /tokenize, /pause and /metrics answer without
+    # it on the same port (docs/decisions.md). [] admits none (kubelet probes still pass).
+    api_clients: tuple[dict[str, Any], ...] = ({"podSelector": {"matchLabels": {Label.API_CLIENT: "true"}}},)
     # The Pod Security level the pods must pass. baseline leaves out what the Docker targets add
     # for AMD (SYS_PTRACE, seccomp Unconfined), which that level rejects; privileged adds them.
     pod_security: Literal["baseline", "privileged"] = "baseline"
@@ -299,6 +308,75 @@ class VerifySettings(_Frozen):
     )
 
 
+# The KV connectors a disaggregated plan may name (plan/disaggregation.py holds their facts).
+ConnectorName = Literal["nixl", "moriio", "mooncake", "lmcache"]
+
+
+class DisaggregatedRole(_Frozen):
+    """One side of a prefill/decode pair: its own parallelism and where it listens. Unset
+    parallelism inherits the plan's `parallelism` section."""
+
+    # Environment values are strings (--set ...env.X=1 parses 1 as JSON), as in RuntimeSettings.
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True, defer_build=True)
+
+    tensor: StrictInt | None = Field(None, ge=1, le=64)
+    data: StrictInt | None = Field(None, ge=1, le=1024)
+    nodes: StrictInt | None = Field(None, ge=1, le=64)
+    # The engine's API port on its host (the router, on runtime.port, is what clients reach).
+    # None: the role's own default (plan/disaggregation.py ROLE_PORTS).
+    port: StrictInt | None = Field(None, ge=1, le=65535)
+    # The NIXL handshake's side channel (VLLM_NIXL_SIDE_CHANNEL_PORT); vLLM adds each
+    # data-parallel rank's index. None: the role's own default.
+    side_channel_port: StrictInt | None = Field(None, ge=1, le=65535)
+    # What may differ between the roles only to be refused: the factors of vLLM's NIXL
+    # compatibility hash (nixl/metadata.py compute_nixl_compatibility_hash). None: the plan's.
+    image: str | None = None
+    kv_dtype: CacheDtype | None = None
+    attention_backend: str | None = None
+    # Added to runtime.env for this role's engine (e.g. the CPU build's thread binding per role).
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("env")
+    @classmethod
+    def _no_secrets_by_value(cls, value: dict[str, str]) -> dict[str, str]:
+        return RuntimeSettings._no_secrets_by_value(value)
+
+
+class RouterSettings(_Frozen):
+    """vllm-router (vllm-project/router), which pairs each request's prefill and decode."""
+
+    # None: the engine image (m31ctl's CPU rehearsal image installs vllm-router; a GPU image
+    # without it needs one that has: docs/decisions.md).
+    image: str | None = None
+    # round_robin: the default cache_aware policy adds a render call to each side per request.
+    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
+    # Its Prometheus exporter is always on and the router exits if the port is taken; 0: launch
+    # picks a free port (rendered files use 29000).
+    metrics_port: StrictInt = Field(0, ge=0, le=65535)
+    health_check_interval_s: StrictInt = Field(5, ge=1)
+    # vllm-router's default (5 s) marked a busy but serving decode unhealthy on a loaded host
+    # ("No available workers"; docs/decisions.md, "P/D: real parts").
+    health_check_timeout_s: StrictInt = Field(30, ge=1)
+
+
+class Disaggregation(_Frozen):
+    """Prefill/decode disaggregation: a prefill engine (kv_producer) and a decode engine
+    (kv_consumer) joined by a KV connector, behind vllm-router on runtime.port."""
+
+    enabled: bool = False
+    connector: ConnectorName = "nixl"
+    prefill: DisaggregatedRole = Field(default_factory=DisaggregatedRole)
+    decode: DisaggregatedRole = Field(default_factory=DisaggregatedRole)
+    # UCX transports for NIXL (UCX_TLS); None: the platform's (plan/disaggregation.py).
+    ucx_transports: str | None = None
+    # UCX_NET_DEVICES: None leaves UCX's choice (every device); the CPU rehearsal names lo.
+    ucx_net_devices: str | None = None
+    # What decode does when a transfer fails: vLLM's kv_load_failure_policy (fail, the default,
+    # or recompute the prompt locally).
+    load_failure_policy: Literal["fail", "recompute"] = "fail"
+    router: RouterSettings = Field(default_factory=RouterSettings)
+
+
 class PlanSettings(_Frozen):
     # default_factory, not an instance: an instance built at import would build that model's
     # validator at start-up, which every command would pay.
@@ -311,7 +389,8 @@ class PlanSettings(_Frozen):
     moe: MoESettings = Field(default_factory=MoESettings)
     multimodal: Multimodal = Field(default_factory=Multimodal)
     serving: Serving = Field(default_factory=Serving)
-    runtime: Runtime = Field(default_factory=Runtime)
+    runtime: RuntimeSettings = Field(default_factory=RuntimeSettings)
     capacity: CapacityAssumptions = Field(default_factory=CapacityAssumptions)
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     verify: VerifySettings = Field(default_factory=VerifySettings)
+    disaggregation: Disaggregation = Field(default_factory=Disaggregation)

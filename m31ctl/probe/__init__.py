@@ -6,9 +6,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from m31ctl.errors import UnsupportedHardware
+from m31ctl.errors import InputError, UnsupportedHardware
 from m31ctl.hardware import Hardware, describe_arch, family_for, vendor_facts
-from m31ctl.probe.base import ProbeUnavailable, Snapshot, environ
+from m31ctl.probe.amd import AmdSmiCliProbe, AmdSmiProbe, KfdSysfsProbe, RocmSmiProbe
+from m31ctl.probe.nvidia import NvidiaSmiProbe, NvmlProbe
+from m31ctl.probe.snapshot import ProbeUnavailable, Snapshot, environ
 from m31ctl.probe.visibility import apply_visibility
 
 
@@ -37,9 +39,6 @@ METHODS_ENV = "M31CTL_PROBE_METHODS"
 
 def default_methods(env: Mapping[str, str]) -> list[ProbeMethod]:
     """All methods in order, or the comma-separated subset named by M31CTL_PROBE_METHODS."""
-    from m31ctl.probe.amd import AmdSmiCliProbe, AmdSmiProbe, KfdSysfsProbe, RocmSmiProbe
-    from m31ctl.probe.nvidia import NvidiaSmiProbe, NvmlProbe
-
     methods: list[ProbeMethod] = [
         NvmlProbe(),
         NvidiaSmiProbe(),
@@ -50,8 +49,6 @@ def default_methods(env: Mapping[str, str]) -> list[ProbeMethod]:
     ]
     wanted = [m.strip() for m in env.get(METHODS_ENV, "").split(",") if m.strip()]
     if wanted:
-        from m31ctl.errors import InputError
-
         unknown = set(wanted) - {m.name for m in methods}
         if unknown:
             raise InputError(

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from m31ctl.hardware import GPU, PRODUCTS, normalize_arch
-from m31ctl.probe.base import ProbeUnavailable, Runner, Snapshot, json_output, run_command
+from m31ctl.probe.snapshot import ProbeUnavailable, Runner, Snapshot, json_output, run_command
 
 AMDSMI_LINK_XGMI = 2
 KFD_TOPOLOGY = Path("/sys/class/kfd/kfd/topology/nodes")
@@ -36,6 +36,7 @@ class AmdSmiProbe:
         if self._lib is not None:
             return self._lib
         try:
+            # optional: amdsmi exists only where ROCm is installed
             import amdsmi
         except ImportError:
             raise ProbeUnavailable(

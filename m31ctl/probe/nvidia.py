@@ -8,8 +8,8 @@ import ctypes
 import io
 from typing import Any
 
-from m31ctl.hardware import GPU, PRODUCTS, Fabric
-from m31ctl.probe.base import ProbeUnavailable, Runner, Snapshot, require_success, run_command
+from m31ctl.hardware import GPU, PRODUCTS, Fabric, Platform, vendor_facts
+from m31ctl.probe.snapshot import ProbeUnavailable, Runner, Snapshot, require_success, run_command
 
 # nvidia-smi fields; the order matches the real 2xH200 capture (fixtures/gpu/nvidia-h200x2).
 SMI_FIELDS = (
@@ -72,6 +72,7 @@ class NvmlProbe:
         if self._nvml is not None:
             return self._nvml
         try:
+            # optional: nvidia-ml-py (m31ctl[nvidia]); absent, this method is unavailable
             import pynvml
         except ImportError:
             raise ProbeUnavailable("nvidia-ml-py is not installed (pip install 'm31ctl[nvidia]')") from None
@@ -144,8 +145,11 @@ class NvmlProbe:
 
 
 def _arch_from_name(name: str) -> str | None:
+    """A CUDA product's compute capability from the name nvidia-smi prints (an old nvidia-smi
+    has no compute_cap field); only products whose vendor row runs CUDA are matched."""
     for product in PRODUCTS.values():
-        if product.name.lower() == name.lower() and not product.arch.startswith("gfx"):
+        cuda = vendor_facts(product.vendor).platform is Platform.CUDA
+        if cuda and product.name.lower() == name.lower():
             return product.arch
     return None
 

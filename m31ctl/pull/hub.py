@@ -3,8 +3,9 @@ the cache it writes is the one vLLM reads). Imported lazily: the planning comman
 
 What is used: `HfApi.model_info(files_metadata=True)` for the listing (sizes, LFS sha256, commit),
 `get_hf_file_metadata` for a file's location (the same HEAD /resolve hf_hub_download makes), its
-HTTP session and headers for plain-HTTP bytes from a resume offset, and `hf_hub_download` for Xet
-transfers and to link a blob into the snapshot. Its errors become m31ctl's, with exit codes.
+HTTP session and headers for plain-HTTP bytes of a byte range, `hf_hub_download` for Xet transfers,
+and its `_create_symlink` to link a blob into the snapshot (what hf_hub_download does once the blob
+is there, without the HEAD it makes first). Its errors become m31ctl's, with exit codes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from m31ctl.errors import HostPreconditionError, InputError, M31Error
-from m31ctl.pull.model import Listing, Location, RepoFile
+from m31ctl.pull.records import Listing, Location, RepoFile
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -31,12 +32,16 @@ class TransientError(Exception):
     """A transfer failed in a way a retry may mend (timeout, reset, early close, 5xx)."""
 
 
+class RangeIgnored(Exception):
+    """The server answered a request for part of a file with the whole file (200, not 206): this
+    file comes in one piece."""
+
+
 class Writer(Protocol):
-    """Where plain-HTTP bytes go: the partial file (transfer.Sink)."""
+    """Where plain-HTTP bytes go: one range of the partial file (transfer.PartWriter)."""
 
     def write(self, data: bytes) -> int: ...
-    def seek(self, offset: int) -> int: ...
-    def truncate(self, size: int | None = None) -> int: ...
+    def restart(self) -> None: ...  # the server sent the whole file: its bytes go from offset 0
 
 
 class Transport(Protocol):
@@ -46,10 +51,10 @@ class Transport(Protocol):
 
     def listing(self, repo: str, revision: str) -> Listing: ...
     def locate(self, repo: str, commit: str, path: str) -> Location: ...
-    def fetch_http(self, location: Location, sink: Writer, resume_from: int) -> None: ...
+    def fetch_http(self, location: Location, sink: Writer, first: int, end: int | None) -> None: ...
     def fetch_xet(self, repo: str, commit: str, path: str, count: Callable[[int], None]) -> None: ...
     def abort_xet(self) -> None: ...
-    def link(self, repo: str, commit: str, path: str) -> None: ...
+    def link(self, blob: Path, pointer: Path) -> None: ...
 
 
 class HubTransport:
@@ -76,9 +81,10 @@ class HubTransport:
         logging.getLogger("huggingface_hub").setLevel(self._level)
 
     def listing(self, repo: str, revision: str) -> Listing:
+        # lazy: huggingface_hub costs start-up and reads HF_ENDPOINT once, at import
         from huggingface_hub import HfApi
 
-        with _hub_errors(repo, revision, self.endpoint):
+        with hub_errors(repo, revision, self.endpoint):
             info = HfApi(endpoint=self.endpoint, token=self.token).model_info(
                 repo, revision=revision, files_metadata=True, timeout=self.stall_timeout_s
             )
@@ -91,10 +97,11 @@ class HubTransport:
         return Listing(repo, revision, info.sha, files)
 
     def locate(self, repo: str, commit: str, path: str) -> Location:
+        # lazy: huggingface_hub costs start-up and reads HF_ENDPOINT once, at import
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
         url = hf_hub_url(repo, path, revision=commit, endpoint=self.endpoint)
-        with _hub_errors(repo, commit, self.endpoint, path):
+        with hub_errors(repo, commit, self.endpoint, path):
             meta = get_hf_file_metadata(url, token=self.token, endpoint=self.endpoint, retry_on_errors=True)
         if meta.commit_hash != commit or not meta.etag:
             raise HostPreconditionError(
@@ -102,11 +109,13 @@ class HubTransport:
             )
         return Location(meta.location, meta.etag, meta.size, meta.xet_file_data is not None)
 
-    def fetch_http(self, location: Location, sink: Writer, resume_from: int) -> None:
-        """The file's bytes after `resume_from`, over plain HTTP, into `sink`: one GET through
-        huggingface_hub's session (its proxies, certificates, user agent) and its error mapping.
-        Not its http_get: that one retries internally, resuming, up to five times after every chunk
-        it receives, each retry waiting out a read timeout, so a stall would never reach the watchdog."""
+    def fetch_http(self, location: Location, sink: Writer, first: int, end: int | None) -> None:
+        """Bytes [first, end) of the file (end None: to its end), over plain HTTP, into `sink`: one
+        GET through huggingface_hub's session (its proxies, certificates, user agent, connection
+        pool, which the pull's parallel transfers share) and its error mapping. Not its http_get:
+        that one retries internally, resuming, up to five times after every chunk it receives, each
+        retry waiting out a read timeout, so a stall would never reach the watchdog."""
+        # lazy: huggingface_hub costs start-up and reads HF_ENDPOINT once, at import
         from huggingface_hub import get_session, hf_raise_for_status
         from huggingface_hub.utils._headers import build_hf_headers
 
@@ -114,25 +123,32 @@ class HubTransport:
         if _origin(location.url) != _origin(self.endpoint or "https://huggingface.co"):
             headers.pop("authorization", None)  # a signed CDN URL: the token stays with the hub
         headers["Accept-Encoding"] = "identity"  # offsets count the file's bytes, not a compressed body
-        if resume_from:
-            headers["Range"] = f"bytes={resume_from}-"
-        received = resume_from
+        if first or end is not None:
+            headers["Range"] = f"bytes={first}-" + ("" if end is None else str(end - 1))
+        received, expected = first, end if end is not None else location.size
         timeout = self.stall_timeout_s + READ_GRACE_S  # a stalled read ends its thread by itself
         stream = get_session().stream(
             "GET", location.url, headers=headers, timeout=timeout, follow_redirects=True
         )
         with _transfer_errors(), stream as response:
             hf_raise_for_status(response)
-            if resume_from and response.status_code == 200:  # the Range was ignored: start over
-                sink.seek(0)
-                sink.truncate(0)
-                received = 0
+            if "Range" in headers and response.status_code == 200:  # the Range was ignored
+                if end is not None:
+                    raise RangeIgnored(location.url)
+                sink.restart()  # one piece from the start: the whole file again
+                received, expected = 0, location.size
+            elif response.status_code == 206 and _range_start(response) != first:
+                raise TransientError(
+                    f"asked for bytes from {first}, the server sent {_range_start(response)}"
+                )
             # Written as it arrives (not in huggingface_hub's 10 MiB chunks): the watchdog counts
             # every byte, and a stop keeps all that reached the disk.
             for chunk in response.iter_bytes():
+                if expected is not None and received + len(chunk) > expected:
+                    chunk = chunk[: max(expected - received, 0)]  # a server that sends past the range
                 received += sink.write(chunk)
-        if location.size is not None and received != location.size:
-            raise TransientError(f"the connection closed at byte {received} of {location.size}")
+        if expected is not None and received != expected:
+            raise TransientError(f"the connection closed at byte {received} of {expected}")
 
     def fetch_xet(self, repo: str, commit: str, path: str, count: Callable[[int], None]) -> None:
         """hf_hub_download through Xet (it writes the blob and the link); `count` hears its bytes."""
@@ -141,20 +157,30 @@ class HubTransport:
     def abort_xet(self) -> None:
         """Stop a stalled Xet transfer (its thread cannot be killed otherwise)."""
         try:
+            # lazy: huggingface_hub costs start-up and reads HF_ENDPOINT once, at import
             from huggingface_hub.utils._xet import abort_xet_session
 
             abort_xet_session()  # type: ignore[no-untyped-call]
         except (ImportError, AttributeError):
             pass
 
-    def link(self, repo: str, commit: str, path: str) -> None:
-        """The blob is in place: hf_hub_download finds it and only adds the snapshot's link."""
-        self._download(repo, commit, path, _silent_bar())
+    def link(self, blob: Path, pointer: Path) -> None:
+        """The snapshot's link to a blob that is in place, made as hf_hub_download makes it (a
+        relative symlink; a copy where the file system has no symlinks)."""
+        # lazy: huggingface_hub costs start-up and reads HF_ENDPOINT once, at import
+        from huggingface_hub.file_download import _create_symlink
+
+        try:
+            pointer.parent.mkdir(parents=True, exist_ok=True)
+            _create_symlink(str(blob), str(pointer), new_blob=False)
+        except OSError as exc:
+            raise HostPreconditionError(f"cannot link {pointer}: {exc.strerror or exc}") from None
 
     def _download(self, repo: str, commit: str, path: str, bar: Any) -> None:
+        # lazy: huggingface_hub costs start-up and reads HF_ENDPOINT once, at import
         from huggingface_hub import hf_hub_download
 
-        with _hub_errors(repo, commit, self.endpoint, path), _transfer_errors():
+        with hub_errors(repo, commit, self.endpoint, path), _transfer_errors():
             hf_hub_download(
                 repo,
                 path,
@@ -169,10 +195,18 @@ class HubTransport:
 def _xet_available() -> bool:
     """hf_xet installed and not switched off (HF_HUB_DISABLE_XET=1)."""
     try:
+        # lazy: huggingface_hub costs start-up and reads HF_ENDPOINT once, at import
         from huggingface_hub.utils._runtime import is_xet_available
     except ImportError:
         return False
     return bool(is_xet_available())
+
+
+def _range_start(response: Any) -> int | None:
+    """The first byte of a 206's `Content-Range: bytes N-M/T`."""
+    value = response.headers.get("Content-Range", "")
+    first = value.removeprefix("bytes ").split("-", 1)[0]
+    return int(first) if first.isdigit() else None
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:
@@ -182,6 +216,7 @@ def _origin(url: str) -> tuple[str, str, int | None]:
 
 def _silent_bar() -> Any:
     """A tqdm class that draws nothing: the pull reports progress itself."""
+    # lazy: huggingface_hub costs start-up and reads HF_ENDPOINT once, at import
     from huggingface_hub.utils.tqdm import tqdm
 
     class Silent(tqdm):
@@ -221,6 +256,7 @@ def _counting_bar(count: Callable[[int], None]) -> Any:
 @contextmanager
 def _transfer_errors() -> Iterator[None]:
     """Network failures, early closes and 5xx answers are worth a retry; everything else is not."""
+    # lazy: huggingface_hub costs start-up and reads HF_ENDPOINT once, at import
     import httpx2
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -240,8 +276,9 @@ def _transfer_errors() -> Iterator[None]:
 
 
 @contextmanager
-def _hub_errors(repo: str, revision: str, endpoint: str | None, path: str | None = None) -> Iterator[None]:
+def hub_errors(repo: str, revision: str, endpoint: str | None, path: str | None = None) -> Iterator[None]:
     """The hub's refusals as m31ctl errors: what is wrong, and what to do."""
+    # lazy: huggingface_hub costs start-up and reads HF_ENDPOINT once, at import
     import httpx2
     from huggingface_hub.errors import (
         GatedRepoError,

@@ -1,8 +1,11 @@
-"""The pull: list the repo at a revision and pin its commit, check the disk, fetch what the cache
-lacks under the watchdog, name the branch's commit in refs/, and verify on request."""
+"""The pull: list the repo at a revision and pin its commit, take the cache's inventory (what is in
+the snapshot, in blobs/, in partial files), check the disk for what is really missing, link what
+blobs/ holds already, fetch the rest in parallel under the watchdog, name the branch's commit in
+refs/, and verify on request."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -14,7 +17,9 @@ from m31ctl.checkpoint import hub_dir
 from m31ctl.errors import CheckFailed, HostPreconditionError, InputError
 from m31ctl.pull.cache import RepoCache, free_space_at
 from m31ctl.pull.hub import HubTransport, Transport
-from m31ctl.pull.model import (
+from m31ctl.pull.integrity import file_problem, index_problems
+from m31ctl.pull.inventory import apply_inventory, take_inventory
+from m31ctl.pull.records import (
     Corrupt,
     Listing,
     OnEvent,
@@ -23,8 +28,7 @@ from m31ctl.pull.model import (
     RepoFile,
     Started,
 )
-from m31ctl.pull.transfer import Fetcher, Meter, Tally, Watch
-from m31ctl.pull.verify import file_problem, index_problems
+from m31ctl.pull.transfer import ByteMeter, Fetcher, Tally, Watch
 
 if TYPE_CHECKING:
     from m31ctl.deployment import Deployment
@@ -41,6 +45,8 @@ class PullOptions(NamedTuple):
     # The caller's environment: HF_TOKEN (by reference: only ever handed to huggingface_hub),
     # HF_ENDPOINT, HF_HUB_DISABLE_XET.
     environ: Mapping[str, str] | None = None
+    connections: int = Watch.connections  # transfers at once: files, or byte ranges of a large file
+    part_bytes: int = Watch.part_bytes  # a file larger than this comes in byte ranges of about this size
 
 
 class PullTarget(NamedTuple):
@@ -84,8 +90,12 @@ def pull(
         with HubTransport(target.cache_dir, env.get("HF_ENDPOINT"), token, options.stall_timeout_s) as hub:
             return _pull(target, options, hub, on_event, started)
     except KeyboardInterrupt:
+        # A transfer thread still inside a request when the session closed retries it and logs so
+        # ("Bad file descriptor ... Retrying in 1s") after the one interrupted line: the pull has
+        # abandoned those threads, so nothing huggingface_hub says from now on is news.
+        logging.getLogger("huggingface_hub").setLevel(logging.CRITICAL)
         raise PullInterrupted(
-            "interrupted; complete files and the bytes of the file in flight stay in the cache",
+            "interrupted; complete files and the bytes of the files in flight stay in the cache",
             hint="rerun m31ctl pull to continue where it stopped",
         ) from None
 
@@ -105,13 +115,10 @@ def _pull(
     listing = hub.listing(target.repo, options.revision)
     files = tuple(f for f in listing.files if target.wanted(f))
     cache = RepoCache(target.cache_dir, target.repo)
-    cached = [f for f in files if cache.complete(listing.commit, f)]
-    todo = [f for f in files if f not in cached]
-    damaged = _damaged(cache, listing.commit, todo)
-    partial = sum(cache.partial_bytes(f) for f in todo)
-    total = sum(f.size for f in files)
-    needed = sum(f.size for f in todo) - partial
-    free = _check_disk(target.cache_dir, needed)
+    found = take_inventory(cache, listing.commit, files)
+    total, needed = sum(f.size for f in files), found.bytes_needed
+    free = _check_disk(target.cache_dir, needed, found.bytes_removed)
+    connections = max(1, options.connections)
     on_event(
         Started(
             listing.repo,
@@ -119,25 +126,28 @@ def _pull(
             listing.commit,
             str(target.cache_dir),
             len(files),
-            len(cached),
+            len(found.cached),
             total,
-            sum(f.size for f in cached),
-            partial,
+            sum(f.size for f in found.cached),
+            found.bytes_partial,
             needed,
             free,
+            len(found.reused),
+            sum(f.size for f in found.reused),
+            found.partials,
+            connections,
         )
     )
-    tally = Tally(len(files), total, len(cached), total - needed)
+    apply_inventory(cache, listing.commit, found, on_event, hub.link)
+    tally = Tally(len(files), total, len(found.cached) + len(found.reused), total - needed)
     xet = hub.xet_available and (options.environ or {}).get("HF_HUB_DISABLE_XET", "") in ("", "0")
-    watch = Watch(options.stall_timeout_s, options.retries)
+    watch = Watch(
+        options.stall_timeout_s, options.retries, connections=connections, part_bytes=options.part_bytes
+    )
     fetcher = Fetcher(hub, cache, listing, watch, tally, on_event, xet=xet)
-    for f, problem in damaged:
-        on_event(Corrupt(f.path, problem, refetch=True))
-        cache.forget(listing.commit, f)
-    for f in todo:
-        fetcher.fetch(f)
+    fetcher.fetch_all(found.fetch, found.adopted)
     cache.write_ref(listing.revision, listing.commit)
-    refetched = tuple(f.path for f, _problem in damaged)
+    refetched = tuple(f.path for f, _problem in found.damaged)
     if options.verify:
         refetched += _verify(fetcher, cache, listing, files)
     return PullResult(
@@ -147,33 +157,26 @@ def _pull(
         str(cache.snapshot(listing.commit)),
         str(target.cache_dir),
         len(files),
-        len(cached),
-        len(todo),
+        len(found.cached),
+        len(found.fetch),
         total,
         fetcher.meter.total,
         fetcher.resumed,
         round(time.monotonic() - started, 3),
         options.verify,
         refetched,
+        files_reused=len(found.reused),
+        bytes_reused=sum(f.size for f in found.reused),
+        partial_files=found.partials,
+        connections=fetcher.most_transfers,
     )
 
 
-def _damaged(cache: RepoCache, commit: str, todo: list[RepoFile]) -> list[tuple[RepoFile, str]]:
-    """Files in the snapshot at another size than the hub's (a truncated copy): named, then fetched
-    again. A stat each; --verify also reads the contents."""
-    found = []
-    for f in todo:
-        try:
-            size = cache.pointer(commit, f.path).stat().st_size
-        except OSError:
-            continue
-        found.append((f, f"{size} bytes, the hub has {f.size}" + (" (truncated)" if size < f.size else "")))
-    return found
-
-
-def _check_disk(cache_dir: Path, needed: int) -> int:
-    """Refuse before the first byte when the cache's disk cannot hold what is left to fetch."""
+def _check_disk(cache_dir: Path, needed: int, freed: int) -> int:
+    """Refuse before the first byte when the cache's disk cannot hold what is left to fetch (the
+    dead partial files the pull removes count as free)."""
     where, free = free_space_at(cache_dir)
+    free += freed
     if needed > free:
         raise HostPreconditionError(
             f"not enough disk for the download at {where}: {needed / GB:.1f} GB still to fetch, "
@@ -194,7 +197,7 @@ def _verify(
         emit(Corrupt(shard, why, refetch=False))
     tally = fetcher.tally
     tally.files_done = 0
-    meter, hashed, current = Meter(fetcher.clock()), [0], [""]
+    meter, hashed, current = ByteMeter(fetcher.clock()), [0], [""]
 
     def on_hashed(n: int) -> None:
         hashed[0] += n

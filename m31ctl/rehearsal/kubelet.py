@@ -12,9 +12,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from m31ctl.rehearsal.dockercli import SESSION_LABEL, DockerCLI, Done
+from m31ctl.labels import Label
 from m31ctl.rehearsal.pods import PodRun, Probe, Volume
+from m31ctl.runtime import engine_api
 from m31ctl.units import quantity_bytes
 
 PROBE_PERIOD_S = 2.0
@@ -25,52 +27,58 @@ def container_name(session: str, pod: PodRun) -> str:
     return f"m31ctl-rh-{session}-{pod.pod}{suffix}"[:120]
 
 
-def _mount(volume: Volume, session: str) -> list[str]:
+def _mount(volume: Volume, session: str) -> dict[str, Any]:
+    """The volume as the Engine API's HostConfig.Mounts entry (what `docker run --mount` sends)."""
     if volume.kind == "claim":
-        ro = ",readonly" if volume.read_only else ""
-        return [
-            "--mount",
-            f"type=volume,source={claim_volume(session, volume.source)},target={volume.target}{ro}",
-        ]
+        return {
+            "Type": "volume",
+            "Source": claim_volume(session, volume.source),
+            "Target": volume.target,
+            "ReadOnly": volume.read_only,
+        }
     if volume.kind == "host":
-        ro = ",readonly" if volume.read_only else ""
-        return ["--mount", f"type=bind,source={volume.source},target={volume.target}{ro}"]
-    size = f",tmpfs-size={quantity_bytes(volume.size)}" if volume.size else ""
-    return ["--mount", f"type=tmpfs,destination={volume.target}{size}"]
+        return {
+            "Type": "bind",
+            "Source": volume.source,
+            "Target": volume.target,
+            "ReadOnly": volume.read_only,
+        }
+    tmpfs = {"TmpfsOptions": {"SizeBytes": quantity_bytes(volume.size)}} if volume.size else {}
+    return {"Type": "tmpfs", "Target": volume.target, **tmpfs}
 
 
 def claim_volume(session: str, claim: str) -> str:
     return f"m31ctl-rh-{session}-{claim}"
 
 
-def run_args(pod: PodRun, session: str, network: str) -> list[str]:
-    """`docker run` arguments for one pod's container: what the kubelet would hand the runtime.
-    Environment values here are the plan's (settings refuse secrets in them); secrets follow by
-    name (`-e NAME`), their values in the docker process's environment only."""
-    args = ["run", "-d", "--name", container_name(session, pod), "--label", f"{SESSION_LABEL}={session}"]
-    args += ["--network", network, "--hostname", pod.hostname[:63]]
-    for alias in pod.aliases:
-        args += ["--network-alias", alias]
-    for name, value in pod.env:
-        args += ["-e", f"{name}={value}"]
-    for name, _optional in pod.secrets:
-        args += ["-e", name]
-    for volume in pod.volumes:
-        args += _mount(volume, session)
-    for cap in pod.cap_add:
-        args += ["--cap-add", cap]
+def run_args(pod: PodRun, session: str, network: str) -> dict[str, Any]:
+    """engine_api.run_detached's arguments for one pod's container: what the kubelet would hand
+    the runtime. Environment values here are the plan's (settings refuse secrets in them); the
+    secrets' values are added by Kubelet.start, into the API request only (never any argv)."""
+    host: dict[str, Any] = {"mounts": [_mount(volume, session) for volume in pod.volumes]}
+    if pod.cap_add:
+        host["cap_add"] = list(pod.cap_add)
     if pod.unconfined:
-        args += ["--security-opt", "seccomp=unconfined"]
+        host["security_opt"] = ["seccomp=unconfined"]
     if pod.ipc_host:
-        args += ["--ipc", "host"]
+        host["ipc_mode"] = "host"
     # Kubernetes: `command` replaces the image's ENTRYPOINT, `args` its CMD; absent, the image's.
     if pod.command:
-        args += ["--entrypoint", pod.command[0], pod.image, *pod.command[1:], *(pod.args or ())]
-    elif pod.args is not None:
-        args += [pod.image, *pod.args]
+        entrypoint, command = [pod.command[0]], [*pod.command[1:], *(pod.args or ())]
     else:
-        args += [pod.image]
-    return args
+        entrypoint, command = None, list(pod.args or ())
+    return {
+        "name": container_name(session, pod),
+        "image": pod.image,
+        "labels": {Label.REHEARSAL: session},
+        "hostname": pod.hostname[:63],
+        "environment": [f"{name}={value}" for name, value in pod.env],
+        "entrypoint": entrypoint,
+        "command": command or None,
+        "host": host,
+        "network": network,
+        "aliases": list(pod.aliases),
+    }
 
 
 @dataclass
@@ -116,22 +124,22 @@ def http_probe(ip: str, probe: Probe, timeout: float) -> tuple[bool, str]:
         return False, str(exc)[:200]
 
 
-def exec_probe(docker: DockerCLI, container: str, probe: Probe) -> tuple[bool, str]:
-    done: Done = docker.exec(container, probe.command, timeout=probe.timeout_s)
+def exec_probe(client: Any, container: str, probe: Probe) -> tuple[bool, str]:
+    done = engine_api.exec_in(client, container, probe.command, timeout=probe.timeout_s)
     return done.ok, f"exit {done.code}" + (f": {done.err.strip()[-200:]}" if done.err.strip() else "")
 
 
 class Kubelet:
-    """Starts pods and probes them; `clock` is injectable for tests."""
+    """Starts pods and probes them through the Docker client (engine_api.connect); `clock` is
+    injectable for tests."""
 
-    def __init__(
-        self, docker: DockerCLI, session: str, network: str, clock: Callable[[], float] = time.monotonic
-    ):
-        self.docker, self.session, self.network, self.clock = docker, session, network, clock
+    def __init__(self, client: Any, session: str, network: str, clock: Callable[[], float] = time.monotonic):
+        self.client, self.session, self.network, self.clock = client, session, network, clock
 
     def start(self, pod: PodRun, secrets: dict[str, str]) -> PodState:
-        wanted = {name: secrets[name] for name, _ in pod.secrets if name in secrets}
-        done = self.docker.run(run_args(pod, self.session, self.network), secrets=wanted, timeout=120)
+        create = run_args(pod, self.session, self.network)
+        create["environment"] += [f"{name}={secrets[name]}" for name, _ in pod.secrets if name in secrets]
+        done = engine_api.run_detached(self.client, **create)
         state = PodState(pod, container_name(self.session, pod), self.clock())
         if not done.ok:
             state.status, state.exit_code = "not started", done.code
@@ -145,13 +153,13 @@ class Kubelet:
         """An init container: it must exit 0 before the pod's containers start."""
         state = self.start(pod, secrets)
         if state.status == "running":
-            done = self.docker.run(["wait", state.name], timeout=timeout)
-            state.exit_code = int(done.out.strip() or -1) if done.ok else -1
+            code = engine_api.wait_exit(self.client, state.name, timeout)
+            state.exit_code = -1 if code is None else code
             state.status = "exited"
         return state
 
     def refresh(self, state: PodState) -> None:
-        status, code, ip = self.docker.state(state.name)
+        status, code, ip = engine_api.container_state(self.client, state.name)
         state.ip = ip or state.ip
         if status in ("exited", "dead", ""):
             state.status, state.exit_code = "exited", code
@@ -167,7 +175,7 @@ class Kubelet:
             ps.next_at = now + min(ps.probe.period_s, PROBE_PERIOD_S)
             ps.attempts += 1
             if ps.probe.action == "exec":
-                ok, detail = exec_probe(self.docker, state.name, ps.probe)
+                ok, detail = exec_probe(self.client, state.name, ps.probe)
             else:
                 ok, detail = (
                     http_probe(state.ip, ps.probe, ps.probe.timeout_s) if state.ip else (False, "no IP")

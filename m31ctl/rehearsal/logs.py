@@ -109,6 +109,8 @@ def _split(line: str) -> tuple[float | None, str]:
 
 # vLLM's log prefix: "(EngineCore_DP0 pid=32) ERROR 12-01 14:57:17 [core.py:1512] ".
 _PREFIX = re.compile(r"^\s*(?:\([\w.-]+ pid=\d+\)\s*)?(?:[A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d \[[^]]+\] ?)?")
+# The process name in that prefix: EngineCore_DP1, Worker_DP1_TP0, APIServer, Worker.
+_SPEAKER = re.compile(r"^\s*\(([\w.-]+) pid=\d+\)")
 _FINAL = re.compile(r"^[\w.]+(?:Error|Exception|Interrupt|Exit)(?::.*)?$")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 # Exceptions that only point elsewhere ("see the stack trace above"): never the root cause.
@@ -169,8 +171,14 @@ def read_log(text: str) -> NodeLog:
         lines.append(line)
         for pattern in _RANK_LINES:
             found = pattern.search(line)
-            if found and found.group(0) not in ranks:
-                ranks.append(redact(found.group(0))[:_WIDTH])
+            if found:
+                # With the process that said it ("rank 0 in world size 1 ... [EngineCore_DP1]"):
+                # on a data-parallel worker node the line alone reads like the leader's rank 0.
+                speaker = _SPEAKER.match(line)
+                said = f"{found.group(0)} [{speaker.group(1)}]" if speaker else found.group(0)
+                said = redact(said)[:_WIDTH]
+                if said not in ranks:
+                    ranks.append(said)
         if ready_at is None and when is not None and _ENGINE_READY.search(line):
             ready_at = when
     found_line = error_line(lines)

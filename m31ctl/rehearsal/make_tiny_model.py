@@ -75,6 +75,7 @@ def corpus() -> list[str]:
 def make(directory: Path, kv_heads: int = 4) -> None:
     """kv_heads below the tensor-parallel size makes vLLM replicate KV heads across ranks (the
     capacity model's replication case); the default matches the rehearsal recipe."""
+    # lazy: torch and friends live in vLLM's Python only; CONFIG is read without them
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast

@@ -24,6 +24,7 @@ except ImportError:  # run as a script inside the image: its directory is there,
 def make(directory: Path, kv_heads: int = 4, experts: int = 4) -> None:
     """The tiny Llama first (tokenizer, chat template), then its config and weights replaced by
     a Mixtral of the same geometry: every rank of an expert-parallel group holds experts."""
+    # lazy: torch and transformers live in vLLM's Python only
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from m31ctl.render.kube import expand, mapping_for
+from m31ctl.render.kubelet_expansion import expand, mapping_for
 
 NAMESPACE = "default"
 GROUP = 0  # the one replica group of `replicas: 1`

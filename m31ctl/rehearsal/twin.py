@@ -10,13 +10,15 @@ decoding, the tool and reasoning parsers (MiniMax's own), and the rank counts.
 
 from __future__ import annotations
 
+import math
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from m31ctl.plan import Plan
+from m31ctl.plan.catalog import get_model
 from m31ctl.plan.layers import Source
-from m31ctl.plan.recipes import get_model
 from m31ctl.plan.settings import PlanSettings
+from m31ctl.timeline import VLLM_HANDSHAKE_S
 
 # Two containers of one rank each at most: the machines this runs on have a few cores, and one
 # vLLM CPU rank wants a core to itself (more ranks than cores starve each other's OpenMP threads).
@@ -88,7 +90,32 @@ def _omp_bind(ranks: int) -> str:
     return "|".join(str(core) for core in range(ranks)) if ranks > 1 else "auto"
 
 
-def twin_settings(plan: Plan, model_dir: str, image: str, startup_s: int) -> tuple[dict[str, Any], str]:
+# A scaled rehearsal's load uses this share of the plan's (scaled) load budget: a real load that
+# fits its budget, longer than vLLM's scaled default engine-ready limit (600 s of 1,200 s).
+LOAD_SHARE = 0.75
+# The slow-load plugin's switches (m31ctl/rehearsal/slow_load, in the rehearsal image).
+LOAD_DELAY_ENV = "M31CTL_REHEARSAL_LOAD_DELAY_S"
+HANDSHAKE_ENV = "M31CTL_REHEARSAL_HANDSHAKE_S"
+
+
+def scaled_clock(plan: Plan, startup_s: int, scale: float) -> tuple[dict[str, Any], dict[str, str]]:
+    """The runtime settings and the plugin's environment of a rehearsal at the plan's own clock
+    scaled by `scale`: the load budget is the tiny model's own start (`startup_s`, what --timeout
+    allows) plus the plan's budget x scale, and the injected load is LOAD_SHARE of the latter;
+    vLLM's headless handshake is scaled alike. The readiness wait then follows from the timeline
+    as on real GPUs (no startup_timeout)."""
+    scaled_load = math.ceil(plan.settings.runtime.load_and_compile_s * scale)
+    runtime = {"load_and_compile_s": startup_s + scaled_load, "startup_timeout": None}
+    env = {
+        LOAD_DELAY_ENV: str(math.ceil(scaled_load * LOAD_SHARE)),
+        HANDSHAKE_ENV: str(math.ceil(VLLM_HANDSHAKE_S * scale)),
+    }
+    return runtime, env
+
+
+def twin_settings(
+    plan: Plan, model_dir: str, image: str, startup_s: int, scale: float | None = None
+) -> tuple[dict[str, Any], str]:
     """The twin's settings as data (validated by the caller) and why the layout was scaled."""
     tree = plan.settings_dict()
     layout, why = scaled_layout(tree["parallelism"])
@@ -120,6 +147,9 @@ def twin_settings(plan: Plan, model_dir: str, image: str, startup_s: int) -> tup
         },
         runtime={**runtime, "env": env, "startup_timeout": startup_s},
     )
+    if scale is not None:
+        clock, plugin_env = scaled_clock(plan, startup_s, scale)
+        tree["runtime"] = {**tree["runtime"], **clock, "env": {**env, **plugin_env}}
     return tree, why
 
 
@@ -146,6 +176,31 @@ _WHY = {
     "runtime": "the CPU backend's KV space and thread binding, torch.compile off (no compiler in the "
     "image); the startup budget is --timeout",
 }
+# Reasons that fit one setting better than its section's (the most specific key wins).
+_WHY_KEY = {
+    "serving.max_model_len": "the tiny model's 2K context",
+    "serving.tool_call_parser": "MiniMax's parsers need MiniMax's tokenizer",
+    "serving.reasoning_parser": "MiniMax's parsers need MiniMax's tokenizer",
+    "serving.shutdown_timeout": "nothing to drain in a rehearsal: a 5 s drain",
+    "serving.gpu_memory_utilization": "the CPU backend sizes its KV cache by VLLM_CPU_KVCACHE_SPACE",
+    "serving.max_num_seqs": "the CPU build's own default",
+    "runtime.startup_timeout": "the startup budget is --timeout",
+    "runtime.load_and_compile_s": "--clock-scale: the tiny model's own start plus the plan's budget, scaled",
+    "runtime.env": "the CPU backend's KV space and thread binding, torch.compile off (no compiler in the image)",
+    "engine.image": "vLLM's CPU build in the local rehearsal image",
+    "engine.extra_args": "eager mode: no C++ compiler in the image for torch.compile",
+    "model.path": "a tiny model made on the spot (random weights): the checkpoint needs GPUs",
+    "model.id": "a tiny model made on the spot (random weights): the checkpoint needs GPUs",
+}
+
+
+def _why(key: str, layout_why: str) -> str:
+    section = key.split(".")[0]
+    if section == "parallelism":
+        return layout_why
+    if key.startswith("runtime.env."):
+        key = "runtime.env"
+    return _WHY_KEY.get(key) or _WHY.get(section, "rehearsal")
 
 
 def changes_between(before: dict[str, Any], after: dict[str, Any], layout_why: str) -> tuple[Change, ...]:
@@ -153,15 +208,16 @@ def changes_between(before: dict[str, Any], after: dict[str, Any], layout_why: s
     found = []
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
-            section = key.split(".")[0]
-            why = layout_why if section == "parallelism" else _WHY.get(section, "rehearsal")
-            found.append(Change(key, old.get(key), new.get(key), why))
+            found.append(Change(key, old.get(key), new.get(key), _why(key, layout_why)))
     return tuple(found)
 
 
-def rehearsal_twin(plan: Plan, model_dir: str, image: str, startup_s: int) -> Twin:
-    """The twin of `plan` serving the tiny model in `model_dir` from `image`."""
-    tree, why = twin_settings(plan, model_dir, image, startup_s)
+def rehearsal_twin(
+    plan: Plan, model_dir: str, image: str, startup_s: int, scale: float | None = None
+) -> Twin:
+    """The twin of `plan` serving the tiny model in `model_dir` from `image` (at the plan's own
+    clock scaled by `scale`, with a slow load injected, when given)."""
+    tree, why = twin_settings(plan, model_dir, image, startup_s, scale)
     settings = PlanSettings.model_validate(tree)
     provenance = dict(plan.provenance)
     for change in changes_between(plan.settings_dict(), settings.model_dump(mode="json"), why):

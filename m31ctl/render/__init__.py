@@ -7,9 +7,19 @@ from collections.abc import Callable
 
 from m31ctl.deployment import Deployment
 from m31ctl.errors import InputError
+from m31ctl.render.observability import render_monitoring
+from m31ctl.render.pd import refuse_pd, render_compose_pd, render_k8s_pd
 from m31ctl.render.targets import RENDERERS, SINGLE_HOST, Artifact, single_host_only
 
 Renderer = Callable[[Deployment], list[Artifact]]
+
+# The targets that render a prefill/decode plan (render/pd.py); the others refuse it. Compose
+# checks itself that the pair fits one host; monitoring reads the group (observability.py).
+PD_RENDERERS: dict[str, Renderer] = {
+    "compose": render_compose_pd,
+    "k8s": render_k8s_pd,
+    "monitoring": render_monitoring,
+}
 
 
 def get_target(name: str) -> Renderer:
@@ -19,6 +29,13 @@ def get_target(name: str) -> Renderer:
     renderer = RENDERERS[name]
 
     def render(deployment: Deployment) -> list[Artifact]:
+        if deployment.disaggregated is not None:
+            # A P/D plan: its own registry (render/pd.py); a target without an entry refuses.
+            pd_renderer = PD_RENDERERS.get(name)
+            if pd_renderer is None:
+                refuse_pd(name, tuple(PD_RENDERERS))
+            assert pd_renderer is not None
+            return pd_renderer(deployment)
         if name in SINGLE_HOST:
             single_host_only(deployment, name)
         return renderer(deployment)

@@ -35,7 +35,10 @@ def render_spec(deployment: Deployment, *, in_pod: bool = False) -> ContainerSpe
     if not vendor.device_nodes or (deployment.gpus.render_nodes and not in_pod):
         return spec
     planned = dict(spec.env)
-    gpus = ",".join(str(i) for i in range(deployment.layout.gpus_per_node))
+    # A P/D role on a host it shares with its peer takes the host's GPUs it was given
+    # (Deployment.gpus.indices); a pod sees only its own allocation, numbered from 0.
+    indices = deployment.gpus.indices if not in_pod else ()
+    gpus = ",".join(str(i) for i in indices or range(deployment.layout.gpus_per_node))
     # A visibility variable the plan's runtime.env sets is the user's choice: none is added.
     if any(name in planned for name in vendor.visibility_vars):
         return spec
@@ -62,9 +65,14 @@ def header(deployment: Deployment, target: str) -> str:
 def health_command(spec: ContainerSpec, path: str) -> list[str]:
     """An HTTP check run inside the container. The vLLM images carry Python but not always curl;
     the key, if any, is read from the environment (never written into a file or probe)."""
+    return health_command_on(spec.container_port, path)
+
+
+def health_command_on(port: int, path: str) -> list[str]:
+    """health_command for a process listening on `port` inside its container (the P/D router)."""
     code = (
         "import os,urllib.request as u;"
-        f"r=u.Request('http://127.0.0.1:{spec.container_port}{path}');"
+        f"r=u.Request('http://127.0.0.1:{port}{path}');"
         f"k=os.environ.get('{API_KEY_ENV}');"
         "k and r.add_header('Authorization','Bearer '+k);"
         "u.urlopen(r,timeout=5)"
@@ -76,6 +84,7 @@ def health_command(spec: ContainerSpec, path: str) -> list[str]:
 def _environment() -> jinja2.Environment:
     """The shell and systemd templates. jinja2 is imported here, on first use: the YAML targets
     serialize data and need it only for a multi-node pod's script."""
+    # lazy: jinja2 costs start-up; only the script and systemd targets need it
     import jinja2
 
     env = jinja2.Environment(

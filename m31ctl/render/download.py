@@ -2,39 +2,115 @@
 
 A 250 GB checkpoint downloaded inside the engine's start-up would need a start-up budget that
 covers the download at the link's speed (a slow link becomes a restart loop); run first, with its
-own budget (budgets.download_s), it leaves the engine's start-up to loading and compiling. Every
+own budget (timeline.download), it leaves the engine's start-up to loading and compiling. Every
 target runs the same command in the engine image, whose huggingface_hub is the library vLLM reads
-the cache with (Kubernetes: an init container; the script and systemd: a `docker run --rm` before
-the engine). huggingface_hub reads HF_TOKEN itself; a run cut short is resumed by the next.
+the cache with (Kubernetes: an init container; Compose: a one-shot service the engine depends on;
+the script and systemd: a `docker run --rm` before the engine). It fetches the one commit the
+deployment is pinned at, and the engine then serves that snapshot offline (engine/adapter.py), so
+a restart never downloads and a repo that moved cannot hand two pods different files.
+
+When the download is complete it leaves a marker in the cache; the other pods of a group that
+shares the claim wait for the marker instead of downloading the same bytes at once
+(twice the egress, and file locks over NFS).
 """
 
 from __future__ import annotations
 
-from m31ctl.deployment import Deployment
+from typing import NamedTuple
+
+from m31ctl.checkpoint import repo_folder
+from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment
+from m31ctl.engine.adapter import ENGINE_ONLY_ENV
+from m31ctl.errors import InputError
 
 # SIGALRM ends the download at its budget (os._exit: the download threads would keep the
-# interpreter alive past a plain exception); exit 124 as timeout(1) does.
+# interpreter alive past a plain exception); exit 124 as timeout(1) does. SIGTERM (a pod deleted,
+# `docker stop`) exits at once: as PID 1 Python would otherwise ignore it until the grace period.
 DOWNLOAD_SCRIPT = """\
 import os, signal, sys
 from huggingface_hub import snapshot_download
-repo, budget, skip = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+repo, commit, budget, marker, skip = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 def late(*_):
-    print(f"m31ctl: {repo} not downloaded within {budget} s (runtime.download_mbps sizes it); "
+    print(f"m31ctl: {repo}@{commit} not downloaded within {budget} s (runtime.download_mbps sizes it); "
           "the next start resumes it", file=sys.stderr, flush=True)
     os._exit(124)
 signal.signal(signal.SIGALRM, late)
+signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
 signal.alarm(budget)
-snapshot_download(repo, ignore_patterns=skip or None)
+snapshot_download(repo, revision=commit, ignore_patterns=skip or None)
+os.makedirs(os.path.dirname(marker), exist_ok=True)
+open(marker, "w").close()
+print(f"m31ctl: {repo}@{commit} is in the cache", flush=True)
+"""
+
+# The other members of a group: wait for the marker, saying so once a minute.
+WAIT_SCRIPT = """\
+import os, signal, sys, time
+marker, budget = sys.argv[1], int(sys.argv[2])
+signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+start = time.monotonic()
+while not os.path.exists(marker):
+    waited = time.monotonic() - start
+    if waited >= budget:
+        print(f"m31ctl: the leader's download did not complete within {budget} s ({marker})",
+              file=sys.stderr, flush=True)
+        sys.exit(124)
+    if int(waited) % 60 < 5:
+        print(f"m31ctl: waiting for the leader's download ({int(waited)} s of {budget} s)", flush=True)
+    time.sleep(5)
 """
 
 
-def download_command(deployment: Deployment) -> list[str] | None:
-    """`python3 -c SCRIPT REPO BUDGET [SKIP...]` for the plan's hub checkpoint; None for a local
-    checkpoint directory (nothing to download). The draft's folder is skipped unless the plan
-    drafts with it, as `m31ctl pull` does."""
-    repo = deployment.model.repo_id
+class DownloadStep(NamedTuple):
+    """The download as every target runs it: the command, and the marker it leaves."""
+
+    command: list[str]
+    marker: str  # inside the container
+    env: tuple[tuple[str, str], ...]  # the engine's environment minus what only the engine reads
+
+
+def _marker(repo: str, commit: str) -> str:
+    return f"{HF_CACHE_IN_CONTAINER}/m31ctl/complete/{repo_folder(repo)}@{commit}"
+
+
+def _pinned(deployment: Deployment) -> tuple[str, str] | None:
+    repo, commit = deployment.model.repo_id, deployment.model.commit
     if repo is None:
         return None
+    if commit is None:
+        # A rendered target serves offline at one commit: refuse to write a file that would not.
+        raise InputError(
+            f"{repo} is not pinned to a commit: a rendered target downloads one commit and serves it offline",
+            hint="render through `m31ctl render` (it asks the hub, or takes --revision COMMIT)",
+        )
+    return repo, commit
+
+
+def download_step(deployment: Deployment, env: tuple[tuple[str, str], ...]) -> DownloadStep | None:
+    """`python3 -c SCRIPT REPO COMMIT BUDGET MARKER [SKIP...]` for the plan's hub checkpoint;
+    None for a local checkpoint directory (nothing to download). The draft's folder is skipped
+    unless the plan drafts with it, as `m31ctl pull` does. `env`: the engine container's."""
+    pinned = _pinned(deployment)
+    if pinned is None:
+        return None
+    repo, commit = pinned
     skipped = deployment.draft.skipped
-    skip = [skipped] if skipped else []
-    return ["python3", "-c", DOWNLOAD_SCRIPT, repo, str(max(1, deployment.budgets.download_s)), *skip]
+    budget = str(max(1, deployment.timeline.download_s))
+    marker = _marker(repo, commit)
+    command = [
+        "python3",
+        "-c",
+        DOWNLOAD_SCRIPT,
+        repo,
+        commit,
+        budget,
+        marker,
+        *([skipped] if skipped else []),
+    ]
+    hidden = (*ENGINE_ONLY_ENV, *deployment.vendor.visibility_vars)
+    return DownloadStep(command, marker, tuple((k, v) for k, v in env if k not in hidden))
+
+
+def wait_command(deployment: Deployment, step: DownloadStep) -> list[str]:
+    """What the other pods of a group run instead of downloading: wait for the leader's marker."""
+    return ["python3", "-c", WAIT_SCRIPT, step.marker, str(deployment.timeline.checkpoint_wait_s)]

@@ -6,6 +6,7 @@ import re
 import shlex
 from collections.abc import Sequence
 from functools import cache
+from importlib.util import find_spec
 from typing import Any
 
 from m31ctl.memo import memoized
@@ -34,7 +35,7 @@ def _dumper() -> type:
     """libyaml's emitter where PyYAML was built with it (the pure-Python one is ten times slower;
     both write the same bytes for these documents). PyYAML is imported here, on first use, so
     the targets that write no YAML never load it."""
-    import yaml
+    import yaml  # lazy: PyYAML's import costs start-up the YAML-less targets need not pay
 
     base = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
@@ -53,7 +54,7 @@ def _dumper() -> type:
 
 
 def to_yaml(document: Any) -> str:
-    import yaml
+    import yaml  # lazy: as in _dumper
 
     return yaml.dump(
         document, Dumper=_dumper(), sort_keys=False, default_flow_style=False, allow_unicode=True, width=4096
@@ -81,8 +82,6 @@ def yaml_file(comment_lines: Sequence[str], documents: Sequence[Any], explicit_s
 
 def _pyyaml_file() -> str:
     """PyYAML's installed package file, found without importing it: the emitter is its code."""
-    from importlib.util import find_spec
-
     spec = find_spec("yaml")
     return spec.origin if spec is not None and spec.origin else ""
 

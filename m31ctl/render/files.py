@@ -24,7 +24,7 @@ from m31ctl.render.targets import Artifact
 MAX_ARTIFACT_BYTES = 1 << 20
 
 
-class Existing(NamedTuple):
+class FileOnDisk(NamedTuple):
     """What a target path holds: nothing, a regular file's text, or something else (`other`
     says what, and the text is None)."""
 
@@ -36,15 +36,15 @@ class Existing(NamedTuple):
         return self.text is not None or self.other is not None
 
 
-def existing(path: Path) -> Existing:
+def existing(path: Path) -> FileOnDisk:
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
-        return Existing()
+        return FileOnDisk()
     except OSError as exc:
         raise InputError(f"cannot inspect {path}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(mode):
-        return Existing(other=_kind(mode))
+        return FileOnDisk(other=_kind(mode))
     try:
         # O_NOFOLLOW and O_NONBLOCK: had the file been swapped for a link or a FIFO since the
         # lstat, the open fails or returns at once instead of following or blocking.
@@ -54,16 +54,16 @@ def existing(path: Path) -> Existing:
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
         if not stat.S_ISREG(info.st_mode):
-            return Existing(other=_kind(info.st_mode))
+            return FileOnDisk(other=_kind(info.st_mode))
         if info.st_size > MAX_ARTIFACT_BYTES:
-            return Existing(other=f"a file of {info.st_size:,} bytes, larger than any artifact")
+            return FileOnDisk(other=f"a file of {info.st_size:,} bytes, larger than any artifact")
         raw = handle.read(MAX_ARTIFACT_BYTES + 1)
     if len(raw) > MAX_ARTIFACT_BYTES:
-        return Existing(other="a file larger than any artifact")
+        return FileOnDisk(other="a file larger than any artifact")
     try:
-        return Existing(text=raw.decode("utf-8"))
+        return FileOnDisk(text=raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
-        return Existing(other=f"a file that is not UTF-8 text (byte {exc.start})")
+        return FileOnDisk(other=f"a file that is not UTF-8 text (byte {exc.start})")
 
 
 def _kind(mode: int) -> str:

@@ -13,20 +13,26 @@ import textwrap
 from typing import Any, NamedTuple
 
 from m31ctl.container import ContainerSpec
-from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment
-from m31ctl.engine.adapter import NodeRole, build_invocation
+from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment, Layout
+from m31ctl.engine.adapter import DP_RPC_PORT, SIDE_CHANNEL_HOST_ENV, NodeRole, build_invocation
 from m31ctl.errors import InputError
 from m31ctl.hardware import k8s_product_selector
+from m31ctl.labels import Label
 from m31ctl.plan.settings import KubernetesSettings
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
 from m31ctl.render.common import health_command, in_comment, render_spec, render_template
-from m31ctl.render.download import download_command
-from m31ctl.render.kube import literal
+from m31ctl.render.download import download_step, wait_command
+from m31ctl.render.kubelet_expansion import literal
+from m31ctl.timeline import ENGINE_READY_ENV, VLLM_HANDSHAKE_S
 from m31ctl.units import k8s_quantity
 
-K8S_SECRET = "minimax-m31-flash-secrets"
-K8S_HF_CACHE_CLAIM = "minimax-m31-flash-hf-cache"
+# The Secret and the cache claim are named after the deployment (runtime.container_name): two
+# deployments in one namespace must not share a ReadWriteOnce claim (Multi-Attach) or a key.
+SECRET_SUFFIX = "-secrets"
+HF_CACHE_CLAIM_SUFFIX = "-hf-cache"
 PROBE_PERIOD_S = 10
+HF_CACHE_SIZE_KEY = "kubernetes.hf_cache_size"
+UNDOWNLOADED_CACHE = "1Gi"  # the cache claim of a local checkpoint (claim_size)
 # The API Service's name: LeaderWorkerSet creates the group's headless Service under the LWS's
 # own name, and only when no Service has that name; the pods' DNS names (LWS_LEADER_ADDRESS,
 # <lws>-0.<lws>.<namespace>) come from it. vLLM's LWS example calls its API Service vllm-leader.
@@ -34,9 +40,29 @@ API_SERVICE_SUFFIX = "-api"
 # LeaderWorkerSet labels every pod of a group with the set's name (its API reference).
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 RAY_PORT = 6379
-# How long Ray nodes wait for each other, as vLLM's examples/online_serving/multi-node-serving.sh.
-RAY_JOIN_S = 300
 _MAX_LABEL = 63
+# What every member of a P/D group carries (the roles' pods and the router's): the roles'
+# NetworkPolicies admit each other and the router by it (Kubernetes' recommended labels).
+PART_OF_LABEL = "app.kubernetes.io/part-of"
+# A P/D role advertises its own pod IP to its peer for NIXL's side channel: ZMQ binds an
+# address, not a name, and the peer connects to what the role advertises (the downward API).
+POD_IP_FIELD = "status.podIP"
+# The P/D router pod's port names (render/pd.py). Not "http", the engines' API port: the
+# monitoring target's PodMonitor scrapes vLLM's /metrics on "http" and the router's own
+# exporter on "metrics", each pod on the ports it has.
+ROUTER_API_PORT = "api"
+ROUTER_METRICS_PORT = "metrics"
+
+
+class Group(NamedTuple):
+    """The P/D group a role's workload belongs to: one Secret for all members, and a label
+    that admits the members to each other."""
+
+    name: str
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {PART_OF_LABEL: self.name, "app.kubernetes.io/managed-by": "m31ctl"}
 
 
 class Pods(NamedTuple):
@@ -49,6 +75,15 @@ class Pods(NamedTuple):
     annotations: dict[str, str]
     secrets: tuple[str, ...]  # read from the Secret, by name
     required: tuple[str, ...]  # the pod does not start without these
+    group: Group | None = None  # a P/D role's group; None for an aggregated server
+
+    @property
+    def secret_name(self) -> str:
+        return (self.group.name if self.group else self.name) + SECRET_SUFFIX
+
+    @property
+    def claim_name(self) -> str:
+        return self.name + HF_CACHE_CLAIM_SUFFIX
 
     @property
     def k8s(self) -> KubernetesSettings:
@@ -92,24 +127,30 @@ def _check(deployment: Deployment) -> None:
         )
 
 
-def _pods(deployment: Deployment) -> Pods:
+def _pods(deployment: Deployment, group: Group | None = None) -> Pods:
     spec = render_spec(deployment, in_pod=True)
     name = spec.name  # a DNS-1123 label already (m31ctl/names.py)
     secrets, required = k8s_secrets(deployment)
+    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "m31ctl"}
+    if group is not None:
+        labels[PART_OF_LABEL] = group.name
     return Pods(
         deployment=deployment,
         spec=spec,
         name=name,
-        labels={"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "m31ctl"},
+        labels=labels,
         annotations=dict(spec.labels),
         secrets=secrets,
         required=required,
+        group=group,
     )
 
 
-def k8s_documents(deployment: Deployment) -> list[dict[str, Any]]:
+def k8s_documents(deployment: Deployment, group: Group | None = None) -> list[dict[str, Any]]:
+    """The claim, the workload, the API Service and the NetworkPolicy of one engine: the
+    aggregated server, or a P/D role of `group` (render/pd.py adds the router)."""
     _check(deployment)
-    pods = _pods(deployment)
+    pods = _pods(deployment, group)
     if deployment.layout.spans_nodes:
         workload = _leader_worker_set(pods)
         members = {LWS_NAME_LABEL: pods.name}
@@ -121,20 +162,31 @@ def k8s_documents(deployment: Deployment) -> list[dict[str, Any]]:
     return [_hf_cache_claim(pods), workload, _api_service(pods, api_selector), _network_policy(pods, members)]
 
 
+def claim_size(deployment: Deployment) -> str:
+    """What the cache claim asks for: kubernetes.hf_cache_size where the checkpoint is downloaded
+    into it (or the plan sizes it); a local checkpoint is a hostPath and downloads nothing, so the
+    claim holds the hub's small files at most (the CPU rehearsal's 600 GiB default would leave it
+    Pending on a small cluster)."""
+    source = deployment.plan.provenance.get(HF_CACHE_SIZE_KEY)
+    if not deployment.model.local or (source is not None and source.layer != "defaults"):
+        return k8s_quantity(deployment.plan.settings.kubernetes.hf_cache_size)
+    return UNDOWNLOADED_CACHE
+
+
 def _hf_cache_claim(pods: Pods) -> dict[str, Any]:
     """The claim the checkpoint is downloaded into. Pods of one group on several nodes share it,
     so it must then be ReadWriteMany (a file system every node mounts)."""
     k8s = pods.k8s
     spec: dict[str, Any] = {
         "accessModes": ["ReadWriteMany" if pods.deployment.layout.spans_nodes else "ReadWriteOnce"],
-        "resources": {"requests": {"storage": k8s_quantity(k8s.hf_cache_size)}},
+        "resources": {"requests": {"storage": claim_size(pods.deployment)}},
     }
     if k8s.hf_cache_storage_class:
         spec["storageClassName"] = k8s.hf_cache_storage_class
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": {"name": K8S_HF_CACHE_CLAIM, "labels": pods.labels},
+        "metadata": {"name": pods.claim_name, "labels": pods.labels},
         "spec": spec,
     }
 
@@ -143,7 +195,7 @@ def _volumes(pods: Pods) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The pod's volumes and the engine container's mounts of them."""
     spec = pods.spec
     volumes: list[dict[str, Any]] = [
-        {"name": "hf-cache", "persistentVolumeClaim": {"claimName": K8S_HF_CACHE_CLAIM}},
+        {"name": "hf-cache", "persistentVolumeClaim": {"claimName": pods.claim_name}},
     ]
     mounts: list[dict[str, Any]] = [{"name": "hf-cache", "mountPath": HF_CACHE_IN_CONTAINER}]
     for index, mount in enumerate(m for m in spec.mounts if m.target != HF_CACHE_IN_CONTAINER):
@@ -162,27 +214,20 @@ def _env(pods: Pods, values: dict[str, str], secrets: tuple[str, ...]) -> list[d
     for secret in secrets:
         # Fail closed: a required key missing from the Secret keeps the pod from starting.
         optional = secret not in pods.required
-        ref = {"name": K8S_SECRET, "key": secret, "optional": optional}
+        ref = {"name": pods.secret_name, "key": secret, "optional": optional}
         env.append({"name": secret, "valueFrom": {"secretKeyRef": ref}})
     return env
 
 
-def _startup_s(pods: Pods) -> int:
-    """What the startup probe allows: loading and compiling when the init container downloaded
-    the checkpoint (budgets.load_and_compile_s), otherwise the whole startup budget; plus the
-    Ray nodes' join on a leader over Ray."""
-    budgets = pods.deployment.budgets
-    seconds = budgets.load_and_compile_s if pods.downloads else budgets.startup_s
-    return seconds + (RAY_JOIN_S if pods.deployment.layout.over_ray else 0)
-
-
 def _probes(pods: Pods) -> dict[str, Any]:
+    """The startup probe allows the timeline's readiness wait (the group's join, loading and
+    compiling, the API: the init container downloaded before it), in whole probe periods."""
     spec = pods.spec
     return {
         "startupProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": PROBE_PERIOD_S,
-            "failureThreshold": max(1, math.ceil(_startup_s(pods) / PROBE_PERIOD_S)),
+            "failureThreshold": max(1, math.ceil(spec.startup_timeout / PROBE_PERIOD_S)),
         },
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
@@ -214,25 +259,46 @@ def _security_context(pods: Pods) -> dict[str, Any] | None:
     return security or None
 
 
+def _cpu_and_memory(pods: Pods) -> dict[str, Any]:
+    """Every container's CPU and memory (kubernetes.cpu, kubernetes.memory)."""
+    return {"cpu": pods.k8s.cpu, "memory": k8s_quantity(pods.k8s.memory)}
+
+
+def _guaranteed(resources: dict[str, Any]) -> dict[str, Any]:
+    """Requests equal to limits, in every container, init containers included: the pod's QoS
+    class is Guaranteed only then (one container without them makes it Burstable), and only a
+    Guaranteed pod gets exclusive CPUs from the kubelet's CPU Manager (static policy, integer CPUs)
+    aligned by the Topology Manager with its GPUs and NICs, and is evicted last under memory
+    pressure (Kubernetes docs, "Pod Quality of Service Classes", "Control CPU Management
+    Policies"). An init container asking as much as the engine adds nothing to the pod's
+    request, the larger of the two ("Init Containers", resource sharing)."""
+    return {"limits": dict(resources), "requests": dict(resources)}
+
+
 def _engine_container(pods: Pods) -> dict[str, Any]:
     """The vLLM container as one node runs it (the LeaderWorkerSet replaces the command)."""
     spec, k8s = pods.spec, pods.k8s
     spans_nodes = pods.deployment.layout.spans_nodes
-    gpu_resource = pods.deployment.vendor.k8s_resource or "nvidia.com/gpu"
-    resources = {gpu_resource: pods.deployment.layout.gpus_per_node}
+    # The vendor's device plugin resource; none on the CPU rehearsal (a pod asking for a GPU
+    # would stay Pending on a CPU cluster).
+    gpu_resource = pods.deployment.vendor.k8s_resource
+    resources: dict[str, Any] = {gpu_resource: pods.deployment.layout.gpus_per_node} if gpu_resource else {}
     resources.update(k8s.network_resources if spans_nodes else {})
+    resources.update(_cpu_and_memory(pods))
     env = {**dict(spec.env), **(dict(sorted(k8s.network_env.items())) if spans_nodes else {})}
     _, mounts = _volumes(pods)
+    env_entries = _env(pods, env, pods.secrets)
+    if pods.deployment.kv_transfer is not None:
+        # The adapter's loopback placeholder becomes the pod's own IP, set by the kubelet.
+        pod_ip = {"name": SIDE_CHANNEL_HOST_ENV, "valueFrom": {"fieldRef": {"fieldPath": POD_IP_FIELD}}}
+        env_entries = [pod_ip if e["name"] == SIDE_CHANNEL_HOST_ENV else e for e in env_entries]
     container: dict[str, Any] = {
         "name": "vllm",
         "image": spec.image,
         "args": list(spec.args),
-        "env": _env(pods, env, pods.secrets),
+        "env": env_entries,
         "ports": [{"name": "http", "containerPort": spec.container_port, "protocol": "TCP"}],
-        "resources": {
-            "limits": dict(resources),
-            "requests": {**resources, "cpu": k8s.cpu, "memory": k8s_quantity(k8s.memory)},
-        },
+        "resources": _guaranteed(resources),
         "volumeMounts": mounts,
         **_probes(pods),
     }
@@ -242,24 +308,36 @@ def _engine_container(pods: Pods) -> dict[str, Any]:
     return container
 
 
-def _download_container(pods: Pods) -> dict[str, Any] | None:
-    """The checkpoint download as an init container, with its own budget (budgets.download_s)."""
-    command = download_command(pods.deployment)
-    if not pods.downloads or command is None:
+def _download_container(pods: Pods, leader: bool = True) -> dict[str, Any] | None:
+    """The checkpoint download as an init container, with its own budget (timeline.download).
+    In a group that shares the claim only the leader downloads; the workers' init container
+    waits for its marker (render/download.py)."""
+    step = download_step(pods.deployment, pods.spec.env)
+    if step is None:
         return None
-    visibility = pods.deployment.vendor.visibility_vars
+    if not leader:
+        return {
+            "name": "wait-for-checkpoint",
+            "image": pods.spec.image,
+            "command": wait_command(pods.deployment, step),
+            "env": [],
+            "resources": _guaranteed(_cpu_and_memory(pods)),
+            "volumeMounts": [{"name": "hf-cache", "mountPath": HF_CACHE_IN_CONTAINER, "readOnly": True}],
+        }
     return {
         "name": "download",
         "image": pods.spec.image,
-        "command": command,
-        # The engine's environment (HF_ENDPOINT, proxies) but GPU visibility: it uses no GPU.
-        "env": _env(pods, {k: v for k, v in pods.spec.env if k not in visibility}, (HF_TOKEN_ENV,)),
+        "command": step.command,
+        # The engine's environment (HF_ENDPOINT, proxies) but GPU visibility and what only the
+        # engine reads (offline mode): it uses no GPU and must reach the hub.
+        "env": _env(pods, dict(step.env), (HF_TOKEN_ENV,)),
+        "resources": _guaranteed(_cpu_and_memory(pods)),
         "volumeMounts": [{"name": "hf-cache", "mountPath": HF_CACHE_IN_CONTAINER}],
     }
 
 
-def _kubelet_literal(container: dict[str, Any]) -> dict[str, Any]:
-    """The kubelet expands $(NAME) in command, args and env values (m31ctl/render/kube.py): every
+def kubelet_literal(container: dict[str, Any]) -> dict[str, Any]:
+    """The kubelet expands $(NAME) in command, args and env values (m31ctl/render/kubelet_expansion.py): every
     `$` of those is doubled, so each reaches the process as the plan wrote it."""
     escaped = dict(container)
     for key in ("command", "args"):
@@ -271,7 +349,7 @@ def _kubelet_literal(container: dict[str, Any]) -> dict[str, Any]:
     return escaped
 
 
-def _pod_spec(pods: Pods, engine: dict[str, Any]) -> dict[str, Any]:
+def _pod_spec(pods: Pods, engine: dict[str, Any], leader: bool = True) -> dict[str, Any]:
     spec, k8s, plan = pods.spec, pods.k8s, pods.deployment.plan
     volumes, _mounts = _volumes(pods)
     pod: dict[str, Any] = {
@@ -287,10 +365,10 @@ def _pod_spec(pods: Pods, engine: dict[str, Any]) -> dict[str, Any]:
         pod["tolerations"] = [dict(t) for t in k8s.tolerations]
     if spec.ipc_host:
         pod["hostIPC"] = True
-    download = _download_container(pods)
+    download = _download_container(pods, leader)
     if download is not None:
-        pod["initContainers"] = [_kubelet_literal(download)]
-    pod["containers"] = [_kubelet_literal(engine)]
+        pod["initContainers"] = [kubelet_literal(download)]
+    pod["containers"] = [kubelet_literal(engine)]
     pod["volumes"] = volumes
     return pod
 
@@ -305,14 +383,19 @@ def _deployment(pods: Pods) -> dict[str, Any]:
             "replicas": 1,
             # One pod holds all the GPUs: never run two during a rollout.
             "strategy": {"type": "Recreate"},
+            # The default 600 s would call every rollout failed (ProgressDeadlineExceeded) long
+            # before the image pull, the download and the load are done (m31ctl/timeline.py).
+            "progressDeadlineSeconds": pods.deployment.timeline.progress_deadline_s,
             "selector": {"matchLabels": {"app.kubernetes.io/name": pods.name}},
             "template": {**template, "spec": _pod_spec(pods, _engine_container(pods))},
         },
     }
 
 
-# The LWS variables (injected into every container of a group's pods), as shell words.
-LWS_LEADER = '"${LWS_LEADER_ADDRESS}"'
+# The leader's IP address, which the pod script resolves from LWS_LEADER_ADDRESS (a DNS name
+# the LWS injects) before vLLM starts: ZMQ binds an address, not a name (KServe's LWS pods
+# resolve it the same way, with getent). As a shell word.
+LEADER_IP = '"${leader_ip}"'
 LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 
 
@@ -328,7 +411,8 @@ def pod_script(pods: Pods, leader: bool) -> str:
     """One pod's `/bin/sh -c` script (templates/lws-pod.sh.j2)."""
     layout = pods.deployment.layout
     start_rank = f'"$(({LWS_WORKER_INDEX} * {layout.data_local}))"'
-    role = NodeRole(leader, LWS_LEADER, "0" if leader else start_rank)
+    role = NodeRole(leader, LEADER_IP, "0" if leader else start_rank)
+    timeline = pods.deployment.timeline
     return render_template(
         "lws-pod.sh.j2",
         leader=leader,
@@ -336,7 +420,10 @@ def pod_script(pods: Pods, leader: bool) -> str:
         serve=_serve_line(pods, role),
         nodes=layout.nodes,
         ray_port=RAY_PORT,
-        join_s=RAY_JOIN_S,
+        dp_port=DP_RPC_PORT,
+        join_s=timeline.join.seconds,
+        leader_wait_s=timeline.leader_wait_s,
+        handshake_s=VLLM_HANDSHAKE_S,
     )
 
 
@@ -363,9 +450,15 @@ def _leader_worker_set(pods: Pods) -> dict[str, Any]:
         "metadata": {"name": pods.name, **meta},
         "spec": {
             "replicas": 1,
+            # The workers start with the leader, not after it is Ready: the leader becomes Ready
+            # only once the workers joined it (vLLM's DP handshake, Ray's node count), so
+            # LeaderReady would deadlock. Each worker waits for the leader's address and port
+            # itself (templates/lws-pod.sh.j2).
+            "startupPolicy": "LeaderCreated",
             "leaderWorkerTemplate": {
                 "size": pods.deployment.layout.nodes,
-                # One lost pod breaks the group's collectives: restart the whole group.
+                # One lost pod breaks the group's collectives: restart the whole group (each
+                # member then waits for the leader again, so the group cannot loop on its order).
                 "restartPolicy": "RecreateGroupOnPodRestart",
                 "leaderTemplate": {
                     "metadata": {
@@ -374,7 +467,7 @@ def _leader_worker_set(pods: Pods) -> dict[str, Any]:
                     },
                     "spec": _pod_spec(pods, leader),
                 },
-                "workerTemplate": {"metadata": meta, "spec": _pod_spec(pods, worker)},
+                "workerTemplate": {"metadata": meta, "spec": _pod_spec(pods, worker, leader=False)},
             },
         },
     }
@@ -400,6 +493,11 @@ def _network_policy(pods: Pods, members: dict[str, str]) -> dict[str, Any]:
     so peers cannot be limited to a list of ports. The kubelet's probes come from the node, which
     NetworkPolicy does not block."""
     ingress: list[dict[str, Any]] = []
+    if pods.group is not None:
+        # A P/D role: its group's pods (the peer role, the router) on every port: NIXL's side
+        # channel, and UCX's TCP transport on ports it picks at start. Clients go through the router.
+        ingress.append({"from": [{"podSelector": {"matchLabels": pods.group.labels}}]})
+        return _policy(pods, members, ingress)
     if pods.deployment.layout.spans_nodes:
         ingress.append({"from": [{"podSelector": {"matchLabels": members}}]})
     if pods.k8s.api_clients:
@@ -409,6 +507,10 @@ def _network_policy(pods: Pods, members: dict[str, str]) -> dict[str, Any]:
                 "ports": [{"protocol": "TCP", "port": pods.spec.container_port}],
             }
         )
+    return _policy(pods, members, ingress)
+
+
+def _policy(pods: Pods, members: dict[str, str], ingress: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -417,12 +519,12 @@ def _network_policy(pods: Pods, members: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def k8s_comments(deployment: Deployment) -> list[str]:
+def k8s_comments(deployment: Deployment, group: Group | None = None) -> list[str]:
     """The header's notes: what the manifest needs from the cluster that no field can say."""
-    pods = _pods(deployment)
+    pods = _pods(deployment, group)
     spec, layout = pods.spec, deployment.layout
     notes = [
-        f"Secrets: create them first, e.g. kubectl create secret generic {K8S_SECRET} "
+        f"Secrets: create them first, e.g. kubectl create secret generic {pods.secret_name} "
         "--from-env-file=FILE (NAME=value lines, no quotes)."
         + (
             f" The pods need {API_KEY_ENV}: the Service puts the API on the cluster network and "
@@ -430,19 +532,35 @@ def k8s_comments(deployment: Deployment) -> list[str]:
             if API_KEY_ENV in pods.required
             else ""
         ),
-        f"Network: the NetworkPolicy admits kubernetes.api_clients to port {spec.container_port}"
-        + (", and the group's pods to each other on every port" if layout.spans_nodes else "")
-        + ", where the cluster's network plugin enforces NetworkPolicy. Routes outside /v1 "
-        "(/invocations, /pause, /metrics, ...) answer without the key: keep kubernetes.api_clients "
-        "to the clients you mean.",
     ]
+    if group is None:  # a P/D role admits its group only (render/pd.py says so once)
+        notes.append(network_note(pods, layout))
     if pods.downloads:
         notes.append(
             f"Download: the init container fetches {in_comment(deployment.model.reference, 'model.path')} "
-            "into the claim within "
-            f"{deployment.budgets.download_s} s (runtime.download_mbps); the startup probe then allows "
-            f"{_startup_s(pods)} s to load and compile (runtime.load_and_compile_s)."
+            f"at commit {deployment.model.commit} into the claim within "
+            f"{deployment.timeline.download_s} s (runtime.download_mbps)"
+            + (
+                "; the other pods of the group wait for it rather than download it too"
+                if layout.spans_nodes
+                else ""
+            )
+            + f". The engine then serves that snapshot offline (a restart never downloads), and the startup "
+            f"probe allows {spec.startup_timeout} s to load and compile (runtime.load_and_compile_s) "
+            f"with vLLM's {ENGINE_READY_ENV} raised to {deployment.timeline.engine_ready_s} s."
         )
+    notes.append(
+        "Clocks (m31ctl/timeline.py): "
+        + (
+            f"progressDeadlineSeconds {deployment.timeline.progress_deadline_s} covers the image pull, the download "
+            "and the load; "
+            if not layout.spans_nodes
+            else f"each worker waits up to {deployment.timeline.leader_wait_s} s for the leader's address and port "
+            f"before starting vLLM, whose own handshake gives up after {VLLM_HANDSHAKE_S} s; "
+        )
+        + f"terminationGracePeriodSeconds {spec.stop_timeout} is vLLM's drain (serving.shutdown_timeout) plus the "
+        "workers' exit."
+    )
     if spec.ulimits:
         wanted = ", ".join(f"{n}={'unlimited' if soft == -1 else soft}" for n, soft, _ in spec.ulimits)
         unit = " and ".join(
@@ -454,6 +572,25 @@ def k8s_comments(deployment: Deployment) -> list[str]:
         )
     notes += _pod_security_notes(pods)
     return [f"# {line}" for note in notes for line in textwrap.wrap(note, width=98, break_on_hyphens=False)]
+
+
+def network_note(pods: Pods, layout: Layout) -> str:
+    """Who the API's NetworkPolicy admits, and what it cannot keep apart."""
+    return (
+        f"Network: the NetworkPolicy admits kubernetes.api_clients to port {pods.spec.container_port}"
+        + (", and the group's pods to each other on every port" if layout.spans_nodes else "")
+        + ", where the cluster's network plugin enforces NetworkPolicy. Routes outside /v1 "
+        "(/invocations, /tokenize, /pause, /metrics, ...) answer without the key on that port, and "
+        f"NetworkPolicy cannot tell paths apart: by default only pods labelled {Label.API_CLIENT}=true "
+        "are admitted (kubernetes.api_clients); a client that must reach /v1 alone goes through a "
+        "gateway that routes /v1 only."
+        + (
+            f" Ray's ports ({RAY_PORT}, 10001) have no authentication: the policy's group rule is what "
+            "keeps other pods off them."
+            if layout.over_ray
+            else ""
+        )
+    )
 
 
 def _pod_security_notes(pods: Pods) -> list[str]:

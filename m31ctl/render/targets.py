@@ -4,33 +4,41 @@ templates in templates/, Compose and Kubernetes as data serialized to YAML."""
 from __future__ import annotations
 
 import shlex
-from typing import Any, NamedTuple
+import textwrap
+from typing import Any
 
 from m31ctl.container import ContainerSpec
-from m31ctl.deployment import Deployment
+from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment
 from m31ctl.errors import InputError
+from m31ctl.hardware import vendor_facts
+from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
+from m31ctl.render.artifact import Artifact as Artifact  # re-exported: files.py and render/ import it here
 from m31ctl.render.common import header, health_command, in_comment, render_spec, render_template
-from m31ctl.render.dockercli import docker_download_argv, docker_run_argv, publish_spec
-from m31ctl.render.download import download_command
+from m31ctl.render.docker_run import docker_download_argv, docker_run_argv, publish_spec
+from m31ctl.render.download import download_step
 from m31ctl.render.escape import Interpolation, compose_escape, yaml_file
 from m31ctl.render.k8s import k8s_comments, k8s_documents
+from m31ctl.render.observability import render_monitoring
 
 ENV_FILE = "/etc/m31ctl/minimax-m31-flash.env"
-# The one env-file format that docker's --env-file (the script) and systemd's EnvironmentFile=
-# (the unit) read alike: NAME=value, a comment line, or a blank line. Docker keeps quotes,
-# backslashes and spaces in a value as they are; systemd strips quotes, reads backslash escapes
-# and trims spaces. (A grep -E pattern: inside brackets a backslash is literal.)
+# The one env-file format that the script (which takes a value verbatim, as docker's --env-file
+# does) and systemd's EnvironmentFile= (the unit) read alike: NAME=value, a comment line, or a
+# blank line. systemd strips quotes, reads backslash escapes and trims spaces. (A grep -E
+# pattern: inside brackets a backslash is literal.)
 ENV_FILE_LINE = r"""^(#.*|[A-Za-z_][A-Za-z0-9_]*=[^[:space:]"'\$]*)?$"""
 ENV_FILE_FORMAT = "one NAME=value a line, no quotes, spaces, backslashes or $ in a value (# starts a comment)"
-# What systemd allows the start beyond the readiness wait: removing an old container, the checks.
-START_MARGIN_S = 60
 READY_POLL_S = 10
-
-
-class Artifact(NamedTuple):
-    name: str
-    content: str
-    mode: int = 0o644
+# The Hugging Face token as a file: huggingface_hub reads the token from HF_TOKEN_PATH when
+# HF_TOKEN is unset (utils/_auth.py, constants.py), and an environment value is what `docker
+# inspect` and `docker compose config` print. Compose mounts a secret at /run/secrets/<name>.
+HF_TOKEN_FILE = "/etc/m31ctl/hf-token"  # on the host: the script's default (M31CTL_HF_TOKEN_FILE)
+HF_TOKEN_PATH_ENV = "HF_TOKEN_PATH"
+TOKEN_FILE_VAR = "M31CTL_HF_TOKEN_FILE"  # names the token file to the script and to Compose
+COMPOSE_TOKEN_SECRET = "hf_token"
+HF_TOKEN_IN_CONTAINER = f"/run/secrets/{COMPOSE_TOKEN_SECRET}"
+# The one docker binary every line of the unit runs (ExecStart= needs an absolute path on older
+# systemd; the readiness wait used to find `docker` on PATH, another binary where two are installed).
+SYSTEMD_DOCKER = "/usr/bin/docker"
 
 
 def env_file_check(path: str, shown: str, code: int) -> str:
@@ -50,10 +58,18 @@ def env_file_check(path: str, shown: str, code: int) -> str:
 
 def _download_argv(deployment: Deployment, spec: ContainerSpec, token_by_name: bool) -> list[str]:
     """The checkpoint download before the engine (render/download.py), or [] for a local one."""
-    command = download_command(deployment)
-    if command is None:
+    step = download_step(deployment, spec.env)
+    if step is None:
         return []
-    return docker_download_argv(spec, command, deployment.vendor.visibility_vars, token_by_name)
+    return docker_download_argv(spec, step, token_by_name)
+
+
+def engine_secret_env(spec: ContainerSpec) -> tuple[str, ...]:
+    """The secrets the engine container of a Docker target gets: never HF_TOKEN, which it does
+    not read (it serves the snapshot the download left, offline, or a local directory) and which
+    `docker inspect` would show for as long as it runs. vLLM reads its API key from VLLM_API_KEY
+    or --api-key only (vllm/envs.py; cli_args.py FrontendArgs.api_key): that one stays."""
+    return tuple(name for name in spec.secret_env if name != HF_TOKEN_ENV)
 
 
 def render_script(deployment: Deployment) -> list[Artifact]:
@@ -70,21 +86,26 @@ def render_script(deployment: Deployment) -> list[Artifact]:
         env_check=env_file_check('"$ENV_FILE"', "$ENV_FILE", 2),
         name=spec.name,
         secret_names=list(spec.secret_env),
+        engine_secret_names=list(engine_secret_env(spec)),
         required_names=list(deployment.secrets.required),
-        host_dirs=_writable_sources(spec),
+        host_dirs=writable_sources(spec),
+        token_file=HF_TOKEN_FILE,
+        token_path_env=HF_TOKEN_PATH_ENV,
+        token_in_container=HF_TOKEN_IN_CONTAINER,
         run_lines=_paired(argv[:split]),
         engine_lines=_paired(argv[split:]),
         download_lines=_paired(download[:at]),
         download_command=download[at:],
-        download_s=deployment.budgets.download_s,
+        download_s=deployment.timeline.download_s,
         url=deployment.network.local_url,
         startup_timeout=spec.startup_timeout,
+        load_s=deployment.timeline.load_s,
         health_argv=health_command(spec, "/v1/models"),
     )
     return [Artifact("m31ctl-run.sh", content, 0o755)]
 
 
-def _writable_sources(spec: ContainerSpec) -> list[str]:
+def writable_sources(spec: ContainerSpec) -> list[str]:
     """Host directories to create before `docker run`: a bind mount (--mount, Compose's long
     syntax) does not create its source, as `-v` did (as root)."""
     return [m.source for m in spec.mounts if not m.read_only]
@@ -113,7 +134,7 @@ def readiness_wait(spec: ContainerSpec) -> str:
     budget = spec.startup_timeout
     return (
         f"deadline=$(($(date +%s) + {budget}))\n"
-        f"until docker exec {name} {probe} >/dev/null 2>&1; do\n"
+        f"until {SYSTEMD_DOCKER} exec {name} {probe} >/dev/null 2>&1; do\n"
         f'  if [ -n "${{MAINPID:-}}" ] && ! kill -0 "$MAINPID" 2>/dev/null; then\n'
         f'    echo "m31ctl: {spec.name} exited while loading; see journalctl -u {spec.name}" >&2\n'
         f"    exit 1\n"
@@ -128,7 +149,14 @@ def readiness_wait(spec: ContainerSpec) -> str:
 
 
 def render_systemd(deployment: Deployment) -> list[Artifact]:
+    # A root unit on the server: the cache is a system path unless the plan names one.
     spec = render_spec(deployment)
+    spec = spec._replace(
+        mounts=tuple(
+            m._replace(source=deployment.service_hf_cache) if m.target == HF_CACHE_IN_CONTAINER else m
+            for m in spec.mounts
+        )
+    )
     unit = f"{spec.name}.service"
     env_check = (
         f"[ ! -e {shlex.quote(ENV_FILE)} ] || {{\n{env_file_check(shlex.quote(ENV_FILE), ENV_FILE, 1)}\n}}"
@@ -142,15 +170,18 @@ def render_systemd(deployment: Deployment) -> list[Artifact]:
         env_format=ENV_FILE_FORMAT,
         env_check=env_check,
         name=spec.name,
-        host_dirs=_writable_sources(spec),
-        run_argv=docker_run_argv(spec, "foreground"),
+        host_dirs=writable_sources(spec),
+        run_argv=docker_run_argv(spec._replace(secret_env=engine_secret_env(spec)), "foreground"),
         download_argv=_download_argv(deployment, spec, token_by_name=True),
-        download_s=deployment.budgets.download_s,
+        download_s=deployment.timeline.download_s,
         ready_wait=readiness_wait(spec),
+        docker=SYSTEMD_DOCKER,
         startup_timeout=spec.startup_timeout,
-        start_timeout=spec.startup_timeout + START_MARGIN_S,
+        start_timeout=deployment.timeline.systemd_start_s,
         stop_timeout=spec.stop_timeout,
+        unit_stop_timeout=deployment.timeline.systemd_stop_s,
         required_names=list(deployment.secrets.required),
+        engine_names=list(engine_secret_env(spec)),
     )
     return [Artifact(unit, content)]
 
@@ -159,7 +190,10 @@ def _compose_gpus(spec: ContainerSpec) -> dict[str, Any]:
     chosen: dict[str, Any] = (
         {"device_ids": list(spec.gpu_device_ids)} if spec.gpu_device_ids else {"count": spec.gpu_count}
     )
-    device = {"driver": "nvidia", **chosen, "capabilities": ["gpu"]}
+    runtime = vendor_facts(spec.vendor).gpu_runtime  # set: Compose asks for GPUs by device request only
+    if runtime is None:
+        return {}
+    device = {"driver": runtime.name, **chosen, "capabilities": ["gpu"]}
     return {"resources": {"reservations": {"devices": [device]}}}
 
 
@@ -176,7 +210,7 @@ def _compose_environment(deployment: Deployment, spec: ContainerSpec) -> list[st
     return environment
 
 
-def _compose_volume(source: str, target: str, read_only: bool) -> dict[str, Any]:
+def compose_volume(source: str, target: str, read_only: bool) -> dict[str, Any]:
     """The long syntax: the short one splits on every colon, so a path with one breaks it."""
     volume: dict[str, Any] = {"type": "bind", "source": source, "target": target}
     if read_only:
@@ -184,17 +218,15 @@ def _compose_volume(source: str, target: str, read_only: bool) -> dict[str, Any]
     return volume
 
 
-def compose_document(deployment: Deployment) -> dict[str, Any]:
-    """Built from raw values, then escaped as a whole (compose_escape): Compose interpolates `$`
-    in every string, so only the Interpolations stay live."""
-    spec = render_spec(deployment)
+def compose_engine_service(deployment: Deployment, spec: ContainerSpec) -> dict[str, Any]:
+    """One engine's Compose service, raw (unescaped): the aggregated server, or a P/D role."""
     service: dict[str, Any] = {
         "image": spec.image,
         "container_name": spec.name,
         "command": list(spec.args),
         "labels": dict(spec.labels),
         "ports": [publish_spec(spec)],
-        "volumes": [_compose_volume(m.source, m.target, m.read_only) for m in spec.mounts],
+        "volumes": [compose_volume(m.source, m.target, m.read_only) for m in spec.mounts],
         "environment": _compose_environment(deployment, spec),
     }
     if spec.ipc_host:
@@ -216,6 +248,7 @@ def compose_document(deployment: Deployment) -> dict[str, Any]:
     }
     service["restart"] = spec.restart
     service["stop_grace_period"] = f"{spec.stop_timeout}s"
+    # The start period counts from the engine's start: the download ran before it.
     service["healthcheck"] = {
         "test": ["CMD", *health_command(spec, "/health")],
         "interval": "30s",
@@ -223,21 +256,92 @@ def compose_document(deployment: Deployment) -> dict[str, Any]:
         "retries": 3,
         "start_period": f"{spec.startup_timeout}s",
     }
+    return service
+
+
+def compose_document(deployment: Deployment) -> dict[str, Any]:
+    """Built from raw values, then escaped as a whole (compose_escape): Compose interpolates `$`
+    in every string, so only the Interpolations stay live."""
+    spec = render_spec(deployment)
+    service = compose_engine_service(deployment, spec._replace(secret_env=engine_secret_env(spec)))
+    document: dict[str, Any] = {"services": {"vllm": service}}
+    download = compose_download(deployment, spec)
+    if download is not None:
+        document = {"services": {"download": token_from_file(download), "vllm": service}}
+        document["secrets"] = compose_token_secret()
+        # Compose 1.29+ and v2: the engine starts only once the download exited 0.
+        service["depends_on"] = {"download": {"condition": "service_completed_successfully"}}
     # No top-level `name`: Debian's docker-compose 1.29 refuses it; the project name comes from
     # the directory or `-p`, and the container is named by container_name either way.
-    document: dict[str, Any] = compose_escape({"services": {"vllm": service}})
-    return document
+    escaped: dict[str, Any] = compose_escape(document)
+    return escaped
+
+
+def compose_download(deployment: Deployment, spec: ContainerSpec) -> dict[str, Any] | None:
+    """The checkpoint download as a one-shot service (render/download.py), as every target runs
+    it before the engine; `restart: "no"`: a finished download stays finished. No container_name:
+    Compose names it after the project (<project>_download_1 in 1.29, -download-1 in v2), so the
+    `<name>-download` a killed script or unit run leaves behind cannot block it ("name in use")."""
+    step = download_step(deployment, spec.env)
+    if step is None:
+        return None
+    return {
+        "image": spec.image,
+        "entrypoint": [step.command[0]],
+        "command": step.command[1:],
+        "labels": dict(spec.labels),
+        "volumes": [compose_volume(m.source, m.target, m.read_only) for m in spec.mounts if not m.read_only],
+        # HF_TOKEN by name, from the environment of `docker compose` (token_from_file: a file instead).
+        "environment": [*(f"{k}={v}" for k, v in step.env), HF_TOKEN_ENV],
+        "restart": "no",
+    }
+
+
+def token_from_file(download: dict[str, Any]) -> dict[str, Any]:
+    """The download service reading the Hugging Face token from Compose's secret (a file mounted
+    at HF_TOKEN_IN_CONTAINER) instead of HF_TOKEN: `docker inspect` shows the path and `docker
+    compose config` the host file's name, never the token. compose_token_secret() declares it."""
+    environment = [e for e in download["environment"] if e != HF_TOKEN_ENV]
+    return {
+        **download,
+        "environment": [*environment, f"{HF_TOKEN_PATH_ENV}={HF_TOKEN_IN_CONTAINER}"],
+        "secrets": [COMPOSE_TOKEN_SECRET],
+    }
+
+
+def compose_token_secret() -> dict[str, Any]:
+    """The top-level `secrets:` that token_from_file reads: the file M31CTL_HF_TOKEN_FILE names,
+    else /dev/null, an empty token (huggingface_hub then sends none, as for a public checkpoint;
+    a named file that is missing becomes a directory under docker-compose 1.29's bind mount)."""
+    return {COMPOSE_TOKEN_SECRET: {"file": Interpolation(f"${{{TOKEN_FILE_VAR}:-/dev/null}}")}}
 
 
 def render_compose(deployment: Deployment) -> list[Artifact]:
     spec = render_spec(deployment)
+    document = compose_document(deployment)
+    notes = [
+        f"Secrets: {API_KEY_ENV} is taken from the environment of `docker compose`, so `docker compose "
+        "config` prints it and `docker inspect` of the engine shows it: vLLM reads its key from its "
+        "environment or --api-key only."
+        if API_KEY_ENV in engine_secret_env(spec)
+        else "",
+        f"The Hugging Face token is a file, never an environment value: export {TOKEN_FILE_VAR}=PATH "
+        f"(mode 600) for a gated checkpoint; Compose mounts it at {HF_TOKEN_IN_CONTAINER} and "
+        f"{HF_TOKEN_PATH_ENV} points the download at it (unset: /dev/null, no token)."
+        if "secrets" in document
+        else "",
+        "Liveness: Docker and Compose do not restart an unhealthy container (the healthcheck only marks "
+        f"it unhealthy; restart: {spec.restart} acts on an exit, and an NCCL hang keeps the process "
+        "alive): watch /health (m31ctl status, or your monitoring) and run `docker compose restart vllm`; "
+        "the Kubernetes target's liveness probe does this by itself.",
+    ]
     comments = [
         *header(deployment, "compose").splitlines(),
-        "# Secrets: HF_TOKEN and VLLM_API_KEY are taken from the environment of `docker compose` by name.",
+        *(f"# {line}" for note in notes if note for line in textwrap.wrap(note, 98, break_on_hyphens=False)),
         "# Create the cache directory first (a long-syntax bind mount does not): mkdir -p "
-        + " ".join(in_comment(shlex.quote(d), "<runtime.hf_cache>") for d in _writable_sources(spec)),
+        + " ".join(in_comment(shlex.quote(d), "<runtime.hf_cache>") for d in writable_sources(spec)),
     ]
-    content = yaml_file(comments, [compose_document(deployment)], explicit_start=False)
+    content = yaml_file(comments, [document], explicit_start=False)
     return [Artifact("compose.yaml", content)]
 
 
@@ -259,7 +363,13 @@ def render_k8s(deployment: Deployment) -> list[Artifact]:
 
 
 # The registry: a new target is a function above and one line here.
-RENDERERS = {"script": render_script, "compose": render_compose, "k8s": render_k8s, "systemd": render_systemd}
+RENDERERS = {
+    "script": render_script,
+    "compose": render_compose,
+    "k8s": render_k8s,
+    "systemd": render_systemd,
+    "monitoring": render_monitoring,  # observability.py: scrape config, alert rules, dashboard
+}
 TARGETS = tuple(RENDERERS)
 # Targets that run on one host (Kubernetes spans nodes with a LeaderWorkerSet).
 SINGLE_HOST = ("script", "compose", "systemd")

@@ -24,12 +24,13 @@ from m31ctl.errors import (
 )
 from m31ctl.names import check_name
 from m31ctl.plan import Plan
-from m31ctl.runtime.base import Reporter, Runtime, ServerStatus
+from m31ctl.runtime.planrecord import plan_differences, recorded_plan
+from m31ctl.runtime.protocol import Reporter, Runtime, ServerStatus
 
 # name -> (module, class): imported on use, so the Docker SDK loads only when Docker is asked.
 RUNTIMES: dict[str, tuple[str, str]] = {
     "docker": ("m31ctl.runtime.docker", "DockerRuntime"),
-    "native": ("m31ctl.runtime.native", "NativeRuntime"),
+    "native": ("m31ctl.runtime.native_group", "NativeGroupRuntime"),
 }
 DEFAULT_RUNTIME = "docker"
 
@@ -84,6 +85,13 @@ def select(name: str | None, runtime: str | None) -> tuple[list[ServerStatus], S
     return chosen, found
 
 
+def _whole(servers: list[ServerStatus]) -> list[ServerStatus]:
+    """The servers to act on as deployments: a P/D group's parts go with their group when it is
+    chosen too (stop and logs act on the group)."""
+    chosen = {s.name for s in servers}
+    return [s for s in servers if s.group is None or s.group not in chosen]
+
+
 def stop(
     name: str | None, runtime: str | None, timeout: int | None, keep: bool, report: Reporter
 ) -> tuple[list[str], Survey]:
@@ -91,6 +99,7 @@ def stop(
     cannot be confirmed) does not keep the others running: each is tried, then the first
     refusal is raised (the others were reported)."""
     servers, found = select(name, runtime)
+    servers = _whole(servers)
     refused: list[M31Error] = []
     for server in servers:
         try:
@@ -111,6 +120,7 @@ def logs(
     name: str | None, runtime: str | None, follow: bool, tail: int, write: Callable[[str], None]
 ) -> Survey:
     servers, found = select(name, runtime)
+    servers = _whole(servers)
     if follow and len(servers) > 1:
         raise InputError(
             f"--follow needs one server, and {len(servers)} run", hint="pass --name (see `m31ctl status`)"
@@ -123,7 +133,8 @@ def logs(
 def running_server(name: str | None, runtime: str | None) -> ServerStatus:
     """The one running server (or the named one), wherever it runs."""
     servers, found = select(name, runtime)
-    running = [s for s in servers if s.running and s.endpoint]
+    # Unnamed, a P/D group is its router's endpoint, not its parts'.
+    running = [s for s in servers if s.running and s.endpoint and (name is not None or s.group is None)]
     if len(running) != 1:
         if not running:
             found.raise_if_incomplete()
@@ -138,8 +149,6 @@ def compare_plans(found: Survey, asked: Plan) -> dict[str, tuple[str, ...]]:
     """Per server (by name): what the asked plan changes in the plan it runs, 'key: server's ->
     asked', empty when it runs the asked plan. A server with no record (launched by an older
     m31ctl) can only be compared by hash."""
-    from m31ctl.runtime.planrecord import plan_differences, recorded_plan
-
     out: dict[str, tuple[str, ...]] = {}
     for server in found.servers:
         if server.plan_hash == asked.hash:

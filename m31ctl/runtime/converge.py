@@ -19,7 +19,7 @@ class Action(str, Enum):
 
 
 @dataclass(frozen=True)
-class Existing:
+class ExistingServer:
     """What stands under the server's name now."""
 
     owned: bool  # carries m31ctl's owner label (or state file)
@@ -36,7 +36,7 @@ class Decision:
     needs_confirmation: bool = False
 
 
-def decide(existing: Existing | None, plan_hash: str) -> Decision:
+def decide(existing: ExistingServer | None, plan_hash: str) -> Decision:
     if existing is None:
         return Decision(Action.CREATE, "no server by that name")
     if not existing.owned:

@@ -16,13 +16,23 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from m31ctl.container import OWNER, ContainerSpec, Label, container_spec
+from m31ctl import interrupt
+from m31ctl.container import ContainerSpec, container_spec
 from m31ctl.deployment import Deployment
 from m31ctl.errors import ConflictError, HostPreconditionError, M31Error, ServerDied
+from m31ctl.labels import OWNER, Label
 from m31ctl.netaddr import local_url
-from m31ctl.render.dockercli import docker_run_argv
+from m31ctl.render.docker_run import docker_run_argv
 from m31ctl.runtime import engine_api
-from m31ctl.runtime.base import (
+from m31ctl.runtime.converge import Decision, ExistingServer
+from m31ctl.runtime.exits import explain_exit
+from m31ctl.runtime.flow import Found, converge
+from m31ctl.runtime.gates import CheckId
+from m31ctl.runtime.launching import LAUNCH_ENV
+from m31ctl.runtime.load_run import BenchRunner, container_bench
+from m31ctl.runtime.phases import Phase
+from m31ctl.runtime.planrecord import PlanRecord, record_of
+from m31ctl.runtime.protocol import (
     DryRun,
     LaunchOptions,
     LaunchResult,
@@ -33,14 +43,6 @@ from m31ctl.runtime.base import (
     ScriptUnavailable,
     ServerStatus,
 )
-from m31ctl.runtime.converge import Decision, Existing
-from m31ctl.runtime.exits import explain_exit
-from m31ctl.runtime.flow import Found, converge
-from m31ctl.runtime.gates import CheckId
-from m31ctl.runtime.launching import LAUNCH_ENV
-from m31ctl.runtime.load_run import BenchRunner, container_bench
-from m31ctl.runtime.phases import Phase
-from m31ctl.runtime.planrecord import PLAN_LABEL, PlanRecord, record_of
 from m31ctl.runtime.readiness import ProcessState, health, models
 
 # What `docker stop` waits for when the container does not say (vLLM's drain + margin).
@@ -77,9 +79,9 @@ def trial_run(client: Any, spec: ContainerSpec) -> str | None:
 
 def _limits(spec: ContainerSpec) -> dict[str, Any]:
     """The plan's ulimits and shared memory (a private /dev/shm of its size, or the host's IPC)."""
-    from docker.types import Ulimit
-
-    limits: dict[str, Any] = {"ulimits": [Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits]}
+    # Plain dicts: create_host_config makes the SDK's Ulimit, DeviceRequest and LogConfig of them,
+    # so the SDK stays in engine_api.py (tests/test_architecture.py).
+    limits: dict[str, Any] = {"ulimits": [{"name": n, "soft": s, "hard": h} for n, s, h in spec.ulimits]}
     if spec.ipc_host:
         limits["ipc_mode"] = "host"
     elif spec.shm_size:
@@ -91,14 +93,12 @@ def _host_settings(spec: ContainerSpec) -> dict[str, Any]:
     """What the engine container gets from the host: GPUs, devices, groups, shared memory,
     ulimits, security options. Launch and doctor's deep checks share it, so the check runs with
     exactly what launch will use."""
-    from docker.types import DeviceRequest
-
     host = _limits(spec)
     if spec.device_request:
         request = (
-            DeviceRequest(device_ids=list(spec.gpu_device_ids), capabilities=[["gpu"]])
+            {"device_ids": list(spec.gpu_device_ids), "capabilities": [["gpu"]]}
             if spec.gpu_device_ids
-            else DeviceRequest(count=spec.gpu_count, capabilities=[["gpu"]])
+            else {"count": spec.gpu_count, "capabilities": [["gpu"]]}
         )
         host["device_requests"] = [request]
     if spec.devices:
@@ -133,7 +133,8 @@ def run_in_engine(
             code: int | None = int(container.wait(timeout=timeout).get("StatusCode", -1))
         except Exception:  # the wait timed out: a hung collective
             code = None
-            container.kill()
+            with contextlib.suppress(Exception):  # it may have exited just now: nothing to kill
+                container.kill()
         out = container.logs(stdout=True, stderr=False).decode("utf-8", "replace")
         err = container.logs(stdout=False, stderr=True).decode("utf-8", "replace")
         return code, out, err
@@ -145,8 +146,6 @@ def create_container(
     """Create (not start) the container through the Engine API, labelled with `labels` (default:
     the spec's). Secret values come from our environment into the API request, never into any
     process's argv."""
-    from docker.types import LogConfig
-
     env = dict(spec.env)
     env.update({name: environ[name] for name in spec.secret_env if environ.get(name)})
     # Set by launch for a checkpoint it pulled first: the engine must not ask the hub again.
@@ -155,9 +154,10 @@ def create_container(
         **_host_settings(spec),
         "port_bindings": {spec.container_port: (spec.bind, spec.host_port)},
         "binds": {m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
-        "log_config": LogConfig(
-            type="json-file", config={"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)}
-        ),
+        "log_config": {
+            "type": "json-file",
+            "config": {"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)},
+        },
         "restart_policy": {"Name": spec.restart},
     }
     created = client.api.create_container(
@@ -218,12 +218,12 @@ class ContainerHandle:
 
 def _existing(
     container: Any | None, spec: ContainerSpec, api_key: str | None, served: str
-) -> Existing | None:
+) -> ExistingServer | None:
     if container is None:
         return None
     labels = container.labels or {}
     running = container.status == "running"
-    return Existing(
+    return ExistingServer(
         owned=_ours(container),
         plan_hash=labels.get(Label.PLAN_HASH),
         state=str(container.status),
@@ -239,7 +239,7 @@ class _ContainerLaunch:
         self.options = options
         self.client = client
         self.served = deployment.plan.settings.model.served_name
-        self.labels = {**self.spec.label_dict, PLAN_LABEL: record_of(deployment, os.getcwd()).to_json()}
+        self.labels = {**self.spec.label_dict, Label.PLAN: record_of(deployment, os.getcwd()).to_json()}
 
     def claim(self) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()  # the engine's create-by-name is atomic: the loser joins
@@ -301,6 +301,9 @@ class DockerRuntime:
         CheckId.CAPACITY,
         CheckId.API_KEY,
     )
+
+    # A P/D group is run by the native runtime and the rendered targets (deploy.py refuses it here).
+    runs_groups = False
 
     def dry_run(self, deployment: Deployment) -> DryRun:
         spec = container_spec(deployment)
@@ -407,7 +410,7 @@ def _status(container: Any) -> ServerStatus:
         image=(container.attrs.get("Config") or {}).get("Image"),
         started_at=(container.attrs.get("State") or {}).get("StartedAt"),
         restart_count=int(container.attrs.get("RestartCount", 0) or 0),
-        plan=PlanRecord.parse(labels.get(PLAN_LABEL)),
+        plan=PlanRecord.parse(labels.get(Label.PLAN)),
     )
 
 
@@ -450,6 +453,7 @@ def _ensure_image(client: Any, image: str, report: Reporter, progress: PullProgr
     repository, _, tag = image.rpartition(":") if ":" in image.split("/")[-1] else (image, "", "latest")
     try:
         for event in client.api.pull(repository, tag=tag or "latest", stream=True, decode=True):
+            interrupt.check()  # Ctrl-C stops the pull between its progress events
             if "error" in event:
                 raise _pull_error(image, str(event["error"]))
             detail = event.get("progressDetail") or {}
@@ -488,6 +492,8 @@ def _pull_error(image: str, text: str) -> M31Error:
 
 # Where a script's folder is mounted (read-only) in the engine image.
 SCRIPTS_IN_CONTAINER = "/m31ctl"
+# The least time one Engine API call around a script (create, start, logs, remove) may take.
+DOCKER_CALL_TIMEOUT_S = 120.0
 
 
 def run_script(
@@ -503,7 +509,11 @@ def run_script(
     spec = spec._replace(env=tuple(sorted({**dict(spec.env), **dict(env or {})}.items())))
     argv = ["python3", f"{SCRIPTS_IN_CONTAINER}/{script.name}", *args]
     with engine_api.engine_boundary(f"running {script.name} in the engine image"):
-        client = engine_api.connect(timeout=5)
+        # Each Engine API call may take as long as the script itself may: a busy daemon on a
+        # fresh machine takes seconds to create, start or remove a container of a multi-GB
+        # image, and a short client timeout read that as an unreachable engine (the deep
+        # checks skipped). An engine that is not there still fails at once (no socket, refused).
+        client = engine_api.connect(timeout=max(timeout, DOCKER_CALL_TIMEOUT_S))
         if engine_api.local_image(client, spec.image) is None:
             raise ScriptUnavailable(
                 f"{spec.image} is not here to run {script.name} in",

@@ -17,12 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
+from m31ctl import interrupt
 from m31ctl.deployment import Deployment
 from m31ctl.errors import ConflictError, ServerDied
-from m31ctl.runtime.base import LaunchOptions, LaunchResult
-from m31ctl.runtime.converge import Action, Existing, decide
+from m31ctl.runtime.converge import Action, ExistingServer, decide
 from m31ctl.runtime.launching import api_key_for, confirm_or_refuse, ensure_port_free, watchdog_for
 from m31ctl.runtime.phases import Phase
+from m31ctl.runtime.protocol import LaunchOptions, LaunchResult
 from m31ctl.runtime.readiness import ServerHandle, wait_ready
 
 S = TypeVar("S")
@@ -33,7 +34,7 @@ S = TypeVar("S")
 class Found(Generic[S]):
     """What stands under the server's name: the decision's view of it, and the runtime's own."""
 
-    existing: Existing
+    existing: ExistingServer
     server: S
 
 
@@ -139,7 +140,9 @@ def _act(launch: _Launch, backend: Backend[S]) -> LaunchResult | _Chosen[S]:
         backend.remove(found.server)
     try:
         ensure_port_free(deployment.network.bind, deployment.network.port)
+        interrupt.check()  # a stop asked for until here: nothing pulled, nothing created
         backend.prepare()
+        interrupt.check()
         created_at = time.monotonic()
         return _Chosen(backend.create(), decision.action, created_at)
     except ConflictError as exc:
@@ -171,7 +174,7 @@ def _follow(launch: _Launch, backend: Backend[S], chosen: _Chosen[S]) -> LaunchR
     if launch.options.detach:
         return launch.result(action, endpoint, False)
     d, options = launch.deployment, launch.options
-    timeout = float(options.timeout if options.timeout is not None else d.budgets.startup_s)
+    timeout = float(options.timeout if options.timeout is not None else d.timeline.ready_s)
     try:
         timings, phases = wait_ready(
             backend.handle(server),

@@ -2,8 +2,9 @@
 on it with these, so a misspelt gate is a name error, not a check silently left out.
 
 They live here, not in doctor/, because the runtimes may not import doctor (data flows one way:
-doctor imports runtime). doctor's registry is keyed by the same strings; deploy.py refuses a gate
-that no registered check carries, and tests/test_runtime.py checks that every member names one.
+doctor imports runtime). doctor's registry (m31ctl/doctor/checks/__init__.py) is keyed by these
+members and builds one check per member through an exhaustive match, so a gate without a check
+cannot be written: mypy refuses the match that lacks it. The declaration order is the report's.
 """
 
 from __future__ import annotations
@@ -31,11 +32,8 @@ class CheckId(str, Enum):
     ENGINE = "engine"
     ENGINE_IMAGE = "engine-image"
     COLLECTIVE = "collective"
+    ENGINE_CONFIG = "engine-config"
+    LOCK = "lock"  # doctor --locked FILE only
 
     def __str__(self) -> str:
         return self.value
-
-
-def unknown_gates(gates: tuple[CheckId, ...], registered: set[str]) -> list[CheckId]:
-    """The gates no registered check carries (a check renamed or removed in doctor)."""
-    return [gate for gate in gates if gate.value not in registered]

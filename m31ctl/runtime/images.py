@@ -5,6 +5,7 @@ check and by `m31ctl lock`."""
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,8 +30,6 @@ def _cache_dir() -> Path:
 
 def engine_schema(client: Any, image: Any) -> dict[str, Any]:
     """Run the image's own Python on extract_schema.py; cached per image id (vLLM imports take ~8 s)."""
-    from importlib import resources
-
     cached = _cache_dir() / f"{image.id.replace(':', '_')}.json"
     if cached.is_file():
         data: dict[str, Any] = json.loads(cached.read_text())

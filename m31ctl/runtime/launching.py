@@ -10,20 +10,21 @@ from pathlib import Path
 from typing import Any
 
 from m31ctl.deployment import Deployment
+from m31ctl.engine.adapter import OFFLINE_ENV
 from m31ctl.errors import ConflictError, HostPreconditionError
 from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
 from m31ctl.redact import header_safe
 from m31ctl.resources import state_root
-from m31ctl.runtime.base import Diagnostics, LaunchOptions
 from m31ctl.runtime.converge import Action, Decision
 from m31ctl.runtime.phases import Phase
+from m31ctl.runtime.protocol import Diagnostics, LaunchOptions
 from m31ctl.runtime.readiness import Watchdog
+from m31ctl.timeline import ENGINE_READY_ENV
 
 # Variables launch itself sets for the engine in LaunchOptions.environ (beyond the plan's env and
 # the secrets): the container runtime passes them into the container as the native one inherits them.
-OFFLINE_ENV = "HF_HUB_OFFLINE"
-LAUNCH_ENV = (OFFLINE_ENV,)
+LAUNCH_ENV = (OFFLINE_ENV, ENGINE_READY_ENV)
 
 
 def api_key_for(deployment: Deployment, environ: Mapping[str, str]) -> str | None:
@@ -64,10 +65,10 @@ def watchdog_for(deployment: Deployment, diagnostics: Diagnostics | None = None)
     """Silence budgets per startup phase, from the Deployment: the checkpoint download may go
     quiet for its whole expected time; every other phase for the load-and-compile budget. The
     triage bundle is written under the state directory."""
-    budgets = deployment.budgets
+    timeline = deployment.timeline
     return Watchdog(
-        {Phase.DOWNLOADING: max(60.0, float(budgets.download_s))},
-        float(max(1, budgets.load_and_compile_s)),
+        {Phase.DOWNLOADING: max(60.0, float(timeline.download_s))},
+        float(max(1, timeline.load_s)),
         lambda data: write_triage(deployment.plan, deployment.name, data, diagnostics),
     )
 

@@ -1,5 +1,8 @@
-"""`vllm bench serve`, the engine's own load generator, for verify: its arguments from the plan,
-and the two ways to run it (a local Python with vLLM; a sibling container of the engine image)."""
+"""The two ways to run `vllm bench serve` with the engine's own Python: a local Python with vLLM
+(the native runtime's), a sibling container of the engine image (the Docker runtime's). Only the
+launch lives here, beside the runtimes that choose it (Runtime.bench_runner); what to run, the
+arguments and the figures, is m31ctl/served/ (verify and bench), which imports this and never
+the reverse."""
 
 from __future__ import annotations
 
@@ -11,29 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from m31ctl.plan import Plan
+from m31ctl.runtime import engine_api
 
 # A bench runner takes `vllm bench serve` arguments and returns its saved result.
 BenchRunner = Callable[[list[str]], dict[str, Any]]
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "engine" / "bench_serve.py"
-
-
-def bench_args(plan: Plan, base: str, tokenizer: str) -> list[str]:
-    """`vllm bench serve` for the plan's verify settings, against the chat endpoint."""
-    v = plan.settings.verify
-    args = [
-        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", base,
-        "--model", plan.settings.model.served_name, "--tokenizer", tokenizer,
-        "--dataset-name", "random", "--random-input-len", str(v.input_len), "--random-output-len", str(v.output_len),
-        "--num-prompts", str(v.requests), "--max-concurrency", str(v.concurrency),
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--ignore-eos",
-    ]  # fmt: skip
-    goodput = [
-        f"{name}:{value:g}" for name, value in (("ttft", v.ttft_p99_ms), ("tpot", v.tpot_p99_ms)) if value
-    ]
-    if goodput:
-        args += ["--goodput", *goodput]
-    return args
 
 
 def native_bench(python: str) -> BenchRunner:
@@ -69,7 +54,6 @@ def container_bench(image: str, mounts: list[tuple[str, str]]) -> BenchRunner:
     """The benchmark run by the engine image's own vLLM, in a sibling container on the host's
     network (the server's port is published there), with the server's model and cache mounts
     for the tokenizer."""
-    from m31ctl.runtime import engine_api
 
     def run_bench(args: list[str]) -> dict[str, Any]:
         with (

@@ -17,27 +17,23 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from m31ctl import interrupt
 from m31ctl.deployment import Deployment
 from m31ctl.engine.adapter import build_invocation, native_command
 from m31ctl.errors import CheckFailed, ConflictError, HostPreconditionError, ServerDied
-from m31ctl.runtime.base import (
-    DryRun,
-    LaunchOptions,
-    LaunchResult,
-    Reporter,
-    ScriptRun,
-    ServerStatus,
-)
-from m31ctl.runtime.converge import Existing
+from m31ctl.runtime.converge import ExistingServer
 from m31ctl.runtime.flow import Found, converge
 from m31ctl.runtime.gates import CheckId
+from m31ctl.runtime.launching import LAUNCH_ENV
 from m31ctl.runtime.load_run import BenchRunner, native_bench
 from m31ctl.runtime.native_state import (
     Liveness,
     NativeServer,
     claim,
     forget,
+    group_runs,
     load,
     process_identity,
     recorded,
@@ -45,10 +41,22 @@ from m31ctl.runtime.native_state import (
     state_dir,
 )
 from m31ctl.runtime.planrecord import PlanRecord, record_of
+from m31ctl.runtime.protocol import (
+    DryRun,
+    LaunchOptions,
+    LaunchResult,
+    Reporter,
+    ScriptRun,
+    ServerStatus,
+)
 from m31ctl.runtime.readiness import ProcessState, health, models
 
 # After SIGKILL, how long the kernel may take to reap the process group before stop gives up.
-KILL_GRACE_S = 5.0
+# Not 5 s: a P/D prefill vLLM whose interpreter hung in its teardown after "Application shutdown
+# complete" (NIXL/UCX, 1 GiB of registered KV cache) was SIGKILLed and still had a live member 5 s
+# later on this loaded 2-core host, gone a few seconds after that; stop then failed with exit 1
+# although nothing was stuck. The wait ends as soon as the group is gone.
+KILL_GRACE_S = 30.0
 # How long an engine we started but could not record gets to leave on SIGTERM before SIGKILL.
 ABANDON_GRACE_S = 5.0
 
@@ -89,10 +97,10 @@ def command(deployment: Deployment) -> list[str]:
     return native_command(deployment, runtime.native_python or sys.executable)
 
 
-def _existing(server: NativeServer, served: str, api_key: str | None) -> Existing:
+def _existing(server: NativeServer, served: str, api_key: str | None) -> ExistingServer:
     liveness = server.liveness()
     alive = liveness is Liveness.RUNNING
-    return Existing(
+    return ExistingServer(
         owned=True,  # records are ours by construction
         plan_hash=server.plan_hash,
         state=liveness.value,
@@ -103,11 +111,19 @@ def _existing(server: NativeServer, served: str, api_key: str | None) -> Existin
 class _ProcessLaunch:
     """The native runtime's launch primitives (runtime/flow.py runs the flow)."""
 
-    def __init__(self, deployment: Deployment, options: LaunchOptions) -> None:
+    def __init__(self, deployment: Deployment, options: LaunchOptions, group: str | None = None) -> None:
         self.deployment = deployment
         self.options = options
         self.name = deployment.name
+        self.group = group  # the P/D group this engine is a role of (its record says so)
         self.child: subprocess.Popen[bytes] | None = None
+
+    def argv(self) -> list[str]:
+        return command(self.deployment)
+
+    def own_env(self) -> Mapping[str, str]:
+        """What the process's own invocation sets, over the inherited environment."""
+        return dict(build_invocation(self.deployment).env)
 
     def claim(self) -> contextlib.AbstractContextManager[object]:
         return claim(self.name)
@@ -132,9 +148,14 @@ class _ProcessLaunch:
         interrupt) is stopped again before the error goes on: nothing runs that m31ctl does not
         know of."""
         d = self.deployment
-        argv = command(d)
+        argv = self.argv()
         log_path = state_dir() / f"{self.name}.log"
-        env = {**self.options.environ, "HF_HOME": d.hf_cache, **dict(build_invocation(d).env)}
+        # What launch itself sets for this start (LAUNCH_ENV: offline mode, the engine-ready
+        # limit of an engine that downloads) wins over the plan's, as the container runtime's does.
+        launch_set = {
+            name: self.options.environ[name] for name in LAUNCH_ENV if self.options.environ.get(name)
+        }
+        env = {**self.options.environ, "HF_HOME": d.hf_cache, **dict(self.own_env()), **launch_set}
         try:
             with open(log_path, "ab") as log:
                 # A session of its own: Ctrl-C on m31ctl leaves the server running, as a container would.
@@ -179,12 +200,17 @@ class _ProcessLaunch:
             log=log,
             argv=tuple(argv),
             started_at=time.time(),
-            stop_timeout=d.budgets.stop_s,
+            stop_timeout=d.timeline.stop_s,
             identity=process_identity(child.pid),
             plan=record_of(d, os.getcwd()).to_json(),
+            group=self.group,
+            **self.record_extra(),
         )
         save(server)
         return server
+
+    def record_extra(self) -> dict[str, Any]:
+        return {}
 
     def handle(self, server: NativeServer) -> ProcessHandle:
         own = self.child if self.child is not None and self.child.pid == server.pid else None
@@ -219,6 +245,9 @@ class NativeRuntime:
     name = "native"
     gates = (CheckId.GPUS, CheckId.GPU_MEMORY, CheckId.MIG, CheckId.DISK, CheckId.CAPACITY, CheckId.API_KEY)
 
+    # A P/D group: runtime/native_group.py's NativeGroupRuntime, the registered one, runs it.
+    runs_groups = False
+
     def dry_run(self, deployment: Deployment) -> DryRun:
         return DryRun("process", tuple(command(deployment)), {"command": command(deployment)})
 
@@ -238,7 +267,7 @@ class NativeRuntime:
 
     def logs(self, name: str, follow: bool, tail: int, write: Callable[[str], None]) -> None:
         server = _named(name)
-        write(ProcessHandle(server).log_tail(tail))
+        self._write_tail(server, tail, write)
         if follow:
             with open(server.log, "rb") as log:
                 log.seek(0, os.SEEK_END)
@@ -247,11 +276,14 @@ class NativeRuntime:
                     if chunk:
                         write(chunk.decode("utf-8", "replace"))
                     else:
-                        time.sleep(0.3)
+                        interrupt.sleep(0.3)  # Ctrl-C ends the follow here
 
     def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
         server = _named(name)
         stop_server(server, timeout if timeout is not None else server.stop_timeout, report)
+
+    def _write_tail(self, server: NativeServer, tail: int, write: Callable[[str], None]) -> None:
+        write(ProcessHandle(server).log_tail(tail))
 
     def bench_runner(self, deployment: Deployment, shared: Sequence[str] = ()) -> BenchRunner:
         del shared  # the same file system: nothing to share
@@ -298,7 +330,9 @@ def stop_server(server: NativeServer, timeout: int, report: Reporter) -> None:
     """SIGTERM to the process group (vLLM drains), then SIGKILL after the timeout, only to a
     process confirmed as the one m31ctl started. The record goes once the process is gone; a
     process that survives SIGKILL fails the stop; a live pid that cannot be confirmed is never
-    signalled: the record is reported as stale, with the way to remove it."""
+    signalled: the record is reported as stale, with the way to remove it. A server that is gone
+    but left processes of its group running (a killed API server's engine core) has those
+    stopped the same way."""
     liveness = server.liveness()
     if liveness is Liveness.UNCONFIRMED:
         raise ConflictError(
@@ -307,8 +341,10 @@ def stop_server(server: NativeServer, timeout: int, report: Reporter) -> None:
             "cannot tell); not signalled",
             hint=f"if that server is gone, remove the stale record: rm {server.path}",
         )
-    if liveness is Liveness.RUNNING:
-        report(f"stopping {server.name} (pid {server.pid}: SIGTERM, then SIGKILL after {timeout} s)")
+    orphans = liveness is Liveness.GONE and server.orphans()
+    if liveness is Liveness.RUNNING or orphans:
+        what = f"the processes left of {server.name}'s group" if orphans else f"{server.name}"
+        report(f"stopping {what} (pid {server.pid}: SIGTERM, then SIGKILL after {timeout} s)")
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGTERM)
         if not _wait_gone(server, timeout):
@@ -323,11 +359,15 @@ def stop_server(server: NativeServer, timeout: int, report: Reporter) -> None:
 
 
 def _wait_gone(server: NativeServer, seconds: float) -> bool:
+    """The server and every process of its group: vLLM's multiprocessing resource tracker
+    ignores SIGTERM and outlives the server by seconds, and a stop that returned before it went
+    left a process of the server running (the soak saw it). A group outlives its leader only
+    while members remain, so its id names no one else's processes meanwhile."""
     deadline = time.monotonic() + seconds
-    while server.alive():
+    while server.alive() or group_runs(server.pid):
         if time.monotonic() >= deadline:
             return False
-        time.sleep(0.2)
+        interrupt.sleep(0.2)  # Ctrl-C leaves the drain to the engine (its record stays)
     return True
 
 

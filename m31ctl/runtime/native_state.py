@@ -7,13 +7,17 @@ Three rules keep the records honest:
   any of them, or a process that cannot be read, is *unconfirmed*: never signalled, reported with
   the way to remove the record (`liveness`).
 - Load, decide and save happen under a per-name lock (`claim`, fcntl), so concurrent launches of
-  one name start one engine; each writer has its own temporary file, renamed into place.
-- The directory is checked before anything starts (`claim` creates and locks in it), and a save
-  that fails removes its temporary file and raises: the caller stops what it started.
+  one name start one engine; each writer has its own temporary file, renamed into place
+  (m31ctl/atomic.py: written whole, fsynced, renamed, the directory flushed).
+- The directory is checked before anything starts: `claim` creates and locks in it and reserves
+  the record's space on disk (posix_fallocate), so a full disk is one error line before an engine
+  runs, and `save` writes into that reservation. A save that still fails removes its temporary
+  file and raises: the caller stops what it started. The lock file goes when the claim ends, and
+  so does an unused reservation: a failed launch leaves no file behind.
 
 Test seam: every record's bytes are written by `_write_record(fd, data)`; tests replace it with a
-write to /dev/full to meet a real ENOSPC from the kernel (a full disk), which no unprivileged test
-can otherwise arrange.
+write to /dev/full to meet a real ENOSPC from the kernel at the moment of saving, after the
+reservation (a real full disk, a tmpfs, meets the reservation: tests/runtime/test_native_faults.py).
 """
 
 from __future__ import annotations
@@ -24,13 +28,14 @@ import fcntl
 import hashlib
 import json
 import os
-import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
+from m31ctl import atomic
 from m31ctl.errors import HostPreconditionError
 from m31ctl.names import check_name, name_problem
 from m31ctl.netaddr import local_url
@@ -38,6 +43,9 @@ from m31ctl.resources import state_root
 
 # A record is a few kilobytes (the plan's settings); anything far larger is not ours.
 MAX_RECORD_BYTES = 1 << 20
+# What claim reserves for the record: it holds the plan's settings as JSON (5-10 KiB for the
+# recipes here); a record larger than the reservation is still written, without the guarantee.
+RECORD_RESERVE_BYTES = 64 * 1024
 
 
 def state_dir() -> Path:
@@ -69,6 +77,10 @@ class NativeServer:
     identity: str | None = None
     # The plan it was launched with (runtime/planrecord.py, as JSON): verify re-resolves it.
     plan: str | None = None
+    # A P/D group (issue 36): the group's record is its router's and names the role engines'
+    # records in `parts`; each role engine's record names its group.
+    parts: tuple[str, ...] = ()
+    group: str | None = None
 
     @property
     def base(self) -> str:
@@ -89,6 +101,13 @@ class NativeServer:
     def alive(self) -> bool:
         """Running and confirmed ours (what may be waited on, followed and signalled)."""
         return self.liveness() is Liveness.RUNNING
+
+    def orphans(self) -> bool:
+        """The server's process is gone but processes of its group still run: vLLM's engine core
+        and its workers outlive an API server killed with SIGKILL, holding their memory (and on
+        a GPU host the GPUs). The group is the server's: while a group has members its id stays
+        allocated, so no other process can have been given the server's pid meanwhile."""
+        return not _exists(self.pid) and group_runs(self.pid)
 
 
 def _complete(identity: str | None) -> bool:
@@ -139,6 +158,21 @@ def _exists(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
+def group_runs(pgid: int) -> bool:
+    """A live (not zombie) process in the process group: a zombie (a leader waiting for its
+    parent to reap it) runs nothing."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
 def record_path(name: str) -> Path:
     # Names are checked at plan time; checked again here because this one becomes a file path.
     return state_dir() / f"{check_name(name, 'server name')}.json"
@@ -150,6 +184,7 @@ def load(name: str) -> NativeServer | None:
         with record_path(name).open("rb") as handle:
             data = json.loads(handle.read(MAX_RECORD_BYTES + 1)[:MAX_RECORD_BYTES])
         data["argv"] = tuple(data["argv"])
+        data["parts"] = tuple(data.get("parts", ()))
         server = NativeServer(**data)
     except (OSError, ValueError, TypeError, KeyError, RecursionError):
         return None
@@ -174,54 +209,99 @@ def _state_error(exc: OSError, directory: Path) -> HostPreconditionError:
     )
 
 
+# The record reservations of the claims this process holds, by server name (save writes into
+# its name's reservation). Claims of one name in one process are serialised by the flock.
+_RESERVED: dict[str, atomic.Slot] = {}
+_RESERVED_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def claim(name: str) -> Iterator[None]:
     """Hold the per-name lock for a load-decide-save: a second launch of the name waits here until
     the first has recorded what it started, then finds it. Creating the directory and the lock
-    file is also the check that the state directory can be written, before anything starts."""
+    file and reserving the record's space is also the check that the state directory can hold
+    the record, before anything starts. When the claim ends the lock file is removed (a waiter
+    that then gets the lock on the removed file sees it and takes the lock anew) and so is an
+    unused reservation."""
     directory = state_dir()
+    lock = directory / f"{check_name(name, 'server name')}.lock"
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / f"{check_name(name, 'server name')}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
         raise _state_error(exc, directory) from None
+    fd = _lock(lock, directory)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        with _reservation(name, directory):
+            yield
+    finally:
+        lock.unlink(missing_ok=True)  # under the lock: nobody else holds it now
+        os.close(fd)  # releases the lock
+
+
+def _lock(path: Path, directory: Path) -> int:
+    """An exclusive flock on `path`, as the file that path names now: a lock taken on a file that
+    its holder removed meanwhile locks nothing anyone else will look at, so it is taken again."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise _state_error(exc, directory) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass  # removed by the holder we waited for
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _reservation(name: str, directory: Path) -> Iterator[None]:
+    try:
+        reserved = atomic.reserve(record_path(name), RECORD_RESERVE_BYTES)
+        slot = reserved.__enter__()
+    except OSError as exc:
+        raise _state_error(exc, directory) from None
+    with _RESERVED_LOCK:
+        _RESERVED[name] = slot
+    try:
         yield
     finally:
-        os.close(fd)  # releases the lock; the file stays (removing it would race a waiter)
+        with _RESERVED_LOCK:
+            _RESERVED.pop(name, None)
+        reserved.__exit__(None, None, None)
 
 
 def _write_record(fd: int, data: bytes) -> None:
     """The one write of a record's bytes (the test seam for a full disk, see the module's doc)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+    atomic.write_all(fd, data)
 
 
 def save(server: NativeServer) -> None:
-    """Write the record atomically: a temporary file of this writer's own, flushed to disk, then
-    renamed over the record. On any failure the temporary file is removed and the error raised
-    (a HostPreconditionError naming the directory for an OSError)."""
+    """Write the record atomically (m31ctl/atomic.py), into the space the name's claim reserved
+    when there is one. On any failure the temporary file is removed and the error raised (a
+    HostPreconditionError naming the directory for an OSError)."""
     directory = state_dir()
-    data = json.dumps({**asdict(server), "argv": list(server.argv)}, indent=1, sort_keys=True) + "\n"
+    data = (
+        json.dumps(
+            {**asdict(server), "argv": list(server.argv), "parts": list(server.parts)},
+            indent=1,
+            sort_keys=True,
+        )
+        + "\n"
+    )
+    with _RESERVED_LOCK:
+        slot = _RESERVED.pop(server.name, None)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{server.name}.", suffix=".tmp", dir=directory)
+        if slot is not None:
+            slot.commit(data.encode(), lambda fd, payload: _write_record(fd, payload))
+        else:
+            atomic.write_atomic(server.path, data, 0o600, lambda fd, payload: _write_record(fd, payload))
     except OSError as exc:
         raise _state_error(exc, directory) from None
-    try:
-        try:
-            _write_record(fd, data.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, server.path)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise _state_error(exc, directory) from None
-        raise
 
 
 def forget(server: NativeServer) -> None:

@@ -24,18 +24,36 @@ class Phase(str, Enum):
         return self.value
 
 
-# Which log lines mark each phase (vLLM 0.32's wording); the latest match in the log wins.
+# Which log lines mark each phase, in vLLM 0.32's own words (its logger calls; a real CPU start-up
+# is tests/fixtures/vllm-logs/cpu-0.32.0-native-startup.log); the latest match in the log wins.
+# Only lines that say a phase runs: "Enforce eager set, disabling torch.compile" and "Inductor
+# compilation was disabled" mention compiling and mean the opposite, so no bare "compil" word.
 _PATTERNS: tuple[tuple[re.Pattern[str], Phase], ...] = tuple(
     (re.compile(pattern, re.IGNORECASE), phase)
     for pattern, phase in (
-        (r"Application startup complete|Starting vLLM API server|Uvicorn running", Phase.SERVING),
-        (r"Capturing CUDA graph|CUDA graphs", Phase.CUDA_GRAPHS),
-        (r"torch\.compile|Compiling a graph|compilation", Phase.COMPILING),
-        (r"Loading weights|Loading safetensors|checkpoint shards", Phase.LOADING),
+        # entrypoints: "Starting vLLM server on http://...", uvicorn's "Application startup complete"
+        (r"Application startup complete|Starting vLLM (?:API )?server|Uvicorn running", Phase.SERVING),
+        # gpu_model_runner.py: tqdm "Capturing CUDA graphs (...)", "Graph capturing finished in"
+        (r"Capturing CUDA graph|Graph capturing finished", Phase.CUDA_GRAPHS),
+        # compilation/monitor.py "Starting torch.compile", "torch.compile took %.2f s in total";
+        # decorators.py "torch.compile and initial profiling/warmup run together took"; older
+        # vLLM "torch.compile takes %.2f s in total"; backends.py "Dynamo bytecode transform
+        # time", "Compiling a graph for compile range", "Directly load the compiled graph(s)"
+        (
+            r"Starting torch\.compile|torch\.compile (?:takes|took|and initial profiling)"
+            r"|Dynamo bytecode transform|Compiling a graph for|Directly load (?:the compiled graph|AOT compilation)",
+            Phase.COMPILING,
+        ),
+        # model runners "Starting to load model", default_loader "Loading weights took", tqdm
+        # "Loading safetensors checkpoint shards", "Model loading took"
+        (r"Starting to load model|Loading weights|Loading safetensors|checkpoint shards|Model loading took",
+         Phase.LOADING),
         (r"Downloading|Fetching \d+ files", Phase.DOWNLOADING),
-        (r"vLLM API server version|Initializing", Phase.STARTING),
+        # api_utils "non-default args" (the API server's first line), core.py "Initializing a V1
+        # LLM engine" (not "Initializing model took", which the loader prints while loading)
+        (r"vLLM API server version|non-default args:|Initializing a V\d+ LLM engine", Phase.STARTING),
     )
-)
+)  # fmt: skip
 
 
 def latest_phase(log_text: str) -> Phase | None:

@@ -17,13 +17,13 @@ import json
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from m31ctl.deployment import Deployment
-from m31ctl.errors import InputError
-from m31ctl.plan import Plan
+from pydantic import ValidationError
 
-# The label key of a container's record (beside container.Label's keys; only launch sets it: the
-# launch directory is no part of what the render targets describe).
-PLAN_LABEL = "io.m31ctl.plan"
+from m31ctl.deployment import Deployment, derive
+from m31ctl.errors import InputError
+from m31ctl.hardware import Hardware
+from m31ctl.plan import Plan, PlanRequest, resolve
+
 FORMAT = 1
 MAX_RECORD_CHARS = 256 * 1024
 
@@ -87,11 +87,6 @@ def record_of(deployment: Deployment, cwd: str) -> PlanRecord:
 def recorded_plan(record: PlanRecord) -> Plan:
     """The plan again, from its record. Raises InputError when the record does not resolve (it
     was written by something else, or by an m31ctl whose settings differ)."""
-    from pydantic import ValidationError
-
-    from m31ctl.hardware import Hardware
-    from m31ctl.plan import PlanRequest, resolve
-
     # One layer per section, each replacing everything below it: the settings exactly as resolved.
     sets = tuple(f"{section}={json.dumps(value)}" for section, value in sorted(record.settings.items()))
     try:
@@ -108,8 +103,6 @@ def recorded_plan(record: PlanRecord) -> Plan:
 
 def recorded_deployment(record: PlanRecord) -> Deployment:
     """The server's Deployment, derived where its launch ran (a relative model path stays put)."""
-    from m31ctl.deployment import derive
-
     return derive(recorded_plan(record), cwd=record.cwd)
 
 

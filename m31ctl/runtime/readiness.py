@@ -13,10 +13,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from m31ctl import interrupt
 from m31ctl.errors import NotReadyError, ServerDied
-from m31ctl.runtime.base import PhaseCallback, Reporter
 from m31ctl.runtime.exits import explain_exit
 from m31ctl.runtime.phases import Phase, latest_phase
+from m31ctl.runtime.protocol import PhaseCallback, Reporter
 
 POLL_S = 0.25
 LOG_TAIL_ON_FAILURE = 20
@@ -43,6 +44,7 @@ class ServerHandle(Protocol):
 
 def models(base: str, api_key: str | None, timeout: float = 2.0) -> list[str] | None:
     """Served model ids from /v1/models, or None while the server does not answer."""
+    # lazy: httpx costs start-up; stop and logs never ask a server
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -59,6 +61,7 @@ def models(base: str, api_key: str | None, timeout: float = 2.0) -> list[str] | 
 
 
 def health(base: str, timeout: float = 2.0) -> int | None:
+    # lazy: httpx costs start-up; stop and logs never ask a server
     import httpx
 
     try:
@@ -76,7 +79,7 @@ class Watchdog(NamedTuple):
     triage: Callable[[dict[str, Any]], str]  # writes the bundle, returns its path
 
 
-class _Progress:
+class _WaitProgress:
     """What the wait has seen so far: phases in order (with when), the log's last change."""
 
     def __init__(self, report: Reporter, on_phase: PhaseCallback | None) -> None:
@@ -128,7 +131,7 @@ def wait_ready(
     (the watchdog: a classified stall and a triage bundle), or `timeout` seconds pass
     (NotReadyError saying how far it got). Returns the timings of each milestone and the
     startup phases seen in the log."""
-    progress = _Progress(report, on_phase)
+    progress = _WaitProgress(report, on_phase)
     timings: dict[str, float] = {}
     while True:
         state = handle.state()
@@ -156,7 +159,7 @@ def wait_ready(
             raise NotReadyError(
                 f"not ready after {timeout:g} s: {case}", hint="raise --timeout, or look at `m31ctl logs`"
             )
-        time.sleep(POLL_S)
+        interrupt.sleep(POLL_S)  # Ctrl-C ends the wait here, between looks
 
 
 def _answers(
@@ -164,7 +167,7 @@ def _answers(
     served_name: str,
     api_key: str | None,
     timings: dict[str, float],
-    progress: _Progress,
+    progress: _WaitProgress,
     report: Reporter,
 ) -> bool:
     """One look at a running server: /health first (once it answers 200, never again), then

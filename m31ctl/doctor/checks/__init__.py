@@ -1,15 +1,22 @@
 """The checks `m31ctl doctor` and `launch` run, in the order they are reported. Each reads the
-Context and returns an Outcome; what they call to find out (the Docker Engine, a script run with
-the engine's Python) sits behind the Context and the runtime seam.
+CheckContext and returns an Outcome; what they call to find out (the Docker Engine, a script run with
+the engine's Python) sits behind the CheckContext and the runtime seam.
 
     host.py    Docker, GPUs, memory, MIG, driver, ROCm, shared memory, ulimits, port
     model.py   checkpoint, disk, Hugging Face token, API key, KV capacity
     image.py   the engine image and its vLLM's schema
     deep.py    --deep: the engine's torch on the plan's GPUs and an all-reduce
     engine_config.py  --deep: vLLM builds its configuration from the plan's argv (its dry run)
+    lock.py    --locked FILE: the deployment against its lock
+
+The registry is keyed by CheckId (m31ctl/runtime/gates.py), the ids the runtimes gate launches
+on: `_check` matches every member, so a check id without a check is a type error (mypy's
+exhaustiveness check), not a gate silently dropped from a preflight.
 """
 
 from __future__ import annotations
+
+from typing import NoReturn
 
 from m31ctl.doctor.base import Check
 from m31ctl.doctor.checks.deep import collective, engine_image
@@ -27,40 +34,86 @@ from m31ctl.doctor.checks.host import (
     shm,
 )
 from m31ctl.doctor.checks.image import engine, image
+from m31ctl.doctor.checks.lock import LOCK_CHECK_TIMEOUT_S, lock
 from m31ctl.doctor.checks.model import api_key, capacity, checkpoint, checkpoint_state, disk, hf_token
-from m31ctl.doctor.engine_probe import DEEP_TIMEOUT_S
+from m31ctl.doctor.engine_probe import DEEP_RUN_LIMIT_S
+from m31ctl.runtime.gates import CheckId
+
+# The deep probe's own bounds (start-up, all-reduce), and time to read it.
+_DEEP_LIMIT_S = DEEP_RUN_LIMIT_S + 30
+
+
+def _unregistered(check_id: NoReturn) -> NoReturn:
+    """typing.assert_never (Python 3.11+; m31ctl runs on 3.10): mypy rejects a call that a
+    member the match lacks can reach."""
+    raise AssertionError(f"no doctor check is registered for {check_id}")
+
+
+def _check(check_id: CheckId) -> Check:
+    match check_id:
+        case CheckId.DOCKER:
+            return Check(check_id, "Docker daemon", docker_daemon)
+        case CheckId.GPU_RUNTIME:
+            return Check(check_id, "GPU container runtime", gpu_runtime)
+        case CheckId.GPUS:
+            return Check(check_id, "GPUs", gpus, timeout_s=1)
+        case CheckId.GPU_MEMORY:
+            return Check(check_id, "Free GPU memory", gpu_memory, timeout_s=1)
+        case CheckId.MIG:
+            return Check(check_id, "MIG mode", mig, timeout_s=1)
+        case CheckId.DRIVER:
+            return Check(check_id, "NVIDIA driver / CUDA", driver, timeout_s=1)
+        case CheckId.ROCM:
+            return Check(check_id, "ROCm", rocm, timeout_s=1)
+        case CheckId.DISK:
+            return Check(check_id, "Disk for the checkpoint", disk)
+        case CheckId.SHM:
+            return Check(check_id, "Shared memory", shm, timeout_s=1)
+        case CheckId.MEMLOCK:
+            return Check(check_id, "Ulimits and /dev/shm, tried", memlock, timeout_s=15)
+        case CheckId.CHECKPOINT:
+            return Check(check_id, "Checkpoint complete", checkpoint, timeout_s=5)
+        case CheckId.PORT:
+            return Check(check_id, "Port", port, timeout_s=1)
+        case CheckId.HF_TOKEN:
+            return Check(check_id, "Hugging Face token", hf_token, timeout_s=1)
+        case CheckId.API_KEY:
+            return Check(check_id, "API key", api_key, timeout_s=1)
+        case CheckId.IMAGE:
+            return Check(check_id, "Engine image", image, timeout_s=8)
+        case CheckId.CAPACITY:
+            return Check(check_id, "KV capacity", capacity, timeout_s=2)
+        case CheckId.ENGINE:
+            return Check(check_id, "Engine accepts the argv", engine, timeout_s=120)
+        case CheckId.ENGINE_IMAGE:
+            return Check(
+                check_id, "Engine on the plan's GPUs", engine_image, timeout_s=_DEEP_LIMIT_S, deep=True
+            )
+        case CheckId.COLLECTIVE:
+            return Check(
+                check_id, "All-reduce on the plan's GPUs", collective, timeout_s=_DEEP_LIMIT_S, deep=True
+            )
+        case CheckId.ENGINE_CONFIG:
+            return Check(
+                check_id,
+                "vLLM builds the plan's configuration",
+                engine_config,
+                timeout_s=ENGINE_CONFIG_TIMEOUT_S + 30,
+                deep=True,
+            )
+        case CheckId.LOCK:
+            return Check(check_id, "Lock file", lock, timeout_s=LOCK_CHECK_TIMEOUT_S, locked=True)
+        case _:
+            _unregistered(check_id)
 
 
 def all_checks() -> list[Check]:
-    deep_limit = DEEP_TIMEOUT_S + 30  # the probe's own bound, and time to start it and read it
-    return [
-        Check("docker", "Docker daemon", docker_daemon),
-        Check("gpu-runtime", "GPU container runtime", gpu_runtime),
-        Check("gpus", "GPUs", gpus, timeout_s=1),
-        Check("gpu-memory", "Free GPU memory", gpu_memory, timeout_s=1),
-        Check("mig", "MIG mode", mig, timeout_s=1),
-        Check("driver", "NVIDIA driver / CUDA", driver, timeout_s=1),
-        Check("rocm", "ROCm", rocm, timeout_s=1),
-        Check("disk", "Disk for the checkpoint", disk),
-        Check("shm", "Shared memory", shm, timeout_s=1),
-        Check("memlock", "Ulimits and /dev/shm, tried", memlock, timeout_s=15),
-        Check("checkpoint", "Checkpoint complete", checkpoint, timeout_s=5),
-        Check("port", "Port", port, timeout_s=1),
-        Check("hf-token", "Hugging Face token", hf_token, timeout_s=1),
-        Check("api-key", "API key", api_key, timeout_s=1),
-        Check("image", "Engine image", image, timeout_s=8),
-        Check("capacity", "KV capacity", capacity, timeout_s=2),
-        Check("engine", "Engine accepts the argv", engine, timeout_s=120),
-        Check("engine-image", "Engine on the plan's GPUs", engine_image, timeout_s=deep_limit, deep=True),
-        Check("collective", "All-reduce on the plan's GPUs", collective, timeout_s=deep_limit, deep=True),
-        Check(
-            "engine-config",
-            "vLLM builds the plan's configuration",
-            engine_config,
-            timeout_s=ENGINE_CONFIG_TIMEOUT_S + 30,
-            deep=True,
-        ),
-    ]
+    """One check per CheckId, in the enum's order (the report's)."""
+    return [_check(check_id) for check_id in CheckId]
 
 
-__all__ = ["all_checks", "checkpoint_state", "disk"]
+def get_check(check_id: CheckId) -> Check:
+    return _check(check_id)
+
+
+__all__ = ["all_checks", "checkpoint_state", "disk", "get_check"]

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import re
 
+from m31ctl.checks import CheckStatus
 from m31ctl.deployment import Deployment
-from m31ctl.doctor.base import Context, Outcome
+from m31ctl.doctor.base import CheckContext, Outcome
 from m31ctl.doctor.checks.host import version_tuple
 from m31ctl.doctor.engine_probe import DeepProbe, collective_shape, deep_probe, deep_timeout
 
@@ -36,76 +37,89 @@ def judge_engine(deployment: Deployment, host_cuda: str | None, probe: DeepProbe
     engine = probe.engine
     if engine is None:
         return Outcome(
-            "fail",
+            CheckStatus.FAIL,
             f"the engine's Python did not report (exit {probe.run.exit_code}): {likely_cause(probe.run.stderr)}",
             "run `m31ctl doctor --deep --json` for its stderr",
         )
     versions = f"torch {engine.torch}, vLLM {engine.vllm}"
     if not engine.vllm:
         return Outcome(
-            "fail",
+            CheckStatus.FAIL,
             f"{versions}: this Python cannot serve ({engine.vllm_error or 'vLLM not importable'})",
             "install vLLM there (pip install 'm31ctl[vllm]'), or use the engine image",
         )
     if not deployment.vendor.gpus:
-        return Outcome("ok", f"{versions} (CPU)")
+        return Outcome(CheckStatus.OK, f"{versions} (CPU)")
     versions += f", {'HIP' if engine.hip_runtime else 'CUDA'} {engine.hip_runtime or engine.cuda_runtime}"
     world, _backend, _mib = collective_shape(deployment)
     if not engine.accelerator or engine.device_count < world:
         return Outcome(
-            "fail",
+            CheckStatus.FAIL,
             f"{versions}; {engine.device_count} GPUs visible, the plan needs {world}",
             "check the GPU runtime (nvidia-container-toolkit / /dev/kfd) and *_VISIBLE_DEVICES",
         )
     missing = sorted({d.arch for d in engine.devices if not d.kernels})
     if missing:
         return Outcome(
-            "fail",
+            CheckStatus.FAIL,
             f"{versions}; no kernels for {', '.join(missing)} in {list(engine.arch_list)}",
             "use an image built for this GPU architecture",
         )
     if engine.cuda_runtime and host_cuda and version_tuple(host_cuda) < version_tuple(engine.cuda_runtime):
         return Outcome(
-            "fail", f"{versions}; the host driver supports CUDA {host_cuda} only", "upgrade the driver"
+            CheckStatus.FAIL,
+            f"{versions}; the host driver supports CUDA {host_cuda} only",
+            "upgrade the driver",
         )
     archs = ", ".join(sorted({d.arch for d in engine.devices}))
-    return Outcome("ok", f"{versions}; {engine.device_count} GPUs ({archs}) initialise with kernels")
+    return Outcome(
+        CheckStatus.OK, f"{versions}; {engine.device_count} GPUs ({archs}) initialise with kernels"
+    )
 
 
 def judge_collective(probe: DeepProbe, bound_s: float) -> Outcome:
-    """Did the all-reduce finish, on every rank, with the right sum; how fast was it."""
+    """Did the all-reduce finish, on every rank, with the right sum; how fast was it. A hang is
+    the script's own finding (its bound counts from the moment every rank started, so a slow
+    start-up is never one); a run killed from outside never finished starting."""
     run, result = probe.run, probe.collective
     lines = [ln for ln in run.stderr.splitlines() if _NCCL_WARN.search(ln)][-3:]
-    if run.timed_out:
+    remedy = "; ".join(lines) or "rerun with NCCL_DEBUG=INFO"
+    if result is not None and result.timed_out:
         cause = (
             likely_cause(run.stderr)
             if lines
             else "a rank never joined the group, or the all-reduce never finished"
         )
+        bound = result.bound_s if result.bound_s is not None else bound_s
         return Outcome(
-            "fail",
-            f"the all-reduce {run.where} hung past {bound_s:.0f} s: {cause}",
-            "; ".join(lines) or "rerun with NCCL_DEBUG=INFO",
+            CheckStatus.FAIL, f"the all-reduce {run.where} hung past {bound:.0f} s: {cause}", remedy
+        )
+    if run.timed_out:
+        cause = likely_cause(run.stderr) if lines else "the engine's Python or a rank never finished starting"
+        return Outcome(
+            CheckStatus.FAIL,
+            f"the collective check {run.where} did not finish in {run.seconds:.0f} s: {cause}",
+            remedy,
         )
     if run.exit_code != 0 or result is None or not result.correct or not result.ranks_ok:
         return Outcome(
-            "fail",
+            CheckStatus.FAIL,
             f"the all-reduce {run.where} failed (exit {run.exit_code}): {likely_cause(run.stderr)}",
             "; ".join(lines) or "rerun with NCCL_DEBUG=INFO",
         )
     bus = result.busbw_gbps
     speed = f"{bus:.1f} GB/s bus bandwidth" if bus is not None else "one rank, no exchange"
     return Outcome(
-        "ok",
+        CheckStatus.OK,
         f"{result.backend} all-reduce over {result.world} ranks {run.where}: "
         f"{speed} ({result.bytes // 2**20} MiB, init {result.init_s} s)",
     )
 
 
-def engine_image(ctx: Context) -> Outcome:
+def engine_image(ctx: CheckContext) -> Outcome:
     deployment = ctx.require_deployment()
     return judge_engine(deployment, ctx.probe.hardware.cuda_driver_version, deep_probe(ctx))
 
 
-def collective(ctx: Context) -> Outcome:
+def collective(ctx: CheckContext) -> Outcome:
     return judge_collective(deep_probe(ctx), deep_timeout(ctx.env))

@@ -13,13 +13,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from m31ctl.checks import CheckStatus
 from m31ctl.deployment import Deployment
-from m31ctl.doctor.base import Context, Outcome, SkipCheck
+from m31ctl.doctor.base import CheckContext, Outcome, SkipCheck
 from m31ctl.doctor.checks.model import snapshot
 from m31ctl.doctor.engine_probe import run_engine_script
-from m31ctl.engine.adapter import build_invocation
+from m31ctl.engine.adapter import EngineInvocation, build_invocation
 from m31ctl.engine.dry_run import CONFIG_CHECK_SCRIPT, EngineConfigCheck
-from m31ctl.runtime.base import ScriptRun
+from m31ctl.engine.validate import schema_from_data, validate
+from m31ctl.runtime.protocol import ScriptRun
 
 # Importing vLLM and building its configuration: 15-40 s natively on two busy cores, up to about
 # 160 s in the rehearsal image beside the collective probe there.
@@ -81,7 +83,7 @@ def config_source(deployment: Deployment) -> Path:
     return directory / "config.json"
 
 
-def read_answer(run: ScriptRun) -> EngineConfigCheck | None:
+def _answer_data(run: ScriptRun) -> dict[str, Any] | None:
     """config_check.py prints one JSON object (vLLM's own logging goes to stderr)."""
     for line in reversed(run.stdout.splitlines()):
         if line.startswith("{"):
@@ -89,8 +91,32 @@ def read_answer(run: ScriptRun) -> EngineConfigCheck | None:
                 data = json.loads(line)
             except ValueError:
                 return None
-            return EngineConfigCheck.from_json(data) if isinstance(data, dict) else None
+            return data if isinstance(data, dict) else None
     return None
+
+
+def read_answer(run: ScriptRun) -> EngineConfigCheck | None:
+    data = _answer_data(run)
+    return EngineConfigCheck.from_json(data) if data is not None else None
+
+
+def engine_schema(run: ScriptRun) -> dict[str, Any] | None:
+    """The schema the engine's own vLLM extracted beside its answer (config_check.py), or None where it could not (an engine older than extract_schema.py knows)."""
+    data = _answer_data(run)
+    schema = data.get("schema") if data is not None else None
+    if isinstance(schema, dict) and isinstance(schema.get("flags"), list):
+        return schema
+    return None
+
+
+def lacking(invocation: EngineInvocation, schema: Mapping[str, Any], where: str) -> list[str]:
+    """What the plan's argv and environment use that this engine's own vLLM does not accept, in
+    m31ctl's validator's words (unknown flags with the closest name, values, JSON keys, removed
+    environment variables): an engine older than the schema m31ctl ships (vLLM 0.26 against
+    0.32's) is checked against what it has, not what m31ctl expects."""
+
+    engine = schema_from_data(dict(schema), f"the engine's Python ({where})")
+    return [finding.line() for finding in validate(invocation, engine)]
 
 
 def _resolved(values: Mapping[str, Any]) -> str:
@@ -106,11 +132,28 @@ def _resolved(values: Mapping[str, Any]) -> str:
     return ", ".join(f"{label} {values[key]}" for key, label in shown if values.get(key) is not None)
 
 
-def judge_engine_config(run: ScriptRun, bound_s: float, extra_args: tuple[str, ...] = ()) -> Outcome:
-    """vLLM's answer: its configuration's key values, or its refusal verbatim with a likely fix."""
+def judge_engine_config(
+    run: ScriptRun,
+    bound_s: float,
+    extra_args: tuple[str, ...] = (),
+    invocation: EngineInvocation | None = None,
+) -> Outcome:
+    """vLLM's answer: its configuration's key values, or its refusal verbatim with a likely fix.
+    With the plan's `invocation`, what the plan sets that the engine's own schema lacks fails the
+    check first, each named (vLLM's parser would refuse an unknown flag with less to go on)."""
+    schema = engine_schema(run) if invocation is not None else None
+    if invocation is not None and schema is not None:
+        missing = lacking(invocation, schema, run.where)
+        if missing:
+            shown = "; ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
+            return Outcome(
+                CheckStatus.FAIL,
+                f"vLLM {schema.get('version')} {run.where} lacks what the plan sets: {shown}",
+                "drop or change those settings for this engine, or use a vLLM that has them",
+            )
     if run.timed_out:
         return Outcome(
-            "fail",
+            CheckStatus.FAIL,
             f"vLLM did not finish building its configuration {run.where} within {bound_s:.0f} s",
             "run config_check.py by hand with the engine's Python (see m31ctl/engine/dry_run.py)",
         )
@@ -118,33 +161,38 @@ def judge_engine_config(run: ScriptRun, bound_s: float, extra_args: tuple[str, .
     if answer is None:
         tail = run.stderr.strip().splitlines()[-1:] or ["no output"]
         return Outcome(
-            "fail",
+            CheckStatus.FAIL,
             f"the engine's configuration check gave no answer {run.where} (exit {run.exit_code}): {tail[0][:300]}",
             "run `m31ctl doctor --deep --json`; the engine-image check says whether vLLM imports",
         )
     version = f"vLLM {answer.vllm}" if answer.vllm else "vLLM"
     if answer.stage == "import":
         return Outcome(
-            "fail",
+            CheckStatus.FAIL,
             f"vLLM does not import {run.where}: {answer.refusal}",
             "install vLLM there (runtime.native_python), or use the engine image",
         )
     if not answer.ok:
         refusal = answer.refusal or answer.message or answer.error or "no reason given"
         return Outcome(
-            "fail",
+            CheckStatus.FAIL,
             f"{version} refuses the plan's configuration {run.where}: {refusal}",
             likely_fix(refusal, extra_args),
         )
+    checked = " (argv and environment match its own schema)" if schema is not None else ""
     return Outcome(
-        "ok",
-        f"{version} ({answer.platform}) builds the plan's configuration {run.where}: {_resolved(answer.resolved)}",
+        CheckStatus.OK,
+        f"{version} ({answer.platform}) builds the plan's configuration {run.where}{checked}: "
+        f"{_resolved(answer.resolved)}",
     )
 
 
-def engine_config(ctx: Context) -> Outcome:
+def engine_config(ctx: CheckContext) -> Outcome:
     deployment = ctx.require_deployment()
     config_source(deployment)
-    argv = ["--", *build_invocation(deployment).args]
+    invocation = build_invocation(deployment)
+    argv = ["--", *invocation.args]
     run = run_engine_script(ctx, CONFIG_CHECK_SCRIPT, argv, ENGINE_CONFIG_TIMEOUT_S, OFFLINE)
-    return judge_engine_config(run, ENGINE_CONFIG_TIMEOUT_S, deployment.plan.settings.engine.extra_args)
+    return judge_engine_config(
+        run, ENGINE_CONFIG_TIMEOUT_S, deployment.plan.settings.engine.extra_args, invocation
+    )

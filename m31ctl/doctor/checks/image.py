@@ -2,49 +2,66 @@
 
 from __future__ import annotations
 
-from m31ctl.doctor.base import Context, Outcome
+import dataclasses
+
+from m31ctl.checks import CheckStatus
+from m31ctl.deployment import Deployment
+from m31ctl.doctor.base import CheckContext, Outcome
+from m31ctl.engine.adapter import build_invocation
+from m31ctl.engine.validate import schema_from_data, validate
 from m31ctl.runtime.engine_api import local_image, registry_error
+from m31ctl.runtime.images import engine_schema
 
 
-def image(ctx: Context) -> Outcome:
+def image(ctx: CheckContext) -> Outcome:
     plan = ctx.require_plan()
     name = plan.settings.engine.image
     client = ctx.engine()
     img = local_image(client, name)
     if img is not None:
-        return Outcome("ok", f"{name} present locally ({img.short_id})")
+        return Outcome(CheckStatus.OK, f"{name} present locally ({img.short_id})")
     problem = registry_error(client, name)
     if problem is not None:
         return Outcome(
-            "warn",
+            CheckStatus.WARN,
             f"{name} is not present locally and its registry did not answer ({problem[:120]})",
             "pull it where the registry is reachable, or `docker load` it",
         )
-    return Outcome("ok", f"{name} not present locally; the registry has it (launch pulls it)")
+    return Outcome(CheckStatus.OK, f"{name} not present locally; the registry has it (launch pulls it)")
 
 
-def engine(ctx: Context) -> Outcome:
-    plan = ctx.require_plan()
-    from m31ctl.engine.adapter import build_invocation
-    from m31ctl.engine.validate import schema_from_data, validate
+def engine(ctx: CheckContext) -> Outcome:
+    """Each engine's argv and environment (a P/D group's prefill and decode, each with its own
+    image) against the vLLM inside its image."""
+    outcomes = [_engine_accepts(ctx, one) for one in ctx.require_deployment().engines]
+    if len(outcomes) == 1:
+        return outcomes[0]
+    worst = max(outcomes, key=lambda o: SEVERITY[o.status])
+    roles = [one.kv_transfer.role.value for one in ctx.require_deployment().engines if one.kv_transfer]
+    said = "; ".join(f"{role}: {o.message}" for role, o in zip(roles, outcomes, strict=True))
+    return dataclasses.replace(worst, message=said)
 
-    name = plan.settings.engine.image
+
+# Which of several engines' outcomes the check reports as its own status: the worst.
+SEVERITY = {CheckStatus.OK: 0, CheckStatus.SKIP: 1, CheckStatus.WARN: 2, CheckStatus.FAIL: 3}
+
+
+def _engine_accepts(ctx: CheckContext, deployment: Deployment) -> Outcome:
+    name = deployment.plan.settings.engine.image
     image = local_image(ctx.engine(), name)
     if image is None:
         return Outcome(
-            "skip",
+            CheckStatus.SKIP,
             f"{name} is not present locally, so its own vLLM cannot be asked",
             "pull it, then run doctor again (plan-time validation used the vLLM 0.32 schema)",
         )
-    from m31ctl.runtime.images import engine_schema
-
     data = engine_schema(ctx.engine(), image)
-    findings = validate(build_invocation(ctx.require_deployment()), schema_from_data(data, name))
+    findings = validate(build_invocation(deployment), schema_from_data(data, name))
     if findings:
         return Outcome(
-            "fail",
+            CheckStatus.FAIL,
             f"the image's vLLM {data.get('version')} would reject {findings[0].line()}"
             + (f" (+{len(findings) - 1} more)" if len(findings) > 1 else ""),
             "fix the setting, or use an image whose vLLM supports it",
         )
-    return Outcome("ok", f"argv and environment match the vLLM {data.get('version')} inside {name}")
+    return Outcome(CheckStatus.OK, f"argv and environment match the vLLM {data.get('version')} inside {name}")

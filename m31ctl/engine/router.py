@@ -1,0 +1,69 @@
+"""The vllm-router adapter: the only code that spells vllm-router's flags.
+
+vllm-router (PyPI vllm-router 0.1.17, vllm-project/router) pairs each request's prefill and
+decode the way vLLM's own P/D proxy does: prefill gets the request with max_tokens 1 and
+`kv_transfer_params: {"do_remote_decode": true}`, decode gets the client's request with what
+prefill returned, and the client gets decode's answer (src/routers/http/vllm_pd_router.rs). The
+target supplies the upstream URLs (loopback ports natively, container names on a Docker
+network, Service names in Kubernetes) and the metrics port (launch picks a free one).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT, Disaggregated, Router
+
+# The router's console script (its wheel installs it; the CPU rehearsal image has it on PATH).
+ROUTER_EXECUTABLE = "vllm-router"
+# How long the router waits for every worker's /health at start (vllm-project/router
+# src/main.rs --worker-startup-timeout-secs, default 600 s). m31ctl starts the router once the
+# roles are ready, so this only bounds a role that dies in between.
+WORKER_STARTUP_TIMEOUT_S = 600
+
+
+class Upstreams(NamedTuple):
+    prefill_url: str
+    decode_url: str
+
+
+class RouterInvocation(NamedTuple):
+    image: str
+    argv: tuple[str, ...]  # the whole command, the executable first
+
+
+def router_invocation(
+    router: Router, upstreams: Upstreams, *, host: str, port: int, metrics_port: int
+) -> RouterInvocation:
+    """The router's command line. `host`/`port`: where it listens (the container's port, or the
+    host's bind and port natively); `metrics_port`: its Prometheus exporter, always on, which
+    exits the router when the port is taken."""
+    argv = (
+        ROUTER_EXECUTABLE,
+        "--host", host,
+        "--port", str(port),
+        "--vllm-pd-disaggregation",
+        "--prefill", upstreams.prefill_url,
+        "--decode", upstreams.decode_url,
+        "--kv-connector", router.connector,
+        "--policy", router.policy,
+        "--worker-startup-timeout-secs", str(WORKER_STARTUP_TIMEOUT_S),
+        "--worker-startup-check-interval", "1",
+        "--health-check-interval-secs", str(router.health_check_interval_s),
+        "--health-check-timeout-secs", str(router.health_check_timeout_s),
+        "--prometheus-host", host,
+        "--prometheus-port", str(metrics_port),
+    )  # fmt: skip
+    return RouterInvocation(router.image, argv)
+
+
+def one_host_router(
+    group: Disaggregated, metrics_port: int = RENDERED_ROUTER_METRICS_PORT
+) -> RouterInvocation:
+    """The router of a pair on one host, natively: the roles on their loopback ports, the router
+    on the plan's bind and port."""
+    upstreams = Upstreams(group.prefill.network.local_url, group.decode.network.local_url)
+    network = group.router.network
+    return router_invocation(
+        group.router, upstreams, host=network.bind, port=network.port, metrics_port=metrics_port
+    )

@@ -1,0 +1,45 @@
+"""A slow checkpoint load for the rehearsal, through vLLM's own plugin mechanism.
+
+vLLM runs every `vllm.general_plugins` entry point in each of its processes (vllm/plugins,
+load_general_plugins). With M31CTL_REHEARSAL_LOAD_DELAY_S set, this one makes the model loader
+sleep that long before it loads the weights, inside the engine core process, exactly where a
+250 GB checkpoint spends its minutes: the engine-ready limit, the startup probe and the
+multi-node handshake then meet a load as long as the real one, scaled down. With
+M31CTL_REHEARSAL_HANDSHAKE_S set, vLLM's headless-worker handshake limit (HANDSHAKE_TIMEOUT_MINS,
+five minutes, no setting of its own in 0.32) is scaled the same way. Unset, it does nothing.
+Installed in the rehearsal image only (m31ctl/rehearsal/runner.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+DELAY_ENV = "M31CTL_REHEARSAL_LOAD_DELAY_S"
+HANDSHAKE_ENV = "M31CTL_REHEARSAL_HANDSHAKE_S"
+
+
+def register() -> None:
+    handshake = float(os.environ.get(HANDSHAKE_ENV) or 0)
+    if handshake > 0:
+        # Read at each handshake (startup_handshake multiplies it by 60,000 ms then).
+        from vllm.v1.engine import core
+
+        core.HANDSHAKE_TIMEOUT_MINS = handshake / 60
+    delay = float(os.environ.get(DELAY_ENV) or 0)
+    if delay <= 0:
+        return
+    # lazy: vLLM loads this plugin while it starts; its modules only when a delay is set
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    if getattr(BaseModelLoader.load_model, "_m31ctl_slow", False):
+        return  # registered already in this process
+    original = BaseModelLoader.load_model
+
+    def slow_load_model(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        print(f"m31ctl rehearsal: loading slowly, {delay:g} s ({DELAY_ENV})", flush=True)
+        time.sleep(delay)
+        return original(self, *args, **kwargs)
+
+    slow_load_model._m31ctl_slow = True  # type: ignore[attr-defined]
+    BaseModelLoader.load_model = slow_load_model

@@ -1,0 +1,108 @@
+"""`docker run` argv for a ContainerSpec (script and systemd targets share it)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import ipaddress
+from typing import Literal
+
+from m31ctl.container import ContainerSpec, Mount
+from m31ctl.redact import HF_TOKEN_ENV
+from m31ctl.render.download import DownloadStep
+
+Mode = Literal["detached", "foreground"]
+
+
+def publish_spec(spec: ContainerSpec) -> str:
+    """`--publish` and Compose's short port syntax: IP:HOST:CONTAINER, an IPv6 address in
+    brackets (both strip them; without them the address's colons run into the ports)."""
+    return publish_address(spec.bind, spec.host_port, spec.container_port)
+
+
+def publish_address(bind: str, host_port: int, container_port: int) -> str:
+    """publish_spec for any port of a container (the P/D router's API and metrics ports)."""
+    host = f"[{bind}]" if ipaddress.ip_address(bind).version == 6 else bind
+    return f"{host}:{host_port}:{container_port}"
+
+
+def mount_spec(mount: Mount) -> str:
+    """`--mount` for a bind mount. `-v SRC:DST[:ro]` splits on every colon, so a path holding one
+    breaks it; --mount is one CSV record of key=value fields (the Docker CLI reads it with Go's
+    encoding/csv), so a field with a comma, a quote or a line break is quoted, quotes doubled."""
+    fields = ["type=bind", f"source={mount.source}", f"target={mount.target}"]
+    if mount.read_only:
+        fields.append("readonly")
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerow(fields)
+    return out.getvalue()[: -len("\n")]
+
+
+def docker_run_argv(spec: ContainerSpec, mode: Mode, env_file: str | None = None) -> list[str]:
+    """Everything after `docker`."""
+    argv = ["run"]
+    if mode == "detached":
+        argv += ["--detach", "--restart", spec.restart]
+    else:
+        argv += ["--rm"]  # systemd restarts the unit; a leftover container would block the name
+    argv += ["--name", spec.name]
+    for key, value in spec.labels:
+        argv += ["--label", f"{key}={value}"]
+    if spec.device_request:
+        # The CLI reads a device list as CSV, hence the inner quotes.
+        gpus = f'"device={",".join(spec.gpu_device_ids)}"' if spec.gpu_device_ids else str(spec.gpu_count)
+        argv += ["--gpus", gpus]
+    for device in spec.devices:
+        argv += ["--device", device]
+    for group in spec.group_add:
+        argv += ["--group-add", group]
+    for cap in spec.cap_add:
+        argv += ["--cap-add", cap]
+    for opt in spec.security_opt:
+        argv += ["--security-opt", opt]
+    if spec.ipc_host:
+        argv += ["--ipc", "host"]
+    elif spec.shm_size:
+        argv += ["--shm-size", spec.shm_size]
+    for name, soft, hard in spec.ulimits:
+        argv += ["--ulimit", f"{name}={soft}:{hard}"]
+    argv += [
+        "--log-driver",
+        "json-file",
+        "--log-opt",
+        f"max-size={spec.log_max_size}",
+        "--log-opt",
+        f"max-file={spec.log_max_files}",
+    ]
+    argv += ["--stop-timeout", str(spec.stop_timeout)]
+    argv += ["--publish", publish_spec(spec)]
+    for mount in spec.mounts:
+        argv += ["--mount", mount_spec(mount)]
+    for key, value in spec.env:
+        argv += ["--env", f"{key}={value}"]
+    if env_file is not None:
+        argv += ["--env-file", env_file]
+    else:
+        for name in spec.secret_env:
+            argv += ["--env", name]  # by name: docker copies the value from its own environment
+    argv.append(spec.image)
+    argv += list(spec.args)
+    return argv
+
+
+def docker_download_argv(spec: ContainerSpec, step: DownloadStep, token_by_name: bool = True) -> list[str]:
+    """Everything after `docker` for the checkpoint download (render/download.py): the engine
+    image with the Hugging Face cache mounted and the step's environment (the engine's, less its
+    GPU visibility and what only the engine reads), removed when done. `token_by_name`: pass
+    HF_TOKEN by name (systemd, whose EnvironmentFile= set it); the script adds its own secret
+    arguments instead."""
+    command = step.command
+    argv = ["run", "--rm", "--name", f"{spec.name}-download", "--entrypoint", command[0]]
+    for mount in spec.mounts:
+        if not mount.read_only:  # the cache; a local checkpoint has nothing to download
+            argv += ["--mount", mount_spec(mount)]
+    for key, value in step.env:
+        argv += ["--env", f"{key}={value}"]
+    if token_by_name:
+        argv += ["--env", HF_TOKEN_ENV]  # by name: docker copies it from its own environment, if set
+    return [*argv, spec.image, *command[1:]]

@@ -1,0 +1,431 @@
+"""A prefill/decode (P/D) plan rendered: its two role engines and vllm-router in front.
+
+Each role is a full engine Deployment (deployment.Disaggregated), so each renders as the
+aggregated server does, through the same builders (targets.compose_engine_service, the k8s
+target's documents), with what P/D adds: the address the role advertises to its peer for NIXL's
+side channel (ZMQ binds an address, not a name), the router's command line from
+engine/router.py with the roles' URLs as the target names them, and the order (the router starts
+once both roles answer /health). Everything is data, serialized once; docs/decisions.md
+("P/D: rendered targets (issue 36)") cites the sources.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import shlex
+import textwrap
+from typing import Any
+
+from m31ctl.container import ContainerSpec, labels_for
+from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment, Disaggregated
+from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, build_invocation, kv_transfer_env
+from m31ctl.engine.router import RouterInvocation, Upstreams, router_invocation
+from m31ctl.errors import HostPreconditionError, InputError
+from m31ctl.redact import API_KEY_ENV
+from m31ctl.render.artifact import Artifact
+from m31ctl.render.common import header, health_command_on, in_comment, render_spec
+from m31ctl.render.docker_run import publish_address
+from m31ctl.render.escape import Interpolation, compose_escape, yaml_file
+from m31ctl.render.k8s import (
+    API_SERVICE_SUFFIX,
+    PART_OF_LABEL,
+    ROUTER_API_PORT,
+    ROUTER_METRICS_PORT,
+    SECRET_SUFFIX,
+    Group,
+    k8s_comments,
+    k8s_documents,
+    k8s_secrets,
+    kubelet_literal,
+)
+from m31ctl.render.targets import (
+    compose_download,
+    compose_engine_service,
+    writable_sources,
+)
+
+# The Compose network of a pair. A role advertises its address to its peer for NIXL's side
+# channel and ZMQ binds it, so it must be an address the container holds: a fixed subnet with a
+# fixed address per role (Compose's ipv4_address). Outside Docker's default address pools
+# (172.17.0.0/12 and 192.168.0.0/16 in /20s) and Podman's (10.88.0.0/16, 10.89.0.0/16), so it
+# does not take a range Docker hands other networks; `docker compose up` names an overlap.
+COMPOSE_NETWORK = "pd"
+COMPOSE_SUBNET = "10.231.36.0/24"
+_ROLE_HOST_OFFSET = 10  # prefill .10, decode .11
+# The router as Compose and Kubernetes run it: on every address of its container.
+ROUTER_LISTEN = "0.0.0.0"
+# vllm-router forwards this variable's value to the roles as `Authorization: Bearer`
+# (vllm-project/router, the P/D router's worker requests); it is the roles' VLLM_API_KEY.
+ROUTER_API_KEY_ENV = "OPENAI_API_KEY"
+# The router pod's share of a node: a Rust proxy, no GPU.
+ROUTER_CPU = "1"
+ROUTER_MEMORY = "1Gi"
+
+# The router pod's init container: both roles answer /health (their download and load can take
+# an hour), so the router, which gives up on workers after its own startup timeout, starts last.
+WAIT_FOR_ROLES_SCRIPT = """\
+import signal, sys, time, urllib.request
+budget, urls = int(sys.argv[1]), sys.argv[2:]
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+deadline = time.monotonic() + budget
+for url in urls:
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=5)
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                print(f"m31ctl: {url} did not answer within {budget} s", file=sys.stderr, flush=True)
+                sys.exit(124)
+            time.sleep(5)
+print("m31ctl: both roles answer /health", flush=True)
+"""
+
+
+def refuse_pd(target: str, rendered: tuple[str, ...]) -> None:
+    """A target that does not render a P/D plan; `rendered`: those that do (the registry's)."""
+    raise InputError(
+        f"--target {target} does not render a prefill/decode plan (disaggregation.enabled=true)",
+        hint=f"use --target {' or '.join(rendered)}, or run the pair on this host with `m31ctl launch`",
+    )
+
+
+def _role_key(role: Deployment) -> str:
+    """The role's name within the group (its Compose service)."""
+    assert role.kv_transfer is not None  # a role of a Disaggregated group
+    return role.kv_transfer.role.value
+
+
+# ---------------------------------------------------------------------------------------------
+# Compose
+
+
+def _role_address(index: int) -> str:
+    return str(ipaddress.ip_network(COMPOSE_SUBNET)[_ROLE_HOST_OFFSET + index])
+
+
+def _role_spec(role: Deployment, side_channel_host: str) -> ContainerSpec:
+    """The role's container for another host, advertising `side_channel_host`, with its own GPUs
+    of the shared host (device_ids by index where the plan has no UUIDs)."""
+    spec = render_spec(role)
+    invocation = build_invocation(role, side_channel_host=side_channel_host)
+    env = {**dict(spec.env), **dict(invocation.env)}
+    spec = spec._replace(args=invocation.args, env=tuple(sorted(env.items())))
+    if spec.device_request and not spec.gpu_device_ids and role.gpus.indices:
+        spec = spec._replace(gpu_device_ids=tuple(str(i) for i in role.gpus.indices))
+    return spec
+
+
+def _one_host(deployment: Deployment, target: str) -> Disaggregated:
+    group = deployment.disaggregated
+    assert group is not None
+    if not group.one_host:
+        hw = deployment.hardware
+        wide = [role for role in group.roles if role.layout.spans_nodes]
+        if wide:
+            raise HostPreconditionError(
+                f"the {_role_key(wide[0])} role spans {wide[0].layout.nodes} nodes: a {target} runs on one host",
+                hint="use --target k8s (a LeaderWorkerSet per role spans nodes)",
+            )
+        raise HostPreconditionError(
+            f"the prefill/decode pair needs {group.gpus} GPUs ({group.prefill.layout.gpus} prefill, "
+            f"{group.decode.layout.gpus} decode) on one host and a {hw.product} host has {hw.count}: "
+            f"a {target} runs on one host",
+            hint="use --target k8s (each role on its own nodes), or smaller disaggregation.prefill/.decode layouts",
+        )
+    return group
+
+
+def _router_environment(deployment: Deployment) -> list[str]:
+    if deployment.secrets.api_key is None:
+        return []
+    return [
+        Interpolation(
+            f"{ROUTER_API_KEY_ENV}=${{{API_KEY_ENV}:?the plan requires {API_KEY_ENV}: export it before docker compose up}}"
+        )
+    ]
+
+
+def _compose_router(deployment: Deployment, group: Disaggregated, spec: ContainerSpec) -> dict[str, Any]:
+    router = group.router
+    clocks = group.router_timeline
+    upstreams = Upstreams(
+        *(f"http://{_role_key(role)}:{role.network.container_port}" for role in group.roles)
+    )
+    invocation = router_invocation(
+        router, upstreams, host=ROUTER_LISTEN, port=CONTAINER_PORT, metrics_port=RENDERED_ROUTER_METRICS_PORT
+    )
+    bind = router.network.bind
+    service: dict[str, Any] = {
+        "image": invocation.image,
+        "container_name": router.name,
+        "entrypoint": [invocation.argv[0]],
+        "command": list(invocation.argv[1:]),
+        "labels": dict(labels_for(deployment.plan)),
+        "ports": [
+            publish_address(bind, router.network.port, CONTAINER_PORT),
+            publish_address(bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT),
+        ],
+        "environment": _router_environment(deployment),
+        "networks": [COMPOSE_NETWORK],
+        # Compose 1.29+ and v2: the router starts once both roles' healthchecks pass.
+        "depends_on": {_role_key(role): {"condition": "service_healthy"} for role in group.roles},
+        "logging": {
+            "driver": "json-file",
+            "options": {"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)},
+        },
+        "restart": spec.restart,
+        "stop_grace_period": f"{clocks.stop_s}s",
+        "healthcheck": {
+            "test": ["CMD", *health_command_on(CONTAINER_PORT, "/health")],
+            "interval": "30s",
+            "timeout": "10s",
+            "retries": 3,
+            "start_period": f"{clocks.start_s}s",
+        },
+    }
+    return service
+
+
+def compose_pd_document(deployment: Deployment) -> dict[str, Any]:
+    group = _one_host(deployment, "compose")
+    services: dict[str, Any] = {}
+    specs = [_role_spec(role, _role_address(i)) for i, role in enumerate(group.roles)]
+    # One download for both roles: the same checkpoint at the same commit into the same cache.
+    # What only the engines' KV transfer reads stays out of it.
+    assert group.prefill.kv_transfer is not None
+    transfer_only = set(kv_transfer_env(group.prefill.kv_transfer, ""))
+    download = compose_download(
+        group.prefill,
+        specs[0]._replace(
+            name=deployment.name,
+            labels=labels_for(deployment.plan),
+            env=tuple((k, v) for k, v in specs[0].env if k not in transfer_only),
+        ),
+    )
+    if download is not None:
+        services["download"] = download
+    for index, (role, spec) in enumerate(zip(group.roles, specs, strict=True)):
+        service = compose_engine_service(role, spec)
+        service["networks"] = {COMPOSE_NETWORK: {"ipv4_address": _role_address(index)}}
+        if download is not None:
+            service["depends_on"] = {"download": {"condition": "service_completed_successfully"}}
+        services[_role_key(role)] = service
+    services["router"] = _compose_router(deployment, group, specs[0])
+    networks = {COMPOSE_NETWORK: {"ipam": {"config": [{"subnet": COMPOSE_SUBNET}]}}}
+    document: dict[str, Any] = compose_escape({"services": services, "networks": networks})
+    return document
+
+
+def render_compose_pd(deployment: Deployment) -> list[Artifact]:
+    document = compose_pd_document(deployment)  # refusals first
+    group = deployment.disaggregated
+    assert group is not None
+    dirs = sorted({d for role in group.roles for d in writable_sources(render_spec(role))})
+    router = group.router
+    clocks = ", ".join(
+        f"{_role_key(role)} {role.timeline.ready_s} s to answer /health, {role.timeline.stop_s} s to stop"
+        for role in group.roles
+    )
+    notes = [
+        f"Prefill/decode: services prefill and decode (vLLM, NIXL KV transfer) and router (vllm-router) on "
+        f"{in_comment(router.network.local_url, '<runtime.bind>:<runtime.port>')}; the router starts once both "
+        f"roles are healthy, and its metrics are on port {RENDERED_ROUTER_METRICS_PORT}.",
+        f"Network: the roles advertise their fixed addresses on network {COMPOSE_NETWORK} ({COMPOSE_SUBNET}) "
+        "for NIXL's side channel (ZMQ binds an address, not a service name); `docker compose up` "
+        "refuses the file if another network of this host holds that subnet.",
+        f"Clocks (m31ctl/timeline.py): {clocks} (healthcheck start_period and stop_grace_period).",
+        "The router forwards VLLM_API_KEY to the roles and checks no key itself: keep runtime.bind "
+        "on an address only trusted clients reach."
+        if deployment.secrets.api_key
+        else "The router checks no API key: keep runtime.bind on an address only trusted clients reach.",
+    ]
+    comments = [
+        *header(deployment, "compose").splitlines(),
+        "# Secrets: HF_TOKEN and VLLM_API_KEY are taken from the environment of `docker compose` by name.",
+        "# Create the cache directory first (a long-syntax bind mount does not): mkdir -p "
+        + " ".join(in_comment(shlex.quote(d), "<runtime.hf_cache>") for d in dirs),
+        *(f"# {line}" for note in notes for line in textwrap.wrap(note, width=98, break_on_hyphens=False)),
+    ]
+    return [Artifact("compose.yaml", yaml_file(comments, [document], explicit_start=False))]
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes
+
+
+def role_service(role: Deployment) -> str:
+    """The role's Service (the k8s target's API Service of that engine)."""
+    return role.name + API_SERVICE_SUFFIX
+
+
+def _router_labels(deployment: Deployment, group: Disaggregated) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": group.router.name,
+        "app.kubernetes.io/managed-by": "m31ctl",
+        PART_OF_LABEL: deployment.name,
+    }
+
+
+def k8s_router_invocation(group: Disaggregated) -> RouterInvocation:
+    upstreams = Upstreams(*(f"http://{role_service(role)}:{role.network.port}" for role in group.roles))
+    return router_invocation(
+        group.router,
+        upstreams,
+        host=ROUTER_LISTEN,
+        port=CONTAINER_PORT,
+        metrics_port=RENDERED_ROUTER_METRICS_PORT,
+    )
+
+
+def _router_pod(deployment: Deployment, group: Disaggregated) -> dict[str, Any]:
+    """The router's pod: an init container waiting for both roles' /health, then vllm-router."""
+    invocation = k8s_router_invocation(group)
+    clocks = group.router_timeline
+    secret = deployment.name + SECRET_SUFFIX
+    _, required = k8s_secrets(group.prefill)
+    env: list[dict[str, Any]] = []
+    if API_KEY_ENV in required:
+        ref = {"name": secret, "key": API_KEY_ENV, "optional": False}
+        env.append({"name": ROUTER_API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}})
+    health = {
+        "httpGet": {"path": "/health", "port": ROUTER_API_PORT},
+        "periodSeconds": 10,
+        "timeoutSeconds": 5,
+    }
+    resources = {"cpu": ROUTER_CPU, "memory": ROUTER_MEMORY}
+    container = {
+        "name": "router",
+        "image": invocation.image,
+        "command": list(invocation.argv),
+        "env": env,
+        "ports": [
+            {"name": ROUTER_API_PORT, "containerPort": CONTAINER_PORT, "protocol": "TCP"},
+            {"name": ROUTER_METRICS_PORT, "containerPort": RENDERED_ROUTER_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "resources": {"limits": dict(resources), "requests": dict(resources)},
+        "readinessProbe": health,
+        "livenessProbe": {**health, "periodSeconds": 30, "failureThreshold": 3},
+    }
+    wait = {
+        "name": "wait-for-roles",
+        "image": invocation.image,
+        "command": [
+            "python3",
+            "-c",
+            WAIT_FOR_ROLES_SCRIPT,
+            str(clocks.roles_wait_s),
+            *(f"http://{role_service(role)}:{role.network.port}/health" for role in group.roles),
+        ],
+        "env": [],
+    }
+    return {
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": clocks.stop_s,
+        "initContainers": [kubelet_literal(wait)],
+        "containers": [kubelet_literal(container)],
+    }
+
+
+def _k8s_router(deployment: Deployment, group: Disaggregated) -> list[dict[str, Any]]:
+    router = group.router
+    labels = _router_labels(deployment, group)
+    annotations = dict(labels_for(deployment.plan))
+    selector = {"app.kubernetes.io/name": router.name}
+    workload = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": router.name, "labels": labels, "annotations": annotations},
+        "spec": {
+            "replicas": 1,
+            # The init container waits for the roles' download and load.
+            "progressDeadlineSeconds": group.router_timeline.progress_deadline_s,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": labels, "annotations": annotations},
+                "spec": _router_pod(deployment, group),
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        # The aggregated server's API Service name: clients address a P/D plan as they would it.
+        "metadata": {"name": deployment.name + API_SERVICE_SUFFIX, "labels": labels},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [
+                {
+                    "name": "http",
+                    "port": router.network.port,
+                    "targetPort": ROUTER_API_PORT,
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+    return [workload, service, _router_policy(deployment, router.name, labels)]
+
+
+def _router_policy(deployment: Deployment, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    """Only the plan's API clients reach the router (the aggregated server's NetworkPolicy rule)."""
+    k8s = deployment.plan.settings.kubernetes
+    ingress = (
+        [{"from": [dict(p) for p in k8s.api_clients], "ports": [{"protocol": "TCP", "port": CONTAINER_PORT}]}]
+        if k8s.api_clients
+        else []
+    )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": name}},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def k8s_pd_documents(deployment: Deployment) -> list[dict[str, Any]]:
+    """Each role as the k8s target renders an engine (a Deployment, or a LeaderWorkerSet when the
+    role spans nodes; its claim, Service and NetworkPolicy), then the router's."""
+    group = deployment.disaggregated
+    assert group is not None
+    member = Group(deployment.name)
+    documents: list[dict[str, Any]] = []
+    for role in group.roles:
+        documents += k8s_documents(role, member)
+    return documents + _k8s_router(deployment, group)
+
+
+def render_k8s_pd(deployment: Deployment) -> list[Artifact]:
+    documents = k8s_pd_documents(deployment)  # refusals first
+    group = deployment.disaggregated
+    assert group is not None
+    member = Group(deployment.name)
+    note = (
+        f"Prefill/decode: {group.prefill.name} and {group.decode.name} (vLLM, NIXL KV transfer), each "
+        f"with its own claim and Service, and {group.router.name} (vllm-router) behind Service "
+        f"{deployment.name}{API_SERVICE_SUFFIX} on port {group.router.network.port}, where clients reach "
+        "the plan as they would an aggregated server. The router's pod waits for both roles' /health "
+        f"first. Each role advertises its pod IP ({SIDE_CHANNEL_HOST_ENV}, from status.podIP) to its peer. "
+        f"Network: the roles admit the pods labelled {PART_OF_LABEL}={deployment.name} (the peer and the "
+        "router) on every port, as NIXL's side channel and UCX's TCP transport need; the router admits "
+        f"kubernetes.api_clients to port {CONTAINER_PORT}. The router checks no API key itself"
+        + (
+            f" (it forwards {API_KEY_ENV} to the roles)"
+            if API_KEY_ENV in k8s_secrets(group.prefill)[1]
+            else ""
+        )
+        + ": its NetworkPolicy is the guard."
+    )
+    comments = [
+        *header(deployment, "k8s").splitlines(),
+        *(f"# {line}" for line in textwrap.wrap(note, width=98, break_on_hyphens=False)),
+    ]
+    for role in group.roles:
+        comments.append(f"# {_role_key(role)} ({role.name}):")
+        comments += k8s_comments(role, member)
+    return [Artifact("k8s.yaml", yaml_file(comments, documents, explicit_start=True))]

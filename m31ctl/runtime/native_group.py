@@ -1,0 +1,284 @@
+"""A prefill/decode group on the native runtime (issue 36), run as one deployment.
+
+Launch converges each role engine exactly as an aggregated native engine is converged (its own
+record, log, environment and readiness wait: runtime/native.py's launch primitives), prefill
+then decode, and only once both answer starts vllm-router in front of them (engine/router.py's
+command line) and waits for the served model to answer through it. The router's record is the
+group's: it carries the group's name, plan, endpoint, and the names of the role records
+(`parts`); each role's record names its group. So `status` shows the group and each part,
+`stop` stops the router (no new requests reach the roles) and then the roles, and a part that
+dies while the group starts stops every part of the group before the error goes on: nothing of
+a half-started group keeps running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from m31ctl import interrupt
+from m31ctl.deployment import Deployment, Disaggregated
+from m31ctl.engine.router import ROUTER_EXECUTABLE, one_host_router
+from m31ctl.errors import HostPreconditionError, M31Error
+from m31ctl.runtime.flow import converge
+from m31ctl.runtime.native import (
+    NativeRuntime,
+    ProcessHandle,
+    _named,
+    _ProcessLaunch,
+    _status,
+    command,
+    stop_server,
+)
+from m31ctl.runtime.native_state import NativeServer, claim, load, process_identity, recorded, save
+from m31ctl.runtime.protocol import DryRun, LaunchOptions, LaunchResult, Reporter, ServerStatus
+
+RUNTIME = "native"
+# vllm-router renames its process (vllm_router/launch_router.py: setproctitle("vllm::router"),
+# before it listens), which changes the command line a record's identity hashes: the record is
+# written once the new title shows. How long that may take at most on a loaded host; a router
+# that never renames itself is recorded as started once this has passed.
+ROUTER_TITLE_WAIT_S = 120.0
+
+
+def router_executable(python: str) -> str | None:
+    """vllm-router next to runtime.native_python (its wheel installs the console script in the
+    same bin directory, scripts/setup-vllm), else on PATH; None when neither has it."""
+    beside = Path(python).parent / ROUTER_EXECUTABLE
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which(ROUTER_EXECUTABLE)
+
+
+def _free_port(bind: str) -> int:
+    """A port the kernel has free now on `bind` (the router's exporter exits when its port is
+    taken, so a fixed default would clash with a second group on the host)."""
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((bind, 0))
+        return int(s.getsockname()[1])
+
+
+def _group(deployment: Deployment) -> Disaggregated:
+    group = deployment.disaggregated
+    assert group is not None, "a P/D group's deployment"
+    return group
+
+
+class _RouterLaunch(_ProcessLaunch):
+    """The router as a supervised process under the group's name: the same primitives as an
+    engine's, with the router's command line and no engine environment."""
+
+    def __init__(
+        self, deployment: Deployment, options: LaunchOptions, executable: str, metrics_port: int
+    ) -> None:
+        super().__init__(deployment, options)
+        self.executable = executable
+        self.metrics_port = metrics_port
+
+    def argv(self) -> list[str]:
+        invocation = one_host_router(_group(self.deployment), self.metrics_port)
+        return [self.executable, *invocation.argv[1:]]
+
+    def own_env(self) -> Mapping[str, str]:
+        return {}
+
+    def record_extra(self) -> dict[str, Any]:
+        return {"parts": tuple(role.name for role in _group(self.deployment).roles)}
+
+    def _record(self, child: subprocess.Popen[bytes], argv: list[str], log: str) -> NativeServer:
+        _await_retitle(child)
+        return super()._record(child, argv, log)
+
+    def remove(self, server: NativeServer) -> None:
+        # A router of another plan: only it goes; the roles were converged on this plan already.
+        stop_server(server, server.stop_timeout, self.options.report)
+
+
+def _await_retitle(child: subprocess.Popen[bytes]) -> None:
+    """Until our child's command line differs from the one it started with (its new title), it
+    exits, or ROUTER_TITLE_WAIT_S pass."""
+    started = process_identity(child.pid)
+    deadline = time.monotonic() + ROUTER_TITLE_WAIT_S
+    while child.poll() is None and time.monotonic() < deadline:
+        now = process_identity(child.pid)
+        if now is not None and now != started:
+            return
+        interrupt.sleep(0.1)
+
+
+def _refresh_identity(launch: _ProcessLaunch) -> None:
+    """A router that renamed itself later than _await_retitle waited: once it answers, and while
+    it is still our own child (so the pid is certain), its record takes the identity it has now."""
+    child = launch.child
+    server = load(launch.name)
+    if child is None or server is None or server.pid != child.pid or child.poll() is not None:
+        return
+    now = process_identity(child.pid)
+    if now is not None and now != server.identity:
+        with claim(launch.name):
+            save(dataclasses.replace(server, identity=now))
+
+
+def launch_group(deployment: Deployment, options: LaunchOptions) -> LaunchResult:
+    group = _group(deployment)
+    python = deployment.plan.settings.runtime.native_python or sys.executable
+    executable = router_executable(python)
+    if executable is None:
+        raise HostPreconditionError(
+            f"{ROUTER_EXECUTABLE} is neither beside runtime.native_python ({python}) nor on PATH: "
+            "the P/D group needs it in front of its roles",
+            hint=f"install it into that Python's environment: {Path(python).parent / 'pip'} install vllm-router",
+        )
+    if not group.one_host:
+        raise HostPreconditionError(
+            f"{deployment.name}: the P/D roles need more GPUs than one host has; launch runs one host",
+            hint="render it for Kubernetes (m31ctl render --target kubernetes), which places each role",
+        )
+    router = group.router
+    metrics_port = router.metrics_port or _free_port(router.network.bind)
+    # The router needs both roles answering: each role is waited for even when launch is detached.
+    role_options = dataclasses.replace(options, detach=False)
+    launches: list[_ProcessLaunch] = []
+    try:
+        for role in group.roles:
+            launches.append(_ProcessLaunch(role, role_options, group=deployment.name))
+            converge(RUNTIME, launches[-1], role, role_options)
+        launches.append(_RouterLaunch(deployment, options, executable, metrics_port))
+        result = converge(RUNTIME, launches[-1], deployment, options)
+        if result.ready:
+            _refresh_identity(launches[-1])
+        return result
+    except M31Error as exc:
+        if not any(launch.child is not None for launch in launches):
+            raise  # refused before anything of this launch started: what ran before is untouched
+        stopped = _stop_parts(deployment.name, [role.name for role in group.roles], options.report)
+        exc.message = f"P/D group {deployment.name}: {exc.message}; stopped the group" + (
+            f" ({', '.join(stopped)})" if stopped else ""
+        )
+        raise
+
+
+def _stop_parts(name: str, roles: Sequence[str], report: Reporter) -> list[str]:
+    """Stop the router and the roles recorded for group `name`, router first; the names stopped."""
+    stopped = []
+    for part in (name, *roles):
+        server = load(part)
+        if server is None:
+            continue
+        try:
+            stop_server(server, server.stop_timeout, report)
+            stopped.append(part)
+        except M31Error as exc:
+            report(f"also not stopped: {exc.one_line()}")
+    return stopped
+
+
+def stop_group(server: NativeServer, timeout: int | None, report: Reporter) -> None:
+    """The router first (no new requests reach the roles), then each role, each drained for
+    `timeout` (else its own stop timeout). A part that cannot be stopped is raised after the
+    others were tried."""
+    stop_server(server, timeout if timeout is not None else server.stop_timeout, report)
+    refused: list[M31Error] = []
+    for part in server.parts:
+        role = load(part)
+        if role is None:
+            continue
+        try:
+            stop_server(role, timeout if timeout is not None else role.stop_timeout, report)
+        except M31Error as exc:
+            refused.append(exc)
+    if refused:
+        raise refused[0]
+
+
+def statuses(records: Sequence[NativeServer]) -> list[ServerStatus]:
+    """Each record as status shows it: a group's row (its state says which part is down), then
+    a row per part; a part whose group record is gone stands alone (so it can be stopped)."""
+    by_name = {r.name: r for r in records}
+    in_groups = {part for r in records for part in r.parts}
+    rows: list[ServerStatus] = []
+    for record in records:
+        if record.name in in_groups:
+            continue
+        row = _status(record)
+        parts = [(part, by_name.get(part)) for part in record.parts]
+        down = [part for part, role in parts if role is None or not role.alive()]
+        if record.parts and row.running and down:
+            row = dataclasses.replace(row, state=f"degraded: {', '.join(down)} down", health=None)
+        rows.append(row)
+        for part, role in parts:
+            if role is None:
+                rows.append(
+                    ServerStatus(part, RUNTIME, "missing", None, None, None, None, None, group=record.name)
+                )
+            else:
+                rows.append(dataclasses.replace(_status(role), group=record.name))
+    return rows
+
+
+def write_logs(server: NativeServer, tail: int, write: Callable[[str], None]) -> None:
+    """Each part's last lines under a header naming it, roles first, the router last."""
+    for part in (*server.parts, server.name):
+        record = server if part == server.name else load(part)
+        if record is None:
+            write(f"==> {part}: no record <==\n")
+            continue
+        write(f"==> {part} ({record.log}) <==\n")
+        write(ProcessHandle(record).log_tail(tail))
+
+
+def dry_run_group(deployment: Deployment) -> DryRun:
+    """The three command lines: each role's (as an engine's) and the router's (its metrics port
+    0 where launch picks a free one)."""
+    group = _group(deployment)
+    python = deployment.plan.settings.runtime.native_python or sys.executable
+    executable = router_executable(python) or ROUTER_EXECUTABLE
+    router_argv = [executable, *one_host_router(group, group.router.metrics_port).argv[1:]]
+    detail = {
+        "prefill": command(group.prefill),
+        "decode": command(group.decode),
+        "router": router_argv,
+    }
+    return DryRun("process", tuple(router_argv), detail)
+
+
+class NativeGroupRuntime(NativeRuntime):
+    """The native runtime (registered as `native`), which also runs a P/D plan as one deployment;
+    an aggregated plan is NativeRuntime's, unchanged."""
+
+    runs_groups = True
+
+    def dry_run(self, deployment: Deployment) -> DryRun:
+        if deployment.disaggregated is not None:
+            return dry_run_group(deployment)
+        return super().dry_run(deployment)
+
+    def launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
+        if deployment.disaggregated is not None and not deployment.simulated:
+            return launch_group(deployment, options)
+        return super().launch(deployment, options)
+
+    def servers(self) -> list[ServerStatus]:
+        return statuses(recorded())
+
+    def _write_tail(self, server: NativeServer, tail: int, write: Callable[[str], None]) -> None:
+        if server.parts:
+            write_logs(server, tail, write)  # each part's; --follow follows the router's
+        else:
+            super()._write_tail(server, tail, write)
+
+    def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
+        server = _named(name)
+        if server.parts:
+            stop_group(server, timeout, report)
+        else:
+            super().stop(name, timeout, keep, report)

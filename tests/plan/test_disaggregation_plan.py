@@ -1,0 +1,182 @@
+"""Prefill/decode disaggregation as a plan (issue 36): the roles are engines derived from the
+plan's settings, the pair is refused before anything starts when vLLM could not pair it, and the
+adapters spell each role's KV transfer and the router's command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from m31ctl.deployment import derive, require_fit
+from m31ctl.engine.adapter import build_invocation
+from m31ctl.engine.router import one_host_router
+from m31ctl.errors import ExitCode, HostPreconditionError, InputError
+from m31ctl.hardware import simulated
+from m31ctl.plan import PlanRequest, resolve
+from m31ctl.plan.disaggregation import CONNECTORS, Role
+from tests.conftest import run_cli
+
+PD = "disaggregation.enabled=true"
+
+
+def plan_for(spec: str, *sets: str):  # type: ignore[no-untyped-def]
+    return resolve(PlanRequest(hardware=simulated(spec), sets=(PD, *sets)))
+
+
+def _kv_config(args: tuple[str, ...]) -> dict:  # type: ignore[type-arg]
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+def test_each_role_is_an_engine_with_its_side_of_the_transfer():
+    group = derive(plan_for("b300x8")).disaggregated
+    assert group is not None and group.one_host
+    prefill, decode = (build_invocation(role) for role in group.roles)
+    assert _kv_config(prefill.args) == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    assert _kv_config(decode.args) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    assert prefill.env_dict["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert decode.env_dict["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
+    # The Blackwell recipe's engine, twice: TP4 each, on GPUs of their own.
+    assert [r.layout.gpus for r in group.roles] == [4, 4]
+    assert [r.gpus.indices for r in group.roles] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert [r.network.port for r in group.roles] == [8100, 8200]
+    assert all(r.network.bind == "127.0.0.1" for r in group.roles)
+
+
+def test_the_router_is_the_plans_endpoint_and_pairs_the_roles():
+    deployment = derive(plan_for("b300x8", "runtime.port=9000"))
+    group = deployment.disaggregated
+    assert group is not None and deployment.network.port == 9000
+    argv = one_host_router(group).argv
+    assert argv[0] == "vllm-router" and "--vllm-pd-disaggregation" in argv
+    assert argv[argv.index("--prefill") + 1] == "http://127.0.0.1:8100"
+    assert argv[argv.index("--decode") + 1] == "http://127.0.0.1:8200"
+    assert argv[argv.index("--port") + 1] == "9000"
+    assert argv[argv.index("--kv-connector") + 1] == "nixl"
+
+
+def test_a_group_is_not_one_engine():
+    with pytest.raises(InputError, match="prefill/decode group"):
+        build_invocation(derive(plan_for("b300x8")))
+
+
+def test_an_aggregated_plan_keeps_its_identity():
+    """Plans that do not disaggregate hash, lock and render as before the section existed."""
+    plan = resolve(PlanRequest(hardware=simulated("b300x4")))
+    assert "disaggregation" not in plan.settings_dict()
+    assert derive(plan).disaggregated is None
+
+
+def test_roles_take_their_own_layout():
+    group = derive(plan_for("b300x8", "disaggregation.prefill.tensor=2", "disaggregation.decode.data=2",
+                            "disaggregation.decode.tensor=2")).disaggregated  # fmt: skip
+    assert group is not None
+    assert [(r.layout.tensor, r.layout.data) for r in group.roles] == [(2, 1), (2, 2)]
+    assert [r.gpus.indices for r in group.roles] == [(0, 1), (2, 3, 4, 5)]
+
+
+def test_a_pair_wider_than_the_host_is_not_one_host():
+    group = derive(plan_for("b300x4")).disaggregated
+    assert group is not None and not group.one_host  # 4 + 4 GPUs on a 4-GPU host: Kubernetes only
+
+
+@pytest.mark.parametrize(
+    ("sets", "key", "words"),
+    [
+        (("disaggregation.connector=lmcache",), "disaggregation.connector", "does not support HMA"),
+        (("disaggregation.connector=moriio",), "disaggregation.connector", "does not run on cuda"),
+        (("disaggregation.decode.kv_dtype=fp8",), "disaggregation.decode.kv_dtype", "KV cache dtype"),
+        (("disaggregation.decode.image=vllm/vllm-openai:v0.33.0",), "disaggregation.decode.image",
+         "vLLM version"),
+        (("disaggregation.decode.port=8000",), "disaggregation.decode.port", "also runtime.port"),
+        (("disaggregation.prefill.data=2", "disaggregation.prefill.tensor=2",
+          "disaggregation.decode.side_channel_port=5601"), "disaggregation.decode.side_channel_port",
+         "5601 is also disaggregation.prefill.side_channel_port"),
+        (("parallelism.data=2",), "parallelism.data", "each role on its own"),
+        (('engine.extra_args=["--kv-transfer=x"]',), "engine.extra_args", "--kv-transfer sets what"),
+    ],
+)  # fmt: skip
+def test_a_pair_vllm_could_not_serve_is_refused_naming_the_setting(sets, key, words):
+    with pytest.raises(InputError) as caught:
+        plan_for("b300x8", *sets)
+    assert caught.value.message.startswith(f"{key}: ") and words in caught.value.message
+
+
+def test_amd_pairs_over_moriio_and_nvidia_refuses_it():
+    group = derive(plan_for("mi355xx8", "disaggregation.connector=moriio")).disaggregated
+    assert group is not None
+    args = build_invocation(group.decode).args
+    assert _kv_config(args)["kv_connector"] == "MoRIIOConnector"
+    assert "UCX_TLS" not in build_invocation(group.decode).env_dict  # MoRIIO moves KV over RDMA itself
+
+
+def test_every_connector_the_router_pairs_declares_hybrid_support():
+    assert all(c.hybrid for c in CONNECTORS.values() if c.router_name)
+    assert Role.PREFILL.kv_role == "kv_producer" and Role.DECODE.kv_role == "kv_consumer"
+
+
+def test_a_role_engine_is_refused_as_the_server_it_is():
+    """The engine rules run for each role: TP3 cannot divide the attention heads."""
+    with pytest.raises(InputError) as caught:
+        plan_for("b300x8", "disaggregation.decode.tensor=3")
+    assert "tensor" in caught.value.message
+
+
+def test_fit_is_per_role():
+    deployment = derive(plan_for("b300x4", "disaggregation.decode.tensor=8"))
+    with pytest.raises(HostPreconditionError):
+        require_fit(deployment)
+
+
+def test_plan_json_lists_roles_and_router():
+    done = run_cli("plan", "--hardware", "cpu", "--variant", "pd", "--json")
+    assert done.returncode == 0, done.stderr
+    pd = json.loads(done.stdout)["disaggregation"]
+    assert [pd[r]["kv_role"] for r in ("prefill", "decode")] == ["kv_producer", "kv_consumer"]
+    assert pd["router"]["argv"][0] == "vllm-router" and pd["one_host"] is True
+
+
+def test_a_refusal_is_one_line_and_exit_2():
+    done = run_cli("plan", "--hardware", "b300x8", "--set", PD, "--set", "disaggregation.connector=lmcache")
+    assert done.returncode == ExitCode.BAD_INPUT
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def _role_engines(*sets: str):  # type: ignore[no-untyped-def]
+    group = derive(plan_for("b300x8", *sets)).disaggregated
+    assert group is not None
+    return {r.kv_transfer.role: (r, build_invocation(r).args) for r in group.roles if r.kv_transfer}
+
+
+def test_each_roles_own_layout_settles_the_runtime_shapes():
+    """The runtime shapes (plan/runtime_shapes.py) run on each role's own tensor and data size: a
+    decode role at TP2 meets the NVFP4 decode row limit at 256 requests (32 query heads per rank x
+    8 query tokens), not the plan's TP4 512; a decode role at DP4 gets expert parallelism. The
+    plan settles one value both roles run, with the role that set it as its source."""
+    engines = _role_engines("disaggregation.decode.tensor=2")
+    for role in Role:
+        args = engines[role][1]
+        assert args[args.index("--max-num-seqs") + 1] == "256"
+        assert engines[role][0].plan.max_num_seqs_limit == 256
+    dep4 = plan_for("b300x8", "disaggregation.decode.tensor=1", "disaggregation.decode.data=4")
+    assert dep4.settings.serving.max_num_seqs == 128  # 64 heads per rank x 8 query tokens
+    assert "the decode role's layout" in str(dep4.provenance["serving.max_num_seqs"])
+    assert "decided by the decode role's DP4" in str(dep4.provenance["parallelism.expert"])
+    dep4_engines = _role_engines("disaggregation.decode.tensor=1", "disaggregation.decode.data=4")
+    decode, args = dep4_engines[Role.DECODE]
+    assert "--enable-expert-parallel" in args and args[args.index("--max-num-seqs") + 1] == "128"
+    assert decode.plan.moe_layout is not None and decode.plan.moe_layout.expert_size == 4
+    # said explicitly: refused where a role's own layout cannot run it, the role named
+    with pytest.raises(InputError, match=r"disaggregation\.decode: serving\.max_num_seqs=512 .*at most 256"):
+        plan_for("b300x8", "disaggregation.decode.tensor=2", "serving.max_num_seqs=512")
+
+
+def test_plan_json_states_each_roles_moe_layout():
+    from m31ctl.cli.views import plan_json
+
+    deployment = derive(plan_for("b300x8", "disaggregation.decode.tensor=1", "disaggregation.decode.data=4"))
+    data = plan_json(deployment, None)
+    pd = data["disaggregation"]
+    assert (pd["prefill"]["moe_layout"]["ranks"], pd["decode"]["moe_layout"]["ranks"]) == (4, 4)
+    assert data["moe_layout"] == pd["decode"]["moe_layout"]  # the single-engine keys are decode's
+    assert pd["decode"]["moe_layout"]["experts_per_gpu"] == "1/4 of the experts, whole"

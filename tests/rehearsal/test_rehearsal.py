@@ -1,0 +1,288 @@
+"""Real vLLM (the CPU build) end to end: launched natively and in a container, smoke-tested,
+stopped, nothing left running. Needs .venv-vllm (scripts/setup-vllm) and, for the container,
+the image scripts/build-rehearsal-image builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, last_json, run_cli
+from tests.ports import free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+IMAGE = "m31ctl/vllm-cpu:0.32.0"
+
+
+def _plan_options(launch_args: list[str]) -> list[str]:
+    """The plan options of a launch command line, with --name and --port as the settings they set."""
+    out, i = [], 1  # skip "launch"
+    while i < len(launch_args):
+        arg = launch_args[i]
+        if arg in ("--runtime", "--timeout"):
+            i += 2
+            continue
+        if arg in ("--json",):
+            i += 1
+            continue
+        if arg == "--name":
+            out += ["--set", f"runtime.container_name={launch_args[i + 1]}"]
+        elif arg == "--port":
+            out += ["--set", f"runtime.port={launch_args[i + 1]}"]
+        else:
+            out += [arg, launch_args[i + 1]] if arg in ("--hardware", "--set") else [arg]
+            i += 2 if arg in ("--hardware", "--set") else 1
+            continue
+        i += 2
+    return out
+
+
+KV_LINE = re.compile(
+    r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x"
+)
+
+
+def engine_kv_line(log: str) -> tuple[int, int, float]:
+    """vLLM's own account of its KV cache (v1/core/kv_cache_utils.py update_kv_cache_capacity)."""
+    found = KV_LINE.search(log)
+    assert found, "vLLM printed no 'KV cache size' line"
+    tokens, length, concurrency = found.groups()
+    return int(tokens.replace(",", "")), int(length.replace(",", "")), float(concurrency)
+
+
+def assert_capacity_matches_engine(log: str, model_dir: Path, *sets: str) -> None:
+    """m31ctl's capacity model, given the same model directory and KV space, predicts exactly
+    the tokens and the concurrency the engine printed."""
+    tokens, length, concurrency = engine_kv_line(log)
+    args = ["capacity", "--hardware", "cpu", "--set", f"model.path={model_dir}", "--context", str(length)]
+    for item in sets:
+        args += ["--set", item]
+    predicted = json.loads(run_cli(*args, "--json").stdout)["fit"]
+    print(
+        f"engine: {tokens:,} KV tokens, {concurrency}x; m31ctl: {predicted['kv_cache_tokens']:,}, {predicted['sequences']}"
+    )
+    assert predicted["kv_cache_tokens"] == tokens
+    assert predicted["sequences"] == int(concurrency)
+
+
+def test_native_launch_smoke_stop(vllm_py, tiny_model, tmp_path):
+    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
+    name = f"m31ctl-native-{uuid.uuid4().hex[:6]}"
+    args = [
+        "launch",
+        "--runtime",
+        "native",
+        "--hardware",
+        "cpu",
+        "--name",
+        name,
+        "--port",
+        str(free_port()),
+        "--set",
+        f"model.path={tiny_model}",
+        "--set",
+        f"runtime.native_python={vllm_py}",
+        "--timeout",
+        "400",
+        "--json",
+    ]
+    try:
+        launched = run_cli(*args, env=env)
+        assert launched.returncode == 0, launched.stderr[-3000:]
+        result = last_json(launched.stdout)
+        assert (
+            result["ready"] and result["timings_s"]["ready"] - result["timings_s"]["models_first_answer"] < 1
+        )
+        print(f"native ready after {result['timings_s']['ready']:.1f} s")
+        again = run_cli(*args, env=env)
+        assert last_json(again.stdout)["action"] == "unchanged"
+        status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"]
+        assert [r["name"] for r in status] == [name] and status[0]["health"] == 200
+        smoke = run_cli("smoke", "--runtime", "native", "--json", env=env)
+        report = json.loads(smoke.stdout)
+        assert smoke.returncode == 0 and report["ok"], report
+        assert report["completion_tokens"] == 16 and report["ttft_s"] > 0
+        print(f"native smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
+        plan_options = _plan_options(args)
+        report_path = tmp_path / "verify.json"
+        verified = run_cli("verify", *plan_options, "--json", "-o", str(report_path), env=env)
+        report = json.loads(verified.stdout)
+        assert verified.returncode == 0 and report["ok"], report
+        assert report["bench"]["completed"] == 4 and report["bench"]["p99_ttft_ms"] > 0
+        assert report["facts"]["kv_cache_tokens"] == report["facts"]["kv_cache_tokens_predicted"] == 524288
+        print(
+            f"native verify: p99 TTFT {report['bench']['p99_ttft_ms']:.1f} ms, {report['bench']['output_throughput']:.0f} tokens/s"
+        )
+        # A pass mark the CPU cannot meet, and a plan that says another KV dtype: exit 1, named.
+        slow = run_cli("verify", *plan_options, "--set", "verify.ttft_p99_ms=0.001", "--json", env=env)
+        assert slow.returncode == 1 and json.loads(slow.stdout)["failed"] == ["ttft-p99"]
+        wrong = run_cli(
+            "verify", *plan_options, "--set", "cache.kv_dtype=fp8", "--no-load", "--json", env=env
+        )
+        assert wrong.returncode == 1 and "kv-cache-dtype" in json.loads(wrong.stdout)["failed"]
+        again = run_cli(
+            "verify", *plan_options, "--baseline", str(report_path), "--tolerance", "10", "--json", env=env
+        )
+        checks = {c["id"]: c["status"] for c in json.loads(again.stdout)["checks"]}
+        assert again.returncode == 0 and checks["regression"] == "ok"
+        logs = run_cli("logs", "--runtime", "native", "--tail", "5000", env=env)
+        assert "POST /v1/chat/completions" in logs.stdout
+        assert_capacity_matches_engine(logs.stdout, tiny_model)
+        pid = status[0]["pid"]
+    finally:
+        stopped = run_cli("stop", "--runtime", "native", "--json", env=env)
+    assert stopped.returncode == 0 and json.loads(stopped.stdout)["stopped"] == [name]
+    assert (
+        not os.path.exists(f"/proc/{pid}")
+        or Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    )
+    assert json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"] == []
+
+
+@pytest.mark.docker
+def test_container_launch_smoke_stop(tiny_model):
+    from m31ctl.runtime.engine_api import connect
+
+    client = connect()
+    try:
+        client.images.get(IMAGE)
+    except Exception:
+        pytest.fail(
+            f"{IMAGE} is missing: scripts/build-rehearsal-image builds it (scripts/test runs it as root)"
+        )
+    name = f"m31ctl-rehearsal-{uuid.uuid4().hex[:6]}"
+    port = free_port()
+    try:
+        launched = run_cli(
+            "launch",
+            "--hardware",
+            "cpu",
+            "--name",
+            name,
+            "--port",
+            str(port),
+            "--set",
+            f"model.path={tiny_model}",
+            "--timeout",
+            "400",
+            "--json",
+        )
+        assert launched.returncode == 0, launched.stderr[-3000:]
+        result = last_json(launched.stdout)
+        print(f"container ready after {result['timings_s']['ready']:.1f} s")
+        smoke = run_cli("smoke", "--name", name, "--json")
+        report = json.loads(smoke.stdout)
+        assert smoke.returncode == 0 and report["ok"], report
+        print(f"container smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
+        verified = run_cli("verify", "--hardware", "cpu", "--set", f"runtime.container_name={name}",
+                           "--set", f"runtime.port={port}", "--set", f"model.path={tiny_model}", "--json")  # fmt: skip
+        result = json.loads(verified.stdout)
+        assert verified.returncode == 0 and result["ok"], result
+        assert result["bench"]["completed"] == 4  # vllm bench serve from the image's own vLLM
+        print(f"container verify: p99 TTFT {result['bench']['p99_ttft_ms']:.1f} ms")
+        assert_capacity_matches_engine(run_cli("logs", "--name", name, "--tail", "5000").stdout, tiny_model)
+    finally:
+        stopped = run_cli("stop", "--name", name)
+    assert stopped.returncode == 0
+    assert name not in [c.name for c in client.containers.list(all=True)]
+
+
+def test_smoke_against_nothing_fails_cleanly():
+    result = run_cli("smoke", "--url", f"http://127.0.0.1:{free_port()}")
+    assert result.returncode == 6 and "does not answer" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.docker
+def test_doctor_asks_the_image_own_vllm(tiny_model, tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    base = [
+        "doctor",
+        "--hardware",
+        "cpu",
+        "--set",
+        f"model.path={tiny_model}",
+        "--set",
+        f"runtime.port={free_port()}",
+        "--json",
+    ]
+    good = {c["id"]: c for c in json.loads(run_cli(*base, env=env).stdout)["checks"]}
+    assert (
+        good["engine"]["status"] == "ok"
+        and "vLLM 0.32.0 inside m31ctl/vllm-cpu:0.32.0" in good["engine"]["message"]
+    )
+    assert list((tmp_path / "cache" / "m31ctl" / "engine-schemas").glob("*.json"))  # cached per image id
+    bad = run_cli(*base, "--set", 'engine.extra_args=["--max-num-batched-tokens","many"]', env=env)
+    checks = {c["id"]: c for c in json.loads(bad.stdout)["checks"]}
+    assert (
+        bad.returncode == 1
+        and checks["engine"]["status"] == "fail"
+        and "'many'" in checks["engine"]["message"]
+    )
+    absent = run_cli(*base, "--set", "engine.image=m31ctl-test/absent:1", env=env)
+    checks = {c["id"]: c for c in json.loads(absent.stdout)["checks"]}
+    assert checks["engine"]["status"] == "skip" and "not present locally" in checks["engine"]["message"]
+    # A P/D group: each role's argv against its image's vLLM (it was one failure, "a group's
+    # engines are its roles"), and one role's bad flag fails the check naming that role.
+    pair = [*base, "--variant", "pd"]
+    checks = {c["id"]: c for c in json.loads(run_cli(*pair, env=env).stdout)["checks"]}
+    engine = checks["engine"]
+    assert (
+        engine["status"] == "ok"
+        and "prefill: argv" in engine["message"]
+        and "decode: argv" in engine["message"]
+    )
+    bad_pair = run_cli(*pair, "--set", 'disaggregation.decode.env.VLLM_NOT_A_VARIABLE="1"', env=env)
+    engine = {c["id"]: c for c in json.loads(bad_pair.stdout)["checks"]}["engine"]
+    assert engine["status"] in ("fail", "warn") and "decode: the image's vLLM" in engine["message"], engine
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM's CPU build binds one core to each TP rank")
+def test_capacity_predicts_tp2_with_replicated_kv_heads(vllm_py, tmp_path):
+    """One KV head over two tensor-parallel ranks: vLLM keeps max(1, 1 // 2) = 1 head on each
+    rank, so TP2 holds no more tokens than TP1. A model that spread KV over the group (the
+    launch post's accounting) would predict twice as many."""
+    model = tmp_path / "one-kv-head"
+    subprocess.run(
+        [vllm_py, str(ROOT / "m31ctl" / "rehearsal" / "make_tiny_model.py"), str(model), "--kv-heads", "1"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # Both ranks share one NUMA node here: bind one core each, as vLLM's error asks.
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    }
+    argv = [
+        vllm_py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--tensor-parallel-size", "2", "--max-model-len", "2048", "--enforce-eager", "-O0",
+        "--port", str(free_port()),
+    ]  # fmt: skip
+    log = tmp_path / "engine.log"
+    with log.open("w") as out:
+        engine = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline and not KV_LINE.search(log.read_text(errors="replace")):
+                assert engine.poll() is None, log.read_text(errors="replace")[-3000:]
+                time.sleep(1)
+        finally:
+            os.killpg(engine.pid, signal.SIGTERM)
+            try:
+                engine.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(engine.pid, signal.SIGKILL)
+                engine.wait()
+    text = log.read_text(errors="replace")
+    tokens, _length, _concurrency = engine_kv_line(text)
+    assert tokens == 2**30 // (2 * 2 * 1 * 64 * 2)  # 1 GiB / 512 bytes a token on each rank
+    assert_capacity_matches_engine(text, model, "parallelism.tensor=2")

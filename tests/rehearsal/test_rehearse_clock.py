@@ -1,0 +1,129 @@
+"""The deployment's clock, proven at a real clock scaled down (issue 34): a rehearsal of the
+rendered LeaderWorkerSet with a slow load injected into every engine through vLLM's own plugin
+mechanism (m31ctl/rehearsal/slow_load), the plan's load budget and vLLM's handshake scaled by the
+same factor, and a leader that starts late."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from m31ctl.hardware import simulated
+from m31ctl.plan import PlanRequest, resolve
+from m31ctl.rehearsal.runner import Options, prepare
+from m31ctl.rehearsal.twin import HANDSHAKE_ENV, LOAD_DELAY_ENV
+from m31ctl.timeline import VLLM_DEFAULT_ENGINE_READY_S, VLLM_HANDSHAKE_S
+from tests.conftest import ROOT
+from tests.rehearsal.test_rehearse_layouts import DP_DENSE, RWX, _leftovers, _sets, needs_image
+
+SCALE = 0.05
+TIMEOUT = 420
+
+
+def test_a_scaled_rehearsal_keeps_the_plans_clock(tmp_path):
+    plan = resolve(PlanRequest(hardware=simulated("b300x4"), sets=(*DP_DENSE, *RWX)))
+    prepared = prepare(plan, Options(cache_dir=tmp_path, timeout_s=TIMEOUT, clock_scale=SCALE))
+    env = dict(prepared.deployment.plan.settings.runtime.env)
+    load_budget = plan.settings.runtime.load_and_compile_s  # 1,200 s on real GPUs
+    delay = int(env[LOAD_DELAY_ENV])
+    # A load longer than vLLM's default engine-ready limit, at the same scale: the case that
+    # restarts forever on real GPUs unless the limit is raised.
+    assert delay == math.ceil(load_budget * SCALE * 0.75) > VLLM_DEFAULT_ENGINE_READY_S * SCALE
+    assert int(env[HANDSHAKE_ENV]) == math.ceil(VLLM_HANDSHAKE_S * SCALE)
+    timeline = prepared.deployment.timeline
+    # The twin's budget: the tiny model's own start (--timeout) plus the plan's, scaled; vLLM's
+    # limit raised to it in the rendered pods, and the startup probe derived from it.
+    assert timeline.load_s == TIMEOUT + math.ceil(load_budget * SCALE)
+    (leader, worker) = [p for p in prepared.manifest.pods if not p.init]
+    assert ("VLLM_ENGINE_READY_TIMEOUT_S", str(timeline.engine_ready_s)) in leader.env
+    (probe,) = [p for p in leader.probes if p.kind == "startup"]
+    assert probe.period_s * probe.failure_threshold >= timeline.ready_s > delay
+    assert (LOAD_DELAY_ENV, str(delay)) in worker.env
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "m31ctl", "rehearse", "--hardware", "b300x4", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def _cleanup() -> None:
+    for kind, listing in (
+        ("rm", ["ps", "-aq"]),
+        ("network", ["network", "ls", "-q"]),
+        ("volume", ["volume", "ls", "-q"]),
+    ):
+        found = subprocess.run(
+            ["docker", *listing, "--filter", "label=io.m31ctl.rehearsal"], capture_output=True, text=True
+        ).stdout.split()
+        if found:
+            remove = ["rm", "-f"] if kind == "rm" else [kind, "rm"]
+            subprocess.run(["docker", *remove, *found], capture_output=True, check=False)
+
+
+@needs_image
+@pytest.mark.docker
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_slow_load_and_a_late_leader_serve_at_the_scaled_clock():
+    """DP over two nodes: every engine loads for 45 s (longer than vLLM's default limit scaled,
+    30 s), the leader starts 25 s after its worker (longer than vLLM's handshake scaled, 15 s);
+    the worker waits for the leader's port, then joins, and the group serves."""
+    try:
+        done = _run(*_sets(*DP_DENSE, *RWX), "--clock-scale", str(SCALE), "--leader-delay", "25",
+                    "--timeout", str(TIMEOUT), "--keep")  # fmt: skip
+        result = json.loads(done.stdout)
+        assert done.returncode == 0 and result["served"], done.stderr[-2000:]
+        logs = {
+            node["role"]: subprocess.run(
+                ["docker", "logs", node["container"]], capture_output=True, text=True
+            ).stdout
+            + subprocess.run(["docker", "logs", node["container"]], capture_output=True, text=True).stderr
+            for node in result["nodes"]
+        }
+        for role in ("leader", "worker"):
+            assert "m31ctl rehearsal: loading slowly, 45 s" in logs[role], role
+        worker = logs["worker"]
+        assert "m31ctl: waiting for the leader" in worker
+        waited, started = (
+            worker.index("m31ctl: waiting for the leader"),
+            worker.index("starting the headless worker"),
+        )
+        assert waited < started  # vLLM's headless worker ran only once the leader listened
+        assert "Did not receive response from front-end" not in worker
+        assert result["completions"] >= 4 and result["smoke"]["ok"]
+    finally:
+        _cleanup()
+    assert not _leftovers()
+
+
+@needs_image
+@pytest.mark.docker
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_same_load_under_vllms_default_limit_fails_in_vllms_words():
+    """The same scaled load with VLLM_ENGINE_READY_TIMEOUT_S left at vLLM's default, scaled
+    (600 s x 0.05 = 30 s): at DP > 1 vLLM's API servers (one per rank by default) wait for the
+    engines with that limit while they load, and give up in vLLM's own words. (At DP1, vLLM 0.32
+    applies the limit only after the engine is ready: a single engine served a 40 s load under
+    15 s; the limit is raised on every plan all the same.)"""
+    default = str(int(VLLM_DEFAULT_ENGINE_READY_S * SCALE))
+    try:
+        done = _run(*_sets(*DP_DENSE, *RWX, f"runtime.env.VLLM_ENGINE_READY_TIMEOUT_S={default}"),
+                    "--clock-scale", str(SCALE), "--timeout", str(TIMEOUT))  # fmt: skip
+        result = json.loads(done.stdout)
+        assert done.returncode == 5 and not result["served"]
+        assert "Timed out waiting for engine core processes to start" in result["error_line"]
+        assert f"Waited {default}s (configured by VLLM_ENGINE_READY_TIMEOUT_S)" in result["error_line"]
+    finally:
+        _cleanup()
+    assert not _leftovers()

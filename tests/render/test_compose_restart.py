@@ -1,0 +1,118 @@
+"""A restarted engine does not download (issue 34), proven with the real parts: the rendered
+Compose file run by docker-compose, its one-shot download service fetching the pinned commit from
+a stand-in hub with the real huggingface_hub, vLLM's CPU build serving it offline, and the engine
+killed from outside so that its restart policy starts it again."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import make_tiny_model, run_cli
+from tests.rehearsal.test_rehearse_layouts import needs_image
+from tests.standin_hub import Repo, RepoFile, StandinHub
+
+REPO_ID = "standin/tiny-rehearsal"
+# Bounds for a start on a busy 2-core machine; they decide only when something is broken.
+START_BOUND_S = 900
+
+
+def _docker(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _tiny_repo(tmp_path: Path) -> Repo:
+    model = make_tiny_model(tmp_path / "tiny")
+    files = {
+        str(p.relative_to(model)): RepoFile(p.read_bytes(), p.suffix == ".safetensors")
+        for p in sorted(model.rglob("*"))
+        if p.is_file()
+    }
+    return Repo(REPO_ID, files)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def _wait_healthy(url: str, container: str) -> None:
+    deadline = time.monotonic() + START_BOUND_S
+    while not _answers(url):
+        state = _docker("inspect", "-f", "{{.State.Status}} {{.RestartCount}}", container).stdout.strip()
+        assert time.monotonic() < deadline, f"{container} not answering {url}: {state}"
+        time.sleep(2)
+
+
+@needs_image
+@pytest.mark.docker
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_restarted_engine_serves_offline_without_downloading(tmp_path):
+    # This host as containers reach it: the default bridge's gateway (its subnet's first address:
+    # Docker does not always list the gateway).
+    subnet = _docker("network", "inspect", "bridge", "-f", "{{(index .IPAM.Config 0).Subnet}}").stdout.strip()
+    gateway = str(ipaddress.ip_network(subnet)[1])
+    hub = StandinHub(_tiny_repo(tmp_path), host="0.0.0.0", advertise=gateway)
+    name = f"m31ctl-clock-{uuid.uuid4().hex[:6]}"
+    project = name.replace("-", "")
+    port = 18000 + int(uuid.uuid4().hex[:3], 16) % 1000
+    cache = tmp_path / "hf"
+    cache.mkdir()
+    compose = tmp_path / "compose.yaml"
+    try:
+        rendered = run_cli(
+            "render", "--target", "compose", "--hardware", "cpu", "--recipe", "cpu",
+            "--set", f"model.path={REPO_ID}", "--set", f"runtime.hf_cache={cache}",
+            "--set", f"runtime.container_name={name}", "--set", f"runtime.port={port}",
+            "--set", f"runtime.env.HF_ENDPOINT={hub.endpoint}",
+            env={"HF_ENDPOINT": f"http://127.0.0.1:{hub.endpoint.rsplit(':', 1)[1]}"},
+        )  # fmt: skip
+        assert rendered.returncode == 0, rendered.stderr
+        compose.write_text(rendered.stdout)
+        services = yaml.safe_load(rendered.stdout)["services"]
+        commit = hub.repo.commit
+        assert services["download"]["command"][3] == commit  # pinned at render time, by the hub's answer
+        assert services["vllm"]["command"][1:3] == ["--revision", commit]
+        assert "HF_HUB_OFFLINE=1" in services["vllm"]["environment"]
+        up = subprocess.run(
+            ["docker-compose", "-p", project, "-f", str(compose), "up", "-d"],
+            capture_output=True, text=True, timeout=START_BOUND_S, check=False,
+        )  # fmt: skip
+        assert up.returncode == 0, up.stderr[-2000:]
+        # No container_name on the one-shot download (a leftover of a script run would collide):
+        # docker-compose 1.x names it PROJECT_SERVICE_1.
+        downloaded = _docker("inspect", "-f", "{{.State.ExitCode}}", f"{project}_download_1").stdout.strip()
+        assert downloaded == "0"
+        assert hub.gets("model.safetensors") == [0]  # the one download, by the download service
+        _wait_healthy(f"http://127.0.0.1:{port}/health", name)
+
+        hub.reset_counts()
+        pid = _docker("inspect", "-f", "{{.State.Pid}}", name).stdout.strip()
+        subprocess.run(["kill", "-9", pid], check=True)  # the engine dies, as a crash would
+        deadline = time.monotonic() + START_BOUND_S
+        while _docker("inspect", "-f", "{{.RestartCount}}", name).stdout.strip() in ("", "0"):
+            assert time.monotonic() < deadline, "the restart policy never restarted the engine"
+            time.sleep(1)
+        _wait_healthy(f"http://127.0.0.1:{port}/health", name)
+        assert hub.requests == []  # the restarted engine asked the hub for nothing
+        models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10).read())
+        assert models["data"][0]["id"]
+    finally:
+        subprocess.run(
+            ["docker-compose", "-p", project, "-f", str(compose), "down", "-v", "--remove-orphans"],
+            capture_output=True, timeout=300, check=False,
+        )  # fmt: skip
+        hub.close()
+    assert _docker("ps", "-aq", "--filter", f"name={name}").stdout.strip() == ""

@@ -1,0 +1,441 @@
+"""A prefill/decode plan rendered (issue 36): goldens, each runtime's own checks (docker-compose
+config, the compose-spec schema, Kubernetes' schemas, promtool), the facts the targets must
+agree on (the roles' argv and environment, the router's upstreams, the side-channel address),
+and the refusals."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT, Deployment, derive
+from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, build_invocation
+from m31ctl.engine.router import Upstreams, router_invocation
+from m31ctl.hardware import simulated
+from m31ctl.plan import PlanRequest, resolve
+from m31ctl.render import PD_RENDERERS, Artifact, get_target
+from m31ctl.render.kubelet_expansion import expand, mapping_for
+from m31ctl.render.pd import COMPOSE_SUBNET, ROUTER_LISTEN
+from m31ctl.render.targets import TARGETS
+from tests.conftest import PINNED_COMMIT, make_tiny_model, run_cli
+from tests.rehearsal.test_rehearse_layouts import needs_image
+from tests.render.test_render import HOSTILE, tool
+
+REFERENCE = Path(__file__).parent.parent / "reference_files" / "render"
+# The two P/D plans the brief names: the CPU rehearsal's pd variant, and B300x8 split 4 + 4.
+PLANS = {
+    "pd-cpu": ("cpu", {"variant": "pd"}),
+    "pd-b300x8": ("b300x8", {"sets": ("disaggregation.enabled=true",)}),
+}
+CPU_PD = ("--hardware", "cpu", "--variant", "pd")
+PROMTOOL = shutil.which("promtool")
+
+
+def pd_plan(key: str, extra: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    hw, kw = PLANS[key]
+    sets = (*kw.get("sets", ()), *extra)
+    return resolve(PlanRequest(hardware=simulated(hw), variant=kw.get("variant"), sets=sets))
+
+
+def pd_deployment(key: str, extra: tuple[str, ...] = ()) -> Deployment:
+    return derive(pd_plan(key, extra), commit=PINNED_COMMIT)
+
+
+def render(key: str, target: str, extra: tuple[str, ...] = ()) -> list[Artifact]:
+    return get_target(target)(pd_deployment(key, extra))
+
+
+@pytest.mark.parametrize("target", sorted(PD_RENDERERS))
+@pytest.mark.parametrize("key", sorted(PLANS))
+def test_golden(key, target, monkeypatch):
+    monkeypatch.setenv("HOME", "/home/operator")
+    for artifact in render(key, target):
+        golden = REFERENCE / key / artifact.name
+        if os.environ.get("M31CTL_UPDATE_GOLDEN"):
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_text(artifact.content)
+        assert artifact.content == golden.read_text(), (
+            f"re-run with M31CTL_UPDATE_GOLDEN=1 if {golden} should change"
+        )
+
+
+@pytest.mark.parametrize("target", sorted(PD_RENDERERS))
+def test_byte_identical(target):
+    assert render("pd-b300x8", target) == render("pd-b300x8", target)
+
+
+@pytest.mark.parametrize("target", sorted(set(TARGETS) - set(PD_RENDERERS)))
+def test_other_targets_refuse_a_pd_plan_naming_those_that_render_it(target, cli, tmp_path):
+    result = cli("render", "--target", target, *CPU_PD, "-o", str(tmp_path / "out"))
+    assert result.returncode == 2, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "error" in line]
+    assert f"--target {target} does not render a prefill/decode plan" in line
+    assert all(name in line for name in PD_RENDERERS)
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_compose_refuses_a_pair_wider_than_one_host(cli, tmp_path):
+    # B300x4: each TP4 role fits a host, the pair (8 GPUs) does not.
+    args = ("--hardware", "b300x4", "--set", "disaggregation.enabled=true", "--revision", PINNED_COMMIT)
+    result = cli("render", "--target", "compose", *args, "-o", str(tmp_path / "out"))
+    assert result.returncode == 6, result.stderr
+    assert "needs 8 GPUs (4 prefill, 4 decode) on one host" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    # ...which Kubernetes renders: each role on its own nodes.
+    assert cli("render", "--target", "k8s", *args).returncode == 0
+
+
+# --- Compose -----------------------------------------------------------------------------------
+
+
+def _compose_config(text: str, tmp_path: Path, env: dict[str, str] | None = None) -> dict:  # type: ignore[type-arg]
+    """The file as docker-compose itself reads it (`config`: parsed, validated, interpolated)."""
+    path = tmp_path / "compose.yaml"
+    path.write_text(text)
+    done = subprocess.run(
+        [tool("docker-compose"), "-f", str(path), "config"],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"], **(env or {})},
+    )
+    assert done.returncode == 0, done.stderr
+    schema = subprocess.run(
+        [tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert schema.returncode == 0, schema.stdout + schema.stderr
+    parsed: dict = yaml.safe_load(done.stdout)  # type: ignore[type-arg]
+    return parsed
+
+
+@pytest.mark.parametrize("key", sorted(PLANS))
+def test_compose_runs_each_role_as_planned_and_the_router_after_them(key, tmp_path):
+    deployment = pd_deployment(key, (f"model.served_name={HOSTILE}",))
+    (artifact,) = get_target("compose")(deployment)
+    services = _compose_config(artifact.content, tmp_path)["services"]
+    raw = yaml.safe_load(artifact.content)["services"]  # as written (`config` rewrites durations)
+    group = deployment.disaggregated
+    assert group is not None
+    subnet = ipaddress.ip_network(COMPOSE_SUBNET)
+    addresses = []
+    for name, role in (("prefill", group.prefill), ("decode", group.decode)):
+        service = services[name]
+        address = service["networks"]["pd"]["ipv4_address"]
+        assert ipaddress.ip_address(address) in subnet
+        addresses.append(address)
+        # The adapter's argv and environment, with the role's own address as its side channel.
+        invocation = build_invocation(role, side_channel_host=address)
+        # The hostile name verbatim (`config` prints a literal `$` escaped again, as `$$`).
+        assert [a.replace("$$", "$") for a in service["command"]] == list(invocation.args)
+        env = service["environment"]  # `config` writes it as a mapping
+        assert env[SIDE_CHANNEL_HOST_ENV] == address
+        assert {k: v for k, v in invocation.env} == {k: env[k] for k, _ in invocation.env}
+        assert service["container_name"] == role.name
+        assert raw[name]["ports"] == [f"{role.network.bind}:{role.network.port}:8000"]
+        # Each role's own clocks (m31ctl/timeline.py), as the aggregated service uses them.
+        assert raw[name]["healthcheck"]["start_period"] == f"{role.timeline.ready_s}s"
+        assert raw[name]["stop_grace_period"] == f"{role.timeline.stop_s}s"
+    assert len(set(addresses)) == 2
+    router = services["router"]
+    expected = router_invocation(
+        group.router,
+        Upstreams("http://prefill:8000", "http://decode:8000"),
+        host=ROUTER_LISTEN,
+        port=8000,
+        metrics_port=RENDERED_ROUTER_METRICS_PORT,
+    )
+    assert [*router["entrypoint"], *router["command"]] == list(expected.argv)
+    assert router["depends_on"] == {
+        "prefill": {"condition": "service_healthy"},
+        "decode": {"condition": "service_healthy"},
+    }
+    bind = group.router.network.bind
+    metrics = RENDERED_ROUTER_METRICS_PORT
+    assert raw["router"]["ports"] == [
+        f"{bind}:{group.router.network.port}:8000",
+        f"{bind}:{metrics}:{metrics}",
+    ]
+    downloads = [name for name in services if "download" in name]
+    if deployment.model.local:
+        assert downloads == []
+    else:  # once, before both roles; the transfer's environment is the engines' alone
+        assert downloads == ["download"]
+        assert not any("NIXL" in name or "UCX" in name for name in services["download"]["environment"])
+        for name in ("prefill", "decode"):
+            assert services[name]["depends_on"] == {
+                "download": {"condition": "service_completed_successfully"}
+            }
+
+
+def test_compose_hands_each_role_its_own_gpus():
+    (artifact,) = render("pd-b300x8", "compose")
+    services = yaml.safe_load(artifact.content)["services"]
+    ids = {
+        name: services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for name in ("prefill", "decode")
+    }
+    assert ids == {"prefill": ["0", "1", "2", "3"], "decode": ["4", "5", "6", "7"]}
+
+
+def test_compose_router_fails_closed_without_the_api_key(tmp_path):
+    (artifact,) = render("pd-cpu", "compose", ("runtime.api_key=true",))
+    path = tmp_path / "compose.yaml"
+    path.write_text(artifact.content)
+    done = subprocess.run(
+        [tool("docker-compose"), "-f", str(path), "config"],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+    )
+    assert done.returncode != 0 and "the plan requires VLLM_API_KEY" in done.stderr
+    services = _compose_config(artifact.content, tmp_path, {"VLLM_API_KEY": "k"})["services"]
+    assert "OPENAI_API_KEY=k" in [f"{k}={v}" for k, v in services["router"]["environment"].items()]
+
+
+# --- Kubernetes --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", sorted(PLANS))
+def test_k8s_validates_and_wires_the_router_to_the_roles_services(key, tmp_path):
+    deployment = pd_deployment(key, (f"model.served_name={HOSTILE}",))
+    (artifact,) = get_target("k8s")(deployment)
+    path = tmp_path / "k8s.yaml"
+    path.write_text(artifact.content)
+    done = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    documents = list(yaml.safe_load_all(artifact.content))
+    assert done.stdout.count("passed") == len(documents) == 11
+    kinds = [(d["kind"], d["metadata"]["name"].rsplit("-", 1)[-1]) for d in documents]
+    assert kinds == [
+        ("PersistentVolumeClaim", "cache"), ("Deployment", "prefill"), ("Service", "api"), ("NetworkPolicy", "prefill"),
+        ("PersistentVolumeClaim", "cache"), ("Deployment", "decode"), ("Service", "api"), ("NetworkPolicy", "decode"),
+        ("Deployment", "router"), ("Service", "api"), ("NetworkPolicy", "router"),
+    ]  # fmt: skip
+    group = deployment.disaggregated
+    assert group is not None
+    services = {d["metadata"]["name"]: d for d in documents if d["kind"] == "Service"}
+    upstreams = []
+    for role, workload in zip(group.roles, (documents[1], documents[5]), strict=True):
+        container = workload["spec"]["template"]["spec"]["containers"][0]
+        side = [e for e in container["env"] if e["name"] == SIDE_CHANNEL_HOST_ENV]
+        assert side == [
+            {"name": SIDE_CHANNEL_HOST_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        ]
+        # What the kubelet hands vLLM is the adapter's argv, the hostile name included.
+        assert [expand(a, mapping_for({})) for a in container["args"]] == list(build_invocation(role).args)
+        service = services[f"{role.name}-api"]
+        assert service["spec"]["selector"] == {"app.kubernetes.io/name": role.name}
+        upstreams.append(f"http://{role.name}-api:{service['spec']['ports'][0]['port']}")
+    router = documents[8]["spec"]["template"]["spec"]
+    command = [expand(a, mapping_for({})) for a in router["containers"][0]["command"]]
+    expected = router_invocation(
+        group.router,
+        Upstreams(*upstreams),
+        host=ROUTER_LISTEN,
+        port=8000,
+        metrics_port=RENDERED_ROUTER_METRICS_PORT,
+    )
+    assert command == list(expected.argv)
+    wait = router["initContainers"][0]["command"]
+    assert wait[-2:] == [f"{u}/health" for u in upstreams]
+    # Clients reach the router under the aggregated API Service's name.
+    api = services[f"{deployment.name}-api"]
+    assert api["spec"]["selector"] == {"app.kubernetes.io/name": group.router.name}
+    # Each role admits its group (peer and router) on every port; the router admits api_clients.
+    group_label = {"app.kubernetes.io/part-of": deployment.name, "app.kubernetes.io/managed-by": "m31ctl"}
+    for policy in (documents[3], documents[7]):
+        assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": group_label}}]}]
+    for workload in (documents[1], documents[5], documents[8]):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert labels.items() >= group_label.items()
+    assert documents[10]["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 8000}]
+
+
+def test_k8s_router_forwards_the_groups_api_key():
+    (artifact,) = render("pd-b300x8", "k8s")
+    documents = list(yaml.safe_load_all(artifact.content))
+    secret = "m31ctl-minimax-m31-flash-secrets"
+    router_env = documents[8]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert router_env == [
+        {
+            "name": "OPENAI_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": secret, "key": "VLLM_API_KEY", "optional": False}},
+        }
+    ]
+    for workload in (documents[1], documents[5]):
+        refs = [
+            e["valueFrom"]["secretKeyRef"]["name"]
+            for e in workload["spec"]["template"]["spec"]["containers"][0]["env"]
+            if "secretKeyRef" in e.get("valueFrom", {})
+        ]
+        assert refs and set(refs) == {secret}  # one Secret for the whole group
+
+
+# --- monitoring --------------------------------------------------------------------------------
+
+
+def test_monitoring_scrapes_both_roles_and_the_router(tmp_path):
+    artifacts = {a.name: a.content for a in render("pd-cpu", "monitoring")}
+    config = yaml.safe_load(artifacts["prometheus.yml"])
+    (job,) = config["scrape_configs"]
+    targets = {c["labels"]["m31ctl_role"]: c["targets"] for c in job["static_configs"]}
+    assert targets == {
+        "prefill": ["127.0.0.1:8100"],
+        "decode": ["127.0.0.1:8200"],
+        "router": [f"127.0.0.1:{RENDERED_ROUTER_METRICS_PORT}"],
+    }
+    monitor = next(
+        d for d in yaml.safe_load_all(artifacts["k8s-monitoring.yaml"]) if d["kind"] == "PodMonitor"
+    )
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["http", "metrics"]
+    if PROMTOOL is None:
+        pytest.skip("no promtool (scripts/setup-host installs prometheus)")
+    for name, content in artifacts.items():
+        (tmp_path / name).write_text(content)
+    done = subprocess.run(
+        [PROMTOOL, "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_role_over_nodes_is_a_leader_worker_set_whose_pods_each_advertise_their_ip(cli):
+    wide = (
+        "disaggregation.decode.data=2",
+        "disaggregation.decode.nodes=2",
+        "kubernetes.hf_cache_storage_class=nfs",
+    )
+    (artifact,) = render("pd-b300x8", "k8s", wide)
+    documents = list(yaml.safe_load_all(artifact.content))
+    lws = next(d for d in documents if d["kind"] == "LeaderWorkerSet")
+    assert lws["metadata"]["name"].endswith("-decode")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    for pod in (template["leaderTemplate"], template["workerTemplate"]):
+        assert pod["metadata"]["labels"]["app.kubernetes.io/part-of"] == "m31ctl-minimax-m31-flash"
+        (container,) = pod["spec"]["containers"]
+        side = [e for e in container["env"] if e["name"] == SIDE_CHANNEL_HOST_ENV]
+        assert side == [
+            {"name": SIDE_CHANNEL_HOST_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        ]
+    # Compose cannot run it: one clear line, exit 6.
+    args = ["--hardware", "b300x8", "--set", "disaggregation.enabled=true", "--revision", PINNED_COMMIT]
+    for setting in wide[:2]:
+        args += ["--set", setting]
+    result = cli("render", "--target", "compose", *args)
+    assert result.returncode == 6 and "the decode role spans 2 nodes" in result.stderr, result.stderr
+
+
+# --- the rendered Compose file, run ------------------------------------------------------------
+# Bounds for a start on a busy 2-core machine; they decide only when something is broken.
+START_BOUND_S = 900
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@needs_image
+@pytest.mark.docker
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_rendered_pair_serves_with_the_kv_over_nixl_between_containers(tmp_path):
+    """docker-compose runs the CPU pd variant's file as rendered: the router answers once both
+    roles are healthy, and the decode container's prompt tokens came from prefill's KV over NIXL
+    (vLLM's own counters), not recomputed."""
+    if not _port_free(RENDERED_ROUTER_METRICS_PORT):
+        pytest.skip(
+            f"port {RENDERED_ROUTER_METRICS_PORT} (the router's metrics, fixed in rendered files) is taken"
+        )
+    model = make_tiny_model(tmp_path / "tiny")
+    name = f"m31ctl-pd-{uuid.uuid4().hex[:6]}"
+    project = name.replace("-", "")
+    base = 20000 + int(uuid.uuid4().hex[:3], 16) % 1000 * 3
+    port, prefill_port, decode_port = base, base + 1, base + 2
+    compose = tmp_path / "compose.yaml"
+    try:
+        rendered = run_cli(
+            "render", "--target", "compose", *CPU_PD,
+            "--set", f"model.path={model}", "--set", f"runtime.hf_cache={tmp_path / 'hf'}",
+            "--set", f"runtime.container_name={name}", "--set", f"runtime.port={port}",
+            "--set", f"disaggregation.prefill.port={prefill_port}",
+            "--set", f"disaggregation.decode.port={decode_port}",
+        )  # fmt: skip
+        assert rendered.returncode == 0, rendered.stderr
+        compose.write_text(rendered.stdout)
+        (tmp_path / "hf").mkdir()
+        up = subprocess.run(
+            ["docker-compose", "-p", project, "-f", str(compose), "up", "-d"],
+            capture_output=True, text=True, timeout=START_BOUND_S, check=False,
+        )  # fmt: skip
+        assert up.returncode == 0, up.stderr[-2000:]
+        deadline = time.monotonic() + START_BOUND_S
+        while not _answers(f"http://127.0.0.1:{port}/health"):
+            assert time.monotonic() < deadline, "the router never answered /health"
+            time.sleep(2)
+        body = {
+            "model": "m31ctl-rehearsal",
+            "prompt": "hello there general",
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=300) as answer:
+            completion = json.loads(answer.read())
+        assert completion["usage"]["completion_tokens"] == 8
+        metrics = (
+            urllib.request.urlopen(f"http://127.0.0.1:{decode_port}/metrics", timeout=10).read().decode()
+        )
+        transferred = [
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("vllm:prompt_tokens_by_source_total")
+            and 'source="external_kv_transfer"' in line
+        ]
+        failed = [
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("vllm:nixl_num_failed_transfers_total")
+        ]
+        assert transferred and transferred[0] > 0, (
+            "decode computed the prompt itself: no KV came from prefill"
+        )
+        assert failed == [0.0]
+        router_metrics = urllib.request.urlopen(
+            f"http://127.0.0.1:{RENDERED_ROUTER_METRICS_PORT}/metrics", timeout=10
+        ).read()
+        assert b"vllm_router" in router_metrics  # the monitoring target's third scrape answers
+    finally:
+        subprocess.run(
+            ["docker-compose", "-p", project, "-f", str(compose), "down", "-v", "--remove-orphans", "-t", "30"],
+            capture_output=True, timeout=300, check=False,
+        )  # fmt: skip

@@ -1,0 +1,224 @@
+"""`m31ctl launch --runtime native` of a P/D plan (issue 36), for real: the CPU rehearsal's pd
+variant starts a prefill vLLM and a decode vLLM (the CPU build, NixlConnector over UCX/TCP on
+loopback) and vllm-router in front, as one deployment under the plan's name. A greedy
+completion is answered through the router, and the decode instance's /metrics show its prompt's
+KV came over the wire (m31ctl/served/kv_transfer.py); status lists the group and its two roles;
+logs prints each part's; a relaunch changes nothing; stop leaves no process of any part. A
+decode that dies while the group starts stops the whole group, with one line naming it.
+
+The tiny model is made as tests/rehearsal/test_rehearsal.py makes it; tests/pd_group.py proved the pair and
+the router natively first (tests/runtime/test_pd_native.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.parse
+import uuid
+from pathlib import Path
+
+import pytest
+
+from m31ctl.deployment import derive
+from m31ctl.errors import ExitCode
+from m31ctl.hardware import simulated
+from m31ctl.plan import PlanRequest, resolve
+from m31ctl.served import kv_transfer
+from tests import pd_group
+from tests.conftest import last_json, run_cli
+from tests.ports import free_ports
+from tests.render.test_observability import PROMETHEUS, _get, _stop, _until, all_queries
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SERVED = "m31ctl-rehearsal"  # the cpu recipe's model.served_name
+# Two vLLM starts one after the other on two shared cores: minutes; a busy machine gets more.
+LAUNCH_TIMEOUT_S = 900
+PROMPT = "the model serves tokens on four GPUs with sparse attention and a speculative draft; " * 12
+
+
+def _launch_args(name: str, model: Path, vllm_py: str, *extra: str) -> list[str]:
+    api, prefill, decode, prefill_side, decode_side = free_ports(5)
+    sets = {
+        "model.path": str(model),
+        "runtime.native_python": vllm_py,
+        "disaggregation.prefill.port": prefill,
+        "disaggregation.decode.port": decode,
+        "disaggregation.prefill.side_channel_port": prefill_side,
+        "disaggregation.decode.side_channel_port": decode_side,
+    }
+    args = ["launch", "--runtime", "native", "--hardware", "cpu", "--variant", "pd"]
+    args += ["--name", name, "--port", str(api), "--timeout", str(LAUNCH_TIMEOUT_S), "--json"]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    return args + list(extra)
+
+
+def _status(env: dict[str, str]) -> list[dict]:
+    shown = run_cli("status", "--runtime", "native", "--json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    rows: list[dict] = json.loads(shown.stdout)["servers"]
+    return rows
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (each part is a session, so its group holds vLLM's
+    engine core and workers too)."""
+    members = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[-1].split()
+        except OSError:
+            continue
+        if fields[2] == str(pgid) and fields[0] != "Z":
+            members.append(int(proc.name))
+    return members
+
+
+def _completion(base: str) -> dict:
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    answer = pd_group.request(f"{base}/v1/completions", body)
+    assert answer.status == 200, answer.body[:500]
+    return dict(answer.json())
+
+
+def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_model, tmp_path):
+    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
+    name = f"m31ctl-pd-{uuid.uuid4().hex[:6]}"
+    parts = [name, f"{name}-prefill", f"{name}-decode"]
+    args = _launch_args(name, tiny_model, vllm_py)
+    pids: list[int] = []
+    try:
+        launched = run_cli(*args, env=env)
+        assert launched.returncode == 0, launched.stderr[-3000:]
+        result = last_json(launched.stdout)
+        assert result["ready"] and result["action"] == "created" and result["server"] == name, result
+        endpoint = result["endpoint"]
+        print(f"P/D group ready: router {result['timings_s']['ready']:.1f} s after its start")
+
+        rows = _status(env)
+        assert [r["name"] for r in rows] == parts, rows
+        assert all(r["state"] == "running" for r in rows), rows
+        assert [r["group"] for r in rows] == [None, name, name]
+        assert rows[0]["endpoint"] == endpoint
+        pids = [r["pid"] for r in rows]
+        decode_url = rows[2]["endpoint"]
+
+        before = kv_transfer.facts(pd_group.metrics_text(decode_url))
+        answer = _completion(endpoint)
+        again = _completion(endpoint)
+        assert answer["choices"][0]["text"] and answer["choices"][0]["text"] == again["choices"][0]["text"]
+        seen = kv_transfer.since(before, kv_transfer.facts(pd_group.metrics_text(decode_url)))
+        print(f"decode /metrics over two requests through the router: {seen}")
+        verdict = kv_transfer.judge(seen)
+        assert verdict.came_over_the_wire, verdict.reason
+        assert seen.transfers >= 2 and seen.external_prompt_tokens > seen.local_prompt_tokens
+        _nixl_queries_answer_from_a_real_prometheus(args, name, tmp_path)
+
+        relaunched = run_cli(*args, env=env)
+        assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+        assert last_json(relaunched.stdout)["action"] == "unchanged"
+
+        logs = run_cli("logs", "--runtime", "native", "--name", name, "--tail", "2000", env=env)
+        assert logs.returncode == 0, logs.stderr
+        for part in parts:
+            assert f"==> {part} (" in logs.stdout
+        assert "POST /v1/completions" in logs.stdout  # the roles' access lines
+
+        # smoke without --name finds the one group (its parts are not servers of their own).
+        smoke = run_cli("smoke", "--runtime", "native", "--json", env=env)
+        assert smoke.returncode == 0 and json.loads(smoke.stdout)["ok"], smoke.stdout[-2000:]
+
+        # verify's gate on the group: the engine facts from decode's /metrics, and its requests'
+        # KV over the wire (the kv-transfer check). --no-load: the two cores serve the group.
+        verified = run_cli("verify", "--runtime", "native", "--no-load", "--json", env=env)
+        report = json.loads(verified.stdout)
+        checks = {c["id"]: c for c in report["checks"]}
+        assert verified.returncode == 0 and report["ok"], report
+        assert checks["kv-transfer"]["status"] == "ok", checks["kv-transfer"]
+        assert checks["kv-cache-dtype"]["status"] == "ok", checks["kv-cache-dtype"]
+        assert report["facts"]["kv_transfer"]["transfers"] > 0, report["facts"]
+
+        # bench on the group: per point, the prompts' KV over NIXL (decode's counters), none failed.
+        bench = run_cli(
+            "bench", "--runtime", "native", "--concurrency", "2", "--requests", "4", "--output-len", "8", "--json",
+            env=env,
+        )  # fmt: skip
+        (point,) = last_json(bench.stdout)["points"]
+        assert bench.returncode == 0 and point["completed"] == 4, bench.stdout[-2000:]
+        moved = point["kv_transfer"]
+        assert moved["transfers"] >= 4 and moved["failed_transfers"] == 0, moved
+        assert moved["external_prompt_tokens"] > moved["local_prompt_tokens"], moved
+    finally:
+        stopped = run_cli("stop", "--runtime", "native", "--json", env=env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert json.loads(stopped.stdout)["stopped"] == [name]
+    assert _status(env) == []
+    assert pids and all(_group_members(pid) == [] for pid in pids), "a process of the group survived stop"
+    assert sorted(os.listdir(tmp_path / "state" / "native")) == sorted(f"{p}.log" for p in parts)
+
+
+def _nixl_queries_answer_from_a_real_prometheus(launch_args: list[str], name: str, tmp_path: Path) -> None:
+    """The monitoring target rendered for this group's plan, run by a real Prometheus: the
+    dashboard's and the alert's NIXL queries (failed KV transfers) return data from the decode
+    role (a single server has no connector: tests/render/test_observability.py checks them by
+    name only). What they answer is 0 failures, the transfers above having succeeded."""
+    if PROMETHEUS is None:
+        pytest.fail("no prometheus: scripts/setup-host installs it")
+    plan = [a for a in launch_args[launch_args.index("--hardware") :] if a not in ("--json",)]
+    plan = plan[: plan.index("--name")] + plan[plan.index("--timeout") + 2 :]
+    out = tmp_path / "monitoring"
+    sets = [
+        "--set",
+        f"runtime.container_name={name}",
+        "--set",
+        f"runtime.port={launch_args[launch_args.index('--port') + 1]}",
+    ]
+    rendered = run_cli("render", "--target", "monitoring", *plan, *sets, "-o", str(out))
+    assert rendered.returncode == 0, rendered.stderr
+    d = derive(
+        resolve(
+            PlanRequest(simulated("cpu"), variant="pd", sets=tuple(a for a in [*plan, *sets] if "=" in a))
+        )
+    )
+    nixl = [(what, expr) for what, expr in all_queries(d) if "vllm:nixl_" in expr]
+    assert len(nixl) == 2, nixl  # the dashboard panel and the alert
+    (web,) = free_ports(1)
+    with (tmp_path / "prometheus.log").open("wb") as log:
+        prometheus = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={out / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{web}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        api = f"http://127.0.0.1:{web}/api/v1/query?"
+        for what, expr in nixl:
+            result = _until(
+                what, lambda expr=expr: _get(api + urllib.parse.urlencode({"query": expr}))["data"]["result"]
+            )
+            assert [float(sample["value"][1]) for sample in result] == [0.0], (what, result)
+    finally:
+        _stop(prometheus)
+
+
+def test_a_decode_that_dies_while_the_group_starts_stops_the_group(vllm_py, tiny_model, tmp_path):
+    """vLLM's CPU backend refuses a KV cache larger than the host's memory at start: decode exits
+    after prefill is up; launch stops prefill too and says which part died (exit 5)."""
+    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
+    name = f"m31ctl-pd-{uuid.uuid4().hex[:6]}"
+    args = _launch_args(
+        name, tiny_model, vllm_py, "--set", "disaggregation.decode.env.VLLM_CPU_KVCACHE_SPACE=100000"
+    )
+    try:
+        launched = run_cli(*args, env=env)
+        assert launched.returncode == ExitCode.NOT_READY, (launched.stdout[-2000:], launched.stderr[-3000:])
+        error = launched.stderr.strip().splitlines()[-1]
+        print(error)
+        assert f"P/D group {name}: {name}-decode exited" in error and "stopped the group" in error, error
+        assert f"{name}-prefill" in error
+        assert _status(env) == []
+    finally:
+        run_cli("stop", "--runtime", "native", env=env)

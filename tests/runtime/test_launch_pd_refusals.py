@@ -1,0 +1,70 @@
+"""A P/D plan where launch cannot run it, and how status shows a group with a part down (issue 36),
+without vLLM: the Docker runtime refuses it in one line before any check; a group record whose
+router runs (a real process) and whose decode record is missing is shown degraded, naming the
+part."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+from m31ctl.render import PD_RENDERERS, RENDERERS
+from m31ctl.runtime.native_group import statuses
+from m31ctl.runtime.native_state import NativeServer, process_identity
+from tests.conftest import run_cli
+
+
+def test_docker_refuses_a_pd_plan_in_one_line_before_any_check(tmp_path):
+    for extra in ((), ("--dry-run",)):
+        refused = run_cli(
+            "launch", "--hardware", "cpu", "--variant", "pd", "--runtime", "docker", "--json", *extra,
+            env={"M31CTL_STATE_DIR": str(tmp_path / "state")},
+        )  # fmt: skip
+        assert refused.returncode == 2, refused.stderr
+        error = json.loads(refused.stdout)
+        assert (
+            error["message"] == "the docker runtime does not launch a P/D plan (prefill, decode and router)"
+        )
+        assert "--runtime native" in error["hint"]
+        # The targets the hint sends a user to are the ones that render a P/D plan.
+        named = {target for target in RENDERERS if re.search(rf"\b{target}\b", error["hint"])}
+        assert named and named <= set(PD_RENDERERS), named
+    assert not (tmp_path / "state").exists()
+
+
+def test_native_dry_run_shows_the_three_command_lines():
+    shown = run_cli(
+        "launch", "--hardware", "cpu", "--variant", "pd", "--runtime", "native", "--dry-run", "--json"
+    )
+    assert shown.returncode == 0, shown.stderr
+    detail = json.loads(shown.stdout)
+    text = json.dumps(detail)
+    assert "kv_producer" in text and "kv_consumer" in text and "--vllm-pd-disaggregation" in text
+
+
+def _record(name: str, pid: int, identity: str | None, **extra: object) -> NativeServer:
+    return NativeServer(
+        name=name, pid=pid, plan_hash="abc", recipe="cpu", variant="pd", profile="latency",
+        bind="127.0.0.1", port=1, log="/dev/null", argv=("sleep",), started_at=time.time(),
+        stop_timeout=5, identity=identity, **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def test_a_group_with_a_part_down_is_shown_degraded_naming_it():
+    router = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        identity = process_identity(router.pid)
+        group = _record("g", router.pid, identity, parts=("g-prefill", "g-decode"))
+        prefill = _record("g-prefill", router.pid, identity, group="g")
+        rows = statuses([group, prefill])
+    finally:
+        router.kill()
+        router.wait()
+    assert [(r.name, r.state, r.group) for r in rows] == [
+        ("g", "degraded: g-decode down", None),
+        ("g-prefill", "running", "g"),
+        ("g-decode", "missing", "g"),
+    ]

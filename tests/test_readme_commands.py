@@ -1,0 +1,184 @@
+"""Every command README.md shows runs as written (issue 43, item 1).
+
+The commands are read from README.md itself (its ```console blocks' `$ ` lines and its ```bash
+blocks, continuation lines joined), so a README edit is tested as it lands. Each runs through
+bash, exactly as written, with `m31ctl` on PATH meaning this checkout's m31ctl, in a scratch
+directory (scripts/ commands in the repository root). Quick ones run here; slow ones carry the
+suite's markers. A command that cannot run as written is in ALLOW_LIST with the reason, skipped
+with that reason printed: the list is what README still owes, and shrinks as README is fixed. A
+command that a test of its own runs as written (read from README.md here, run by
+`run_as_written`), checking more than the exit code, is in RUN_ELSEWHERE: not run twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from tests.conftest import ROOT
+
+README = ROOT / "README.md"
+
+
+class Command(NamedTuple):
+    text: str  # as README writes it, continuation lines joined, the trailing comment dropped
+    line: int  # where it starts in README.md
+
+
+def readme_commands(text: str) -> list[Command]:
+    found = []
+    for block in re.finditer(r"^```(console|bash)\n(.*?)^```", text, re.S | re.M):
+        kind, body = block.group(1), block.group(2)
+        first_line = text.count("\n", 0, block.start(2)) + 1
+        logical: list[tuple[int, str]] = []
+        for number, raw in enumerate(body.splitlines(), start=first_line):
+            if logical and logical[-1][1].endswith("\\"):
+                logical[-1] = (logical[-1][0], logical[-1][1][:-1].rstrip() + " " + raw.strip())
+            else:
+                logical.append((number, raw.rstrip()))
+        for number, line in logical:
+            if kind == "console":
+                if not line.startswith("$ "):
+                    continue  # output, not a command
+                line = line[2:]
+            command = re.sub(r"\s+#\s.*$", "", line).strip()  # a comment after the command
+            if command and not command.startswith("#"):
+                found.append(Command(command, number))
+    return found
+
+
+# Commands that cannot run as README writes them, by how they start, and why. Each is skipped
+# with its reason printed; fix README (the corrected command is in the reason) and remove it here.
+ALLOW_LIST = {
+    "scripts/test": "the whole suite, which runs this test: not run from inside itself",
+    "m31ctl bench --concurrency": "measures a running server (launch one first); tests/served/test_bench_vllm.py "
+    "runs bench against the CPU rehearsal",
+    "m31ctl plan -f measured.yaml": "reads measured.yaml, which the bench example before it writes",
+    "m31ctl launch -f measured.yaml": "serves the bench example's measured.yaml on the GPU host it measured",
+}
+# Commands a test of their own runs exactly as README writes them (readme_command, run_as_written),
+# with the checks of what they print: here they would run a second time, minutes of CI for nothing.
+RUN_ELSEWHERE = {
+    "m31ctl rehearse --hardware b300x4 --set parallelism.nodes=2": (
+        "tests/rehearsal/test_rehearse_layouts.py::test_two_node_dp_rehearsal_serves"
+    ),
+}
+# Slow ones: the suite's markers (pyproject.toml), as the tests that run the same things carry.
+SLOW = {
+    "scripts/rehearse --docker": (pytest.mark.slow, pytest.mark.docker, pytest.mark.vllm),
+    "scripts/rehearse": (pytest.mark.slow, pytest.mark.vllm),
+    "m31ctl rehearse": (pytest.mark.slow, pytest.mark.docker, pytest.mark.vllm),
+}
+# Commands that download the checkpoint: against the stand-in hub, into a scratch home.
+PULLS = ("m31ctl pull",)
+
+
+def _allowed(command: str) -> str | None:
+    why = next((why for start, why in ALLOW_LIST.items() if command.startswith(start)), None)
+    elsewhere = next((test for start, test in RUN_ELSEWHERE.items() if command.startswith(start)), None)
+    return why or (elsewhere and f"run as written by {elsewhere}")
+
+
+def readme_command(start: str) -> Command:
+    """The one command README.md shows that starts with `start`, as README writes it."""
+    found = [c for c in readme_commands(README.read_text()) if c.text.startswith(start)]
+    assert len(found) == 1, f"README.md shows {len(found)} commands starting {start!r}: {found}"
+    return found[0]
+
+
+def _params() -> list[object]:
+    params = []
+    for command in readme_commands(README.read_text()):
+        marks = next((m for start, m in SLOW.items() if command.text.startswith(start)), ())
+        params.append(pytest.param(command, marks=marks, id=f"README:{command.line}:{command.text[:60]}"))
+    return params
+
+
+@pytest.fixture(scope="module")
+def checkpoint_hub() -> Iterator[str]:
+    from tests.standin_hub import small_checkpoint, standin_hub
+
+    with standin_hub(small_checkpoint("MiniMaxAI/MiniMax-M3.1-Flash", shard_bytes=1 << 16)) as hub:
+        yield hub.endpoint
+
+
+def _shim(tmp: Path) -> Path:
+    """A bin/ whose `m31ctl` is this checkout's, on this interpreter."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "m31ctl"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m m31ctl "$@"\n')
+    shim.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("command", _params())
+def test_readme_command_runs_as_written(command: Command, tmp_path, request):
+    why = _allowed(command.text)
+    if why is not None:
+        print(f"README.md:{command.line}: skipped: {command.text}\n  because {why}")
+        pytest.skip(f"README.md:{command.line}: {why}")
+    env: dict[str, str] = {}
+    if command.text.startswith(PULLS):
+        env |= {"HF_ENDPOINT": request.getfixturevalue("checkpoint_hub"), "HOME": str(tmp_path)}
+    done = run_as_written(command, tmp_path, env)
+    assert done.returncode == 0, (
+        f"README.md:{command.line}: {command.text}\nexit {done.returncode}\n{done.stderr[-3000:]}"
+    )
+
+
+def run_as_written(
+    command: Command, tmp_path: Path, env: dict[str, str] | None = None, timeout: float = 1800
+) -> subprocess.CompletedProcess[str]:
+    """`command` through bash exactly as README writes it, `m31ctl` on PATH this checkout's, in
+    the scratch directory `tmp_path` (scripts/ commands in the repository root)."""
+    environ = {**os.environ, "PATH": f"{_shim(tmp_path)}{os.pathsep}{os.environ['PATH']}",
+               "PYTHONPATH": str(ROOT), "COLUMNS": "100", **(env or {})}  # fmt: skip
+    cwd = ROOT if command.text.startswith("scripts/") else tmp_path
+    return subprocess.run(
+        ["bash", "-o", "pipefail", "-c", command.text],
+        cwd=cwd,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_the_reader_finds_the_commands_it_should():
+    """The reader itself: console prompts, bash lines, continuations, comments."""
+    text = (
+        "```console\n$ m31ctl plan --x \\\n    --y   # why\nsome output\n```\n"
+        "```bash\nscripts/demo     # note\n# a comment\n```\n```yaml\nnot: a command\n```\n"
+    )
+    assert [c.text for c in readme_commands(text)] == ["m31ctl plan --x --y", "scripts/demo"]
+
+
+def test_every_allow_list_entry_still_names_a_readme_command():
+    """An entry whose command README no longer shows is stale: drop it."""
+    shown = [c.text for c in readme_commands(README.read_text())]
+    listed = [*ALLOW_LIST, *RUN_ELSEWHERE]
+    assert [start for start in listed if not any(c.startswith(start) for c in shown)] == []
+
+
+def test_a_command_run_elsewhere_is_read_from_readme_and_run_as_written_there():
+    """The test named in RUN_ELSEWHERE exists, takes its command from README.md (readme_command,
+    the entry's own words) and runs it with run_as_written: README's text is what it proves."""
+    for start, where in RUN_ELSEWHERE.items():
+        path, name = where.split("::")
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        body = inspect.getsource(getattr(module, name))
+        assert "run_as_written(" in body, where
+        constant = re.search(r"readme_command\((\w+)\)", body)
+        assert constant and getattr(module, constant.group(1)) == start, where
+        readme_command(start)  # README shows it once
