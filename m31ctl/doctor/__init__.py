@@ -74,7 +74,7 @@ def diagnose(
         lock_path=locked,
         plan_files=files,
     )
-    checks = [c for c in all_checks() if (deep or not c.deep) and (locked or not c.locked)]
+    checks = [c for c in all_checks(deployment) if (deep or not c.deep) and (locked or not c.locked)]
     plan = deployment.plan if deployment is not None else None
     return DoctorReport(plan, error, tuple(run_checks(checks, ctx)))
 
@@ -90,7 +90,7 @@ class PlanDiagnosis:
 def diagnose_plan(deployment: Deployment) -> PlanDiagnosis:
     probe = detect()
     ctx = CheckContext(deployment=deployment, plan_error=None, probe=probe, env=os.environ)
-    checks = [c for c in all_checks() if not c.locked]
+    checks = [c for c in all_checks(deployment) if not c.locked]
     report = DoctorReport(deployment.plan, None, tuple(run_checks(checks, ctx)))
     return PlanDiagnosis(report, probe.hardware)
 
@@ -108,7 +108,7 @@ def preflight(
 
     probe = probe or detect()
     ctx = CheckContext(deployment=deployment, plan_error=None, probe=probe, env=env, deep=deep)
-    chosen = [c for c in all_checks() if c.id in check_ids or (deep and c.deep)]
+    chosen = [c for c in all_checks(deployment) if c.id in check_ids or (deep and c.deep)]
     results = run_checks(chosen, ctx)
     failed = [r for r in results if r.failed]
     docker = next((r for r in failed if r.id == CheckId.DOCKER.value), None)

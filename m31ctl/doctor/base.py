@@ -87,6 +87,8 @@ class CheckContext:
     # doctor --locked FILE: the lock the lock check compares with, and the -f files that fed the plan.
     lock_path: Path | None = None
     plan_files: tuple[Path, ...] = ()
+    # Where the host's /sys and /dev are read (the fabric check): / here, a tree in tests.
+    host_root: Path = Path("/")
     _memo: dict[str, Any] = field(default_factory=dict, init=False)
     _memo_lock: Any = field(default_factory=threading.Lock, init=False)
     _docker_client: Any = field(default=None, init=False)
@@ -166,6 +168,9 @@ class Check:
     timeout_s: float = 5.0
     deep: bool = False  # needs the image and the GPUs: `doctor --deep` only
     locked: bool = False  # compares with a lock file: `--locked FILE` only
+    # Whether the check has anything to judge in this deployment (None: no plan); one that has
+    # not is left out of the report, e.g. the KV fabric's check from a plan that moves no KV.
+    applies: Callable[[Deployment | None], bool] = field(default=lambda _deployment: True)
 
 
 def run_checks(checks: Sequence[Check], ctx: CheckContext, workers: int = 8) -> list[CheckResult]:

@@ -25,6 +25,7 @@ class CheckId(str, Enum):
     MEMLOCK = "memlock"
     CHECKPOINT = "checkpoint"
     PORT = "port"
+    FABRIC = "fabric"  # a P/D plan whose KV moves over UCX only (doctor/checks/fabric.py)
     HF_TOKEN = "hf-token"
     API_KEY = "api-key"
     IMAGE = "image"

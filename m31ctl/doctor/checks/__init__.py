@@ -5,6 +5,7 @@ the engine's Python) sits behind the CheckContext and the runtime seam.
     host.py    Docker, GPUs, memory, MIG, driver, ROCm, shared memory, ulimits, port
     model.py   checkpoint, disk, Hugging Face token, API key, KV capacity
     image.py   the engine image and its vLLM's schema
+    fabric.py  a P/D plan's KV transfer over UCX: its devices and transports on this host
     deep.py    --deep: the engine's torch on the plan's GPUs and an all-reduce
     engine_config.py  --deep: vLLM builds its configuration from the plan's argv (its dry run)
     lock.py    --locked FILE: the deployment against its lock
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 from typing import NoReturn
 
+from m31ctl.deployment import Deployment
 from m31ctl.doctor.base import Check
 from m31ctl.doctor.checks.deep import collective, engine_image
 from m31ctl.doctor.checks.engine_config import ENGINE_CONFIG_TIMEOUT_S, engine_config
+from m31ctl.doctor.checks.fabric import fabric, moves_kv_over_ucx
 from m31ctl.doctor.checks.host import (
     docker_daemon,
     driver,
@@ -75,6 +78,11 @@ def _check(check_id: CheckId) -> Check:
             return Check(check_id, "Checkpoint complete", checkpoint, timeout_s=5)
         case CheckId.PORT:
             return Check(check_id, "Port", port, timeout_s=1)
+        case CheckId.FABRIC:
+            # ucx_info -v, where the host has it, within the probe runner's 10 s.
+            return Check(
+                check_id, "KV-transfer fabric (UCX)", fabric, timeout_s=12, applies=moves_kv_over_ucx
+            )
         case CheckId.HF_TOKEN:
             return Check(check_id, "Hugging Face token", hf_token, timeout_s=1)
         case CheckId.API_KEY:
@@ -107,9 +115,11 @@ def _check(check_id: CheckId) -> Check:
             _unregistered(check_id)
 
 
-def all_checks() -> list[Check]:
-    """One check per CheckId, in the enum's order (the report's)."""
-    return [_check(check_id) for check_id in CheckId]
+def all_checks(deployment: Deployment | None = None) -> list[Check]:
+    """One check per CheckId, in the enum's order (the report's), less those with nothing to
+    judge in `deployment` (Check.applies: the fabric check only where KV moves over UCX)."""
+    checks = (_check(check_id) for check_id in CheckId)
+    return [check for check in checks if check.applies(deployment)]
 
 
 def get_check(check_id: CheckId) -> Check:
