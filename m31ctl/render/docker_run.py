@@ -5,13 +5,47 @@ from __future__ import annotations
 import csv
 import io
 import ipaddress
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from m31ctl.container import ContainerSpec, Mount
 from m31ctl.redact import HF_TOKEN_ENV
 from m31ctl.render.download import DownloadStep
 
 Mode = Literal["detached", "foreground"]
+
+
+class Attachment(NamedTuple):
+    """A container on a user-defined Docker network (a P/D pair's): its fixed address, if any
+    (ZMQ binds the address a role advertises for NIXL's side channel), and the name its peers
+    resolve it by (Docker's embedded DNS answers a network alias, as Compose's service name)."""
+
+    network: str
+    address: str | None
+    alias: str
+
+
+def network_args(attachment: Attachment) -> list[str]:
+    argv = ["--network", attachment.network]
+    if attachment.address is not None:
+        argv += ["--ip", attachment.address]
+    return [*argv, "--network-alias", attachment.alias]
+
+
+def lifecycle_args(mode: Mode, restart: str) -> list[str]:
+    """Detached: Docker restarts it (the script); foreground: its service manager does (systemd),
+    and a leftover container would block the name."""
+    return ["--detach", "--restart", restart] if mode == "detached" else ["--rm"]
+
+
+def log_args(max_size: str, max_files: int) -> list[str]:
+    return [
+        "--log-driver",
+        "json-file",
+        "--log-opt",
+        f"max-size={max_size}",
+        "--log-opt",
+        f"max-file={max_files}",
+    ]
 
 
 def publish_spec(spec: ContainerSpec) -> str:
@@ -38,14 +72,11 @@ def mount_spec(mount: Mount) -> str:
     return out.getvalue()[: -len("\n")]
 
 
-def docker_run_argv(spec: ContainerSpec, mode: Mode, env_file: str | None = None) -> list[str]:
-    """Everything after `docker`."""
-    argv = ["run"]
-    if mode == "detached":
-        argv += ["--detach", "--restart", spec.restart]
-    else:
-        argv += ["--rm"]  # systemd restarts the unit; a leftover container would block the name
-    argv += ["--name", spec.name]
+def docker_run_argv(
+    spec: ContainerSpec, mode: Mode, env_file: str | None = None, attachment: Attachment | None = None
+) -> list[str]:
+    """Everything after `docker`; `attachment`: on a user-defined network instead of the default bridge."""
+    argv = ["run", *lifecycle_args(mode, spec.restart), "--name", spec.name]
     for key, value in spec.labels:
         argv += ["--label", f"{key}={value}"]
     if spec.device_request:
@@ -66,15 +97,10 @@ def docker_run_argv(spec: ContainerSpec, mode: Mode, env_file: str | None = None
         argv += ["--shm-size", spec.shm_size]
     for name, soft, hard in spec.ulimits:
         argv += ["--ulimit", f"{name}={soft}:{hard}"]
-    argv += [
-        "--log-driver",
-        "json-file",
-        "--log-opt",
-        f"max-size={spec.log_max_size}",
-        "--log-opt",
-        f"max-file={spec.log_max_files}",
-    ]
+    argv += log_args(spec.log_max_size, spec.log_max_files)
     argv += ["--stop-timeout", str(spec.stop_timeout)]
+    if attachment is not None:
+        argv += network_args(attachment)
     argv += ["--publish", publish_spec(spec)]
     for mount in spec.mounts:
         argv += ["--mount", mount_spec(mount)]

@@ -90,7 +90,7 @@ def refuse_pd(target: str, rendered: tuple[str, ...]) -> None:
     )
 
 
-def _role_key(role: Deployment) -> str:
+def role_key(role: Deployment) -> str:
     """The role's name within the group (its Compose service)."""
     assert role.kv_transfer is not None  # a role of a Disaggregated group
     return role.kv_transfer.role.value
@@ -100,8 +100,40 @@ def _role_key(role: Deployment) -> str:
 # Compose
 
 
-def _role_address(index: int) -> str:
+def role_address(index: int) -> str:
+    """The fixed address of the group's `index`th role (prefill 0, decode 1) on the pair's network:
+    Compose's ipv4_address, the script's and the units' `docker run --ip`."""
     return str(ipaddress.ip_network(COMPOSE_SUBNET)[_ROLE_HOST_OFFSET + index])
+
+
+def role_specs(group: Disaggregated) -> list[ContainerSpec]:
+    """Each role's container on the pair's network, advertising its fixed address."""
+    return [_role_spec(role, role_address(i)) for i, role in enumerate(group.roles)]
+
+
+def download_spec(role: Deployment, spec: ContainerSpec) -> ContainerSpec:
+    """The container that downloads for a role (`spec`, the role's): the same checkpoint at the
+    same commit into the same cache, without what only the engines' KV transfer reads."""
+    assert role.kv_transfer is not None
+    transfer_only = set(kv_transfer_env(role.kv_transfer, ""))
+    return spec._replace(env=tuple((k, v) for k, v in spec.env if k not in transfer_only))
+
+
+def pair_upstreams(group: Disaggregated) -> Upstreams:
+    """The roles on the pair's Docker network (Compose, the script, the units): by their service
+    name (a Compose service, a `docker run --network-alias`) and container port."""
+    return Upstreams(*(f"http://{role_key(role)}:{role.network.container_port}" for role in group.roles))
+
+
+def pair_router_invocation(group: Disaggregated) -> RouterInvocation:
+    """The router on the pair's Docker network, on every address of its container."""
+    return router_invocation(
+        group.router,
+        pair_upstreams(group),
+        host=ROUTER_LISTEN,
+        port=CONTAINER_PORT,
+        metrics_port=RENDERED_ROUTER_METRICS_PORT,
+    )
 
 
 def _role_spec(role: Deployment, side_channel_host: str) -> ContainerSpec:
@@ -116,7 +148,8 @@ def _role_spec(role: Deployment, side_channel_host: str) -> ContainerSpec:
     return spec
 
 
-def _one_host(deployment: Deployment, target: str) -> Disaggregated:
+def one_host(deployment: Deployment, target: str) -> Disaggregated:
+    """The group, refused (exit 6) where it does not fit one host: `target` runs on one."""
     group = deployment.disaggregated
     assert group is not None
     if not group.one_host:
@@ -124,7 +157,7 @@ def _one_host(deployment: Deployment, target: str) -> Disaggregated:
         wide = [role for role in group.roles if role.layout.spans_nodes]
         if wide:
             raise HostPreconditionError(
-                f"the {_role_key(wide[0])} role spans {wide[0].layout.nodes} nodes: a {target} runs on one host",
+                f"the {role_key(wide[0])} role spans {wide[0].layout.nodes} nodes: a {target} runs on one host",
                 hint="use --target k8s (a LeaderWorkerSet per role spans nodes)",
             )
         raise HostPreconditionError(
@@ -149,12 +182,7 @@ def _router_environment(deployment: Deployment) -> list[str]:
 def _compose_router(deployment: Deployment, group: Disaggregated, spec: ContainerSpec) -> dict[str, Any]:
     router = group.router
     clocks = group.router_timeline
-    upstreams = Upstreams(
-        *(f"http://{_role_key(role)}:{role.network.container_port}" for role in group.roles)
-    )
-    invocation = router_invocation(
-        router, upstreams, host=ROUTER_LISTEN, port=CONTAINER_PORT, metrics_port=RENDERED_ROUTER_METRICS_PORT
-    )
+    invocation = pair_router_invocation(group)
     bind = router.network.bind
     service: dict[str, Any] = {
         "image": invocation.image,
@@ -169,7 +197,7 @@ def _compose_router(deployment: Deployment, group: Disaggregated, spec: Containe
         "environment": _router_environment(deployment),
         "networks": [COMPOSE_NETWORK],
         # Compose 1.29+ and v2: the router starts once both roles' healthchecks pass.
-        "depends_on": {_role_key(role): {"condition": "service_healthy"} for role in group.roles},
+        "depends_on": {role_key(role): {"condition": "service_healthy"} for role in group.roles},
         "logging": {
             "driver": "json-file",
             "options": {"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)},
@@ -188,29 +216,24 @@ def _compose_router(deployment: Deployment, group: Disaggregated, spec: Containe
 
 
 def compose_pd_document(deployment: Deployment) -> dict[str, Any]:
-    group = _one_host(deployment, "compose")
+    group = one_host(deployment, "compose")
     services: dict[str, Any] = {}
-    specs = [_role_spec(role, _role_address(i)) for i, role in enumerate(group.roles)]
+    specs = role_specs(group)
     # One download for both roles: the same checkpoint at the same commit into the same cache.
-    # What only the engines' KV transfer reads stays out of it.
-    assert group.prefill.kv_transfer is not None
-    transfer_only = set(kv_transfer_env(group.prefill.kv_transfer, ""))
     download = compose_download(
         group.prefill,
-        specs[0]._replace(
-            name=deployment.name,
-            labels=labels_for(deployment.plan),
-            env=tuple((k, v) for k, v in specs[0].env if k not in transfer_only),
+        download_spec(group.prefill, specs[0])._replace(
+            name=deployment.name, labels=labels_for(deployment.plan)
         ),
     )
     if download is not None:
         services["download"] = download
     for index, (role, spec) in enumerate(zip(group.roles, specs, strict=True)):
         service = compose_engine_service(role, spec)
-        service["networks"] = {COMPOSE_NETWORK: {"ipv4_address": _role_address(index)}}
+        service["networks"] = {COMPOSE_NETWORK: {"ipv4_address": role_address(index)}}
         if download is not None:
             service["depends_on"] = {"download": {"condition": "service_completed_successfully"}}
-        services[_role_key(role)] = service
+        services[role_key(role)] = service
     services["router"] = _compose_router(deployment, group, specs[0])
     networks = {COMPOSE_NETWORK: {"ipam": {"config": [{"subnet": COMPOSE_SUBNET}]}}}
     document: dict[str, Any] = compose_escape({"services": services, "networks": networks})
@@ -224,7 +247,7 @@ def render_compose_pd(deployment: Deployment) -> list[Artifact]:
     dirs = sorted({d for role in group.roles for d in writable_sources(render_spec(role))})
     router = group.router
     clocks = ", ".join(
-        f"{_role_key(role)} {role.timeline.ready_s} s to answer /health, {role.timeline.stop_s} s to stop"
+        f"{role_key(role)} {role.timeline.ready_s} s to answer /health, {role.timeline.stop_s} s to stop"
         for role in group.roles
     )
     notes = [
@@ -426,6 +449,6 @@ def render_k8s_pd(deployment: Deployment) -> list[Artifact]:
         *(f"# {line}" for line in textwrap.wrap(note, width=98, break_on_hyphens=False)),
     ]
     for role in group.roles:
-        comments.append(f"# {_role_key(role)} ({role.name}):")
+        comments.append(f"# {role_key(role)} ({role.name}):")
         comments += k8s_comments(role, member)
     return [Artifact("k8s.yaml", yaml_file(comments, documents, explicit_start=True))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 import textwrap
-from typing import Any
+from typing import Any, NamedTuple
 
 from m31ctl.container import ContainerSpec
 from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment
@@ -14,13 +14,14 @@ from m31ctl.hardware import vendor_facts
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
 from m31ctl.render.artifact import Artifact as Artifact  # re-exported: files.py and render/ import it here
 from m31ctl.render.common import header, health_command, in_comment, render_spec, render_template
-from m31ctl.render.docker_run import docker_download_argv, docker_run_argv, publish_spec
+from m31ctl.render.docker_run import Attachment, docker_download_argv, docker_run_argv, publish_spec
 from m31ctl.render.download import download_step
 from m31ctl.render.escape import Interpolation, compose_escape, yaml_file
 from m31ctl.render.k8s import k8s_comments, k8s_documents
 from m31ctl.render.observability import render_monitoring
 
 ENV_FILE = "/etc/m31ctl/minimax-m31-flash.env"
+SERVED = "MiniMax-M3.1-Flash"  # what a unit's Description= names
 # The one env-file format that the script (which takes a value verbatim, as docker's --env-file
 # does) and systemd's EnvironmentFile= (the unit) read alike: NAME=value, a comment line, or a
 # blank line. systemd strips quotes, reads backslash escapes and trims spaces. (A grep -E
@@ -56,7 +57,7 @@ def env_file_check(path: str, shown: str, code: int) -> str:
     )
 
 
-def _download_argv(deployment: Deployment, spec: ContainerSpec, token_by_name: bool) -> list[str]:
+def download_argv(deployment: Deployment, spec: ContainerSpec, token_by_name: bool) -> list[str]:
     """The checkpoint download before the engine (render/download.py), or [] for a local one."""
     step = download_step(deployment, spec.env)
     if step is None:
@@ -76,7 +77,7 @@ def render_script(deployment: Deployment) -> list[Artifact]:
     spec = render_spec(deployment)
     argv = docker_run_argv(spec._replace(secret_env=()), "detached")
     split = argv.index(spec.image)
-    download = _download_argv(deployment, spec, token_by_name=False)
+    download = download_argv(deployment, spec, token_by_name=False)
     at = download.index(spec.image) if download else 0
     content = render_template(
         "script.sh.j2",
@@ -92,9 +93,9 @@ def render_script(deployment: Deployment) -> list[Artifact]:
         token_file=HF_TOKEN_FILE,
         token_path_env=HF_TOKEN_PATH_ENV,
         token_in_container=HF_TOKEN_IN_CONTAINER,
-        run_lines=_paired(argv[:split]),
-        engine_lines=_paired(argv[split:]),
-        download_lines=_paired(download[:at]),
+        run_lines=paired(argv[:split]),
+        engine_lines=paired(argv[split:]),
+        download_lines=paired(download[:at]),
         download_command=download[at:],
         download_s=deployment.timeline.download_s,
         url=deployment.network.local_url,
@@ -111,7 +112,7 @@ def writable_sources(spec: ContainerSpec) -> list[str]:
     return [m.source for m in spec.mounts if not m.read_only]
 
 
-def _paired(argv: list[str]) -> list[list[str]]:
+def paired(argv: list[str]) -> list[list[str]]:
     """Group `--flag value` pairs onto one line each, so a reviewer reads the script like a recipe."""
     lines: list[list[str]] = []
     i = 0
@@ -129,18 +130,22 @@ def readiness_wait(spec: ContainerSpec) -> str:
     """The unit's ExecStartPost: systemd reports the unit started (and starts what is ordered
     after it) only once the model answers /health, the container's main process (`docker run`,
     $MAINPID) dies, or the startup budget passes."""
-    probe = " ".join(shlex.quote(w) for w in health_command(spec, "/health"))
-    name = shlex.quote(spec.name)
-    budget = spec.startup_timeout
+    return readiness_wait_on(spec.name, health_command(spec, "/health"), spec.startup_timeout)
+
+
+def readiness_wait_on(name: str, probe_argv: list[str], budget: int) -> str:
+    """readiness_wait for any container of a unit (the P/D router): `probe_argv` run inside it."""
+    probe = " ".join(shlex.quote(w) for w in probe_argv)
+    quoted = shlex.quote(name)
     return (
         f"deadline=$(($(date +%s) + {budget}))\n"
-        f"until {SYSTEMD_DOCKER} exec {name} {probe} >/dev/null 2>&1; do\n"
+        f"until {SYSTEMD_DOCKER} exec {quoted} {probe} >/dev/null 2>&1; do\n"
         f'  if [ -n "${{MAINPID:-}}" ] && ! kill -0 "$MAINPID" 2>/dev/null; then\n'
-        f'    echo "m31ctl: {spec.name} exited while loading; see journalctl -u {spec.name}" >&2\n'
+        f'    echo "m31ctl: {name} exited while loading; see journalctl -u {name}" >&2\n'
         f"    exit 1\n"
         f"  fi\n"
         f'  if [ "$(date +%s)" -ge "$deadline" ]; then\n'
-        f'    echo "m31ctl: {spec.name} not ready after {budget} s" >&2\n'
+        f'    echo "m31ctl: {name} not ready after {budget} s" >&2\n'
         f"    exit 1\n"
         f"  fi\n"
         f"  sleep {READY_POLL_S}\n"
@@ -149,30 +154,55 @@ def readiness_wait(spec: ContainerSpec) -> str:
 
 
 def render_systemd(deployment: Deployment) -> list[Artifact]:
-    # A root unit on the server: the cache is a system path unless the plan names one.
-    spec = render_spec(deployment)
-    spec = spec._replace(
+    return [systemd_unit(deployment, render_spec(deployment))]
+
+
+class UnitExtras(NamedTuple):
+    """What a P/D role's unit adds to the aggregated one (render/pd_host.py)."""
+
+    description: str = f"{SERVED} served by vLLM"
+    # (comment, sh script) run as ExecStartPre before the download (the pair's network)
+    pre_start: tuple[tuple[str, str], ...] = ()
+    attachment: Attachment | None = None
+    download: ContainerSpec | None = None  # the download's container, if not the engine's
+    group: Deployment | None = None  # the plan the header names, if not the engine's own
+
+
+def env_file_precheck() -> str:
+    """The unit's first ExecStartPre: the env file, if present, in the format the script reads too."""
+    return f"[ ! -e {shlex.quote(ENV_FILE)} ] || {{\n{env_file_check(shlex.quote(ENV_FILE), ENV_FILE, 1)}\n}}"
+
+
+def service_spec(deployment: Deployment, spec: ContainerSpec) -> ContainerSpec:
+    """A root unit on the server: the cache is a system path unless the plan names one."""
+    return spec._replace(
         mounts=tuple(
             m._replace(source=deployment.service_hf_cache) if m.target == HF_CACHE_IN_CONTAINER else m
             for m in spec.mounts
         )
     )
+
+
+def systemd_unit(deployment: Deployment, spec: ContainerSpec, extras: UnitExtras = UnitExtras()) -> Artifact:
+    """One engine's unit: the aggregated server's, or a P/D role's (`extras`)."""
+    spec = service_spec(deployment, spec)
+    download = service_spec(deployment, extras.download) if extras.download is not None else spec
     unit = f"{spec.name}.service"
-    env_check = (
-        f"[ ! -e {shlex.quote(ENV_FILE)} ] || {{\n{env_file_check(shlex.quote(ENV_FILE), ENV_FILE, 1)}\n}}"
-    )
+    run_spec = spec._replace(secret_env=engine_secret_env(spec))
     content = render_template(
         "systemd.service.j2",
-        header_comment=header(deployment, "systemd"),
+        header_comment=header(extras.group or deployment, "systemd"),
         unit_name=unit,
+        description=extras.description,
         plan_hash=deployment.plan.hash,
         env_file=ENV_FILE,
         env_format=ENV_FILE_FORMAT,
-        env_check=env_check,
+        env_check=env_file_precheck(),
+        pre_start=list(extras.pre_start),
         name=spec.name,
         host_dirs=writable_sources(spec),
-        run_argv=docker_run_argv(spec._replace(secret_env=engine_secret_env(spec)), "foreground"),
-        download_argv=_download_argv(deployment, spec, token_by_name=True),
+        run_argv=docker_run_argv(run_spec, "foreground", attachment=extras.attachment),
+        download_argv=download_argv(deployment, download, token_by_name=True),
         download_s=deployment.timeline.download_s,
         ready_wait=readiness_wait(spec),
         docker=SYSTEMD_DOCKER,
@@ -183,7 +213,7 @@ def render_systemd(deployment: Deployment) -> list[Artifact]:
         required_names=list(deployment.secrets.required),
         engine_names=list(engine_secret_env(spec)),
     )
-    return [Artifact(unit, content)]
+    return Artifact(unit, content)
 
 
 def _compose_gpus(spec: ContainerSpec) -> dict[str, Any]:
