@@ -244,6 +244,17 @@ class RouterTimeline(NamedTuple):
         then the router starts."""
         return self.roles_wait_s + self.start_s
 
+    @property
+    def systemd_start_s(self) -> int:
+        """The router unit's TimeoutStartSec: systemd starts it once both role units are started
+        (their own readiness waits passed), so it covers only its readiness wait and the steps."""
+        return self.start_s + MANAGER_MARGIN_S
+
+    @property
+    def systemd_stop_s(self) -> int:
+        """The router unit's TimeoutStopSec: `docker stop --time stop_s` returns after its kill."""
+        return self.stop_s + MANAGER_MARGIN_S
+
 
 def router_timeline(roles: Sequence[Timeline]) -> RouterTimeline:
     """The router's clocks from its roles' timelines (prefill and decode)."""
