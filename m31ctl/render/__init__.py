@@ -9,15 +9,19 @@ from m31ctl.deployment import Deployment
 from m31ctl.errors import InputError
 from m31ctl.render.observability import render_monitoring
 from m31ctl.render.pd import refuse_pd, render_compose_pd, render_k8s_pd
+from m31ctl.render.pd_host import render_script_pd, render_systemd_pd
 from m31ctl.render.targets import RENDERERS, SINGLE_HOST, Artifact, single_host_only
 
 Renderer = Callable[[Deployment], list[Artifact]]
 
-# The targets that render a prefill/decode plan (render/pd.py); the others refuse it. Compose
-# checks itself that the pair fits one host; monitoring reads the group (observability.py).
+# The targets that render a prefill/decode plan (render/pd.py, pd_host.py); the others refuse
+# it. Compose, the script and systemd check themselves that the pair fits one host; monitoring
+# reads the group (observability.py).
 PD_RENDERERS: dict[str, Renderer] = {
+    "script": render_script_pd,
     "compose": render_compose_pd,
     "k8s": render_k8s_pd,
+    "systemd": render_systemd_pd,
     "monitoring": render_monitoring,
 }
 
