@@ -22,6 +22,11 @@ class Label:
     # A container created for a check (runtime/engine_api.throwaway): `docker ps -a --filter
     # label=io.m31ctl.throwaway` finds any that a killed m31ctl (SIGKILL) left.
     THROWAWAY = "io.m31ctl.throwaway"
+    # A P/D group run by the docker runtime (runtime/docker_group.py), as the native records'
+    # `group` and `parts`: each role container and the pair's network carry the group's name
+    # (GROUP); the router's container, under the group's name, lists its roles' containers (PARTS).
+    GROUP = "io.m31ctl.group"
+    PARTS = "io.m31ctl.parts"
     # Everything a rehearsal makes carries its session (the label's value), so its cleanup finds
     # it all by label, even what a Ctrl-C left half made.
     REHEARSAL = "io.m31ctl.rehearsal"
