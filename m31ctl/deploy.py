@@ -14,7 +14,7 @@ from m31ctl.deployment import Deployment, require_fit
 from m31ctl.doctor import diagnose_plan, preflight, report_json
 from m31ctl.engine.adapter import OFFLINE_ENV
 from m31ctl.errors import InputError
-from m31ctl.runtime import get_runtime
+from m31ctl.runtime import RUNTIMES, get_runtime
 from m31ctl.runtime.protocol import DryRun, LaunchOptions, LaunchResult
 from m31ctl.timeline import ENGINE_READY_ENV
 from m31ctl.timeline import conflicts as clock_conflicts
@@ -97,10 +97,11 @@ def _diagnostics(deployment: Deployment) -> dict[str, Any]:
 def refuse_group(deployment: Deployment, runtime_name: str) -> None:
     """A P/D group on a runtime that cannot run one: one line, before any check or start."""
     if deployment.disaggregated is not None and not get_runtime(runtime_name).runs_groups:
+        able = [name for name in RUNTIMES if get_runtime(name).runs_groups]
         raise InputError(
             f"the {runtime_name} runtime does not launch a P/D plan (prefill, decode and router)",
-            hint="launch it with --runtime native, or render it (m31ctl render --target compose "
-            "or --target k8s) and run that",
+            hint=f"launch it with --runtime {' or '.join(able)}, or render it (m31ctl render "
+            "--target compose or --target k8s) and run that",
         )
 
 

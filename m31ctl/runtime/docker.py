@@ -4,7 +4,8 @@ Only containers labelled as ours are ever changed. Launch converges (runtime/con
 same plan on a healthy container changes nothing; a changed plan recreates it after
 confirmation; an interrupted launch leaves a labelled container that the next launch adopts.
 Every Engine call runs inside engine_api.engine_boundary, so SDK errors surface as documented
-exit codes.
+exit codes. A P/D plan runs as a group of three containers (runtime/docker_group.py) through the
+same primitives.
 """
 
 from __future__ import annotations
@@ -18,20 +19,21 @@ from typing import Any
 
 from m31ctl import interrupt
 from m31ctl.container import ContainerSpec, container_spec
-from m31ctl.deployment import Deployment
+from m31ctl.deployment import CONTAINER_PORT, Deployment
 from m31ctl.errors import ConflictError, HostPreconditionError, M31Error, ServerDied
 from m31ctl.labels import OWNER, Label
 from m31ctl.netaddr import local_url
-from m31ctl.render.docker_run import docker_run_argv
-from m31ctl.runtime import engine_api
+from m31ctl.render.docker_run import Attachment, docker_run_argv
+from m31ctl.runtime import docker_group, engine_api
 from m31ctl.runtime.converge import Decision, ExistingServer
+from m31ctl.runtime.docker_group import ContainerRun
 from m31ctl.runtime.exits import explain_exit
 from m31ctl.runtime.flow import Found, converge
 from m31ctl.runtime.gates import CheckId
 from m31ctl.runtime.launching import LAUNCH_ENV
 from m31ctl.runtime.load_run import BenchRunner, container_bench
 from m31ctl.runtime.phases import Phase
-from m31ctl.runtime.planrecord import PlanRecord, record_of
+from m31ctl.runtime.planrecord import PlanRecord
 from m31ctl.runtime.protocol import (
     DryRun,
     LaunchOptions,
@@ -44,9 +46,6 @@ from m31ctl.runtime.protocol import (
     ServerStatus,
 )
 from m31ctl.runtime.readiness import ProcessState, health, models
-
-# What `docker stop` waits for when the container does not say (vLLM's drain + margin).
-DEFAULT_STOP_TIMEOUT_S = 60
 
 
 def endpoint(spec: ContainerSpec) -> str:
@@ -141,18 +140,29 @@ def run_in_engine(
 
 
 def create_container(
-    client: Any, spec: ContainerSpec, environ: dict[str, str], labels: dict[str, str] | None = None
+    client: Any,
+    spec: ContainerSpec,
+    environ: Mapping[str, str],
+    labels: Mapping[str, str] | None = None,
+    *,
+    attachment: Attachment | None = None,
+    entrypoint: Sequence[str] = (),
+    published: Sequence[tuple[int, int | None]] = (),
 ) -> Any:
     """Create (not start) the container through the Engine API, labelled with `labels` (default:
     the spec's). Secret values come from our environment into the API request, never into any
-    process's argv."""
+    process's argv. `attachment`: on that network (at its fixed address, under its alias)
+    instead of Docker's default bridge; `entrypoint`: instead of the image's; `published`: more
+    ports, (container port, host port or None for one Docker picks), on the spec's bind."""
     env = dict(spec.env)
     env.update({name: environ[name] for name in spec.secret_env if environ.get(name)})
     # Set by launch for a checkpoint it pulled first: the engine must not ask the hub again.
     env.update({name: environ[name] for name in LAUNCH_ENV if environ.get(name)})
+    ports: dict[int, tuple[str, int | None]] = {spec.container_port: (spec.bind, spec.host_port)}
+    ports.update({inside: (spec.bind, outside) for inside, outside in published})
     host: dict[str, Any] = {
         **_host_settings(spec),
-        "port_bindings": {spec.container_port: (spec.bind, spec.host_port)},
+        "port_bindings": ports,
         "binds": {m.source: {"bind": m.target, "mode": "ro" if m.read_only else "rw"} for m in spec.mounts},
         "log_config": {
             "type": "json-file",
@@ -160,16 +170,26 @@ def create_container(
         },
         "restart_policy": {"Name": spec.restart},
     }
+    create: dict[str, Any] = {}
+    if attachment is not None:
+        host["network_mode"] = attachment.network
+        endpoint = client.api.create_endpoint_config(
+            aliases=[attachment.alias], ipv4_address=attachment.address
+        )
+        create["networking_config"] = client.api.create_networking_config({attachment.network: endpoint})
+    if entrypoint:
+        create["entrypoint"] = list(entrypoint)
     created = client.api.create_container(
         image=spec.image,
         command=list(spec.args),
         name=spec.name,
-        labels=labels if labels is not None else spec.label_dict,
+        labels=dict(labels) if labels is not None else spec.label_dict,
         environment=env,
-        ports=[spec.container_port],
+        ports=list(ports),
         host_config=client.api.create_host_config(**host),
         stop_signal="SIGTERM",
         stop_timeout=spec.stop_timeout,
+        **create,
     )
     return client.containers.get(created["Id"])
 
@@ -232,14 +252,16 @@ def _existing(
 
 
 class _ContainerLaunch:
-    """The docker runtime's launch primitives (runtime/flow.py runs the flow)."""
+    """The docker runtime's launch primitives for one container, `part` (runtime/flow.py runs
+    the flow): an aggregated server, or a part of a P/D group (runtime/docker_group.py)."""
 
-    def __init__(self, deployment: Deployment, options: LaunchOptions, client: Any) -> None:
-        self.spec = container_spec(deployment)
+    def __init__(self, part: ContainerRun, options: LaunchOptions, client: Any) -> None:
+        self.part = part
+        self.spec = part.spec
         self.options = options
         self.client = client
-        self.served = deployment.plan.settings.model.served_name
-        self.labels = {**self.spec.label_dict, Label.PLAN: record_of(deployment, os.getcwd()).to_json()}
+        self.served = part.deployment.plan.settings.model.served_name
+        self.created = False  # whether this launch created its container
 
     def claim(self) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()  # the engine's create-by-name is atomic: the loser joins
@@ -262,7 +284,9 @@ class _ContainerLaunch:
         _ensure_image(self.client, self.spec.image, self.options.report, self.options.pull_progress)
 
     def create(self) -> Any:
-        return _create_and_start(self.client, self.spec, dict(self.options.environ), self.labels)
+        container = _create_and_start(self.client, self.part, self.options.environ)
+        self.created = True
+        return container
 
     def handle(self, container: Any) -> ContainerHandle:
         return ContainerHandle(container)
@@ -302,10 +326,12 @@ class DockerRuntime:
         CheckId.API_KEY,
     )
 
-    # A P/D group is run by the native runtime and the rendered targets (deploy.py refuses it here).
-    runs_groups = False
+    # A P/D plan runs as one group: prefill, decode and vllm-router (runtime/docker_group.py).
+    runs_groups = True
 
     def dry_run(self, deployment: Deployment) -> DryRun:
+        if deployment.disaggregated is not None:
+            return docker_group.dry_run_group(deployment)
         spec = container_spec(deployment)
         return DryRun(
             "container",
@@ -316,13 +342,18 @@ class DockerRuntime:
 
     def launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
         with engine_api.engine_boundary("launching"):
-            backend = _ContainerLaunch(deployment, options, engine_api.connect())
+            client = engine_api.connect()
+            if deployment.disaggregated is not None:
+                return docker_group.launch_group(
+                    deployment, options, client, lambda part, o: _ContainerLaunch(part, o, client)
+                )
+            backend = _ContainerLaunch(docker_group.single(deployment, os.getcwd()), options, client)
             return converge(self.name, backend, deployment, options)
 
     def servers(self) -> list[ServerStatus]:
         with engine_api.engine_boundary("listing containers"):
             client = engine_api.connect()
-            return [_status(c) for c in _our_containers(client)]
+            return docker_group.statuses(_our_containers(client), _status)
 
     def foreign(self, name: str) -> bool:
         with engine_api.engine_boundary("looking up a container"):
@@ -331,26 +362,26 @@ class DockerRuntime:
 
     def logs(self, name: str, follow: bool, tail: int, write: Callable[[str], None]) -> None:
         with engine_api.engine_boundary("reading logs"):
-            container = _ours_named(engine_api.connect(), name)
+            client = engine_api.connect()
+            container = _ours_named(client, name)
+            if docker_group.parts_of(container):
+                docker_group.write_logs(client, container, follow, tail, write)
+                return
             stream = container.logs(stream=follow, follow=follow, tail=tail)
             for chunk in stream if follow else [stream]:
                 write(chunk.decode("utf-8", "replace"))
 
     def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
         with engine_api.engine_boundary("stopping a container"):
-            container = _ours_named(engine_api.connect(), name)
-            config = container.attrs.get("Config") or {}
-            grace = (
-                timeout if timeout is not None else int(config.get("StopTimeout") or DEFAULT_STOP_TIMEOUT_S)
-            )
-            report(f"stopping {name} (SIGTERM, then SIGKILL after {grace} s)")
-            try:
-                container.stop(timeout=grace)
-                if not keep:
-                    container.remove()
-            except Exception as exc:
-                if not engine_api.is_not_found(exc):  # removed meanwhile: stopped all the same
-                    raise
+            client = engine_api.connect()
+            container = _ours_named(client, name)
+            if docker_group.parts_of(container):
+                docker_group.stop_group(client, container, timeout, keep, report)
+                return
+            docker_group.stop_container(container, timeout, keep, report)
+            group = docker_group.group_of(container)
+            if group is not None and not keep:
+                docker_group.remove_network(client, group)  # the last of a group whose router is gone
 
     def bench_runner(self, deployment: Deployment, shared: Sequence[str] = ()) -> BenchRunner:
         spec = container_spec(deployment)
@@ -385,7 +416,8 @@ def _published(container: Any) -> str | None:
     """Where the container's API port is reached. Labels and bindings are anyone's to set, so
     an odd binding (an ephemeral or missing host port) gives no endpoint rather than a crash."""
     ports = (container.attrs.get("HostConfig") or {}).get("PortBindings") or {}
-    for bindings in ports.values():
+    api = f"{CONTAINER_PORT}/tcp"  # the API's port first: a P/D router publishes its metrics too
+    for bindings in [ports[api]] if api in ports else list(ports.values()):
         for binding in bindings or []:
             port = str((binding or {}).get("HostPort") or "")
             if port.isdigit():
@@ -414,14 +446,21 @@ def _status(container: Any) -> ServerStatus:
     )
 
 
-def _create_and_start(
-    client: Any, spec: ContainerSpec, environ: dict[str, str], labels: dict[str, str]
-) -> Any:
+def _create_and_start(client: Any, part: ContainerRun, environ: Mapping[str, str]) -> Any:
     """Create then start. A name taken meanwhile is a ConflictError (the caller may join the
     winner); a container of ours that fails to start is removed by its id, never by name, so a
     concurrent launch's container is never touched."""
+    spec = part.spec
     try:
-        container = create_container(client, spec, environ, labels)
+        container = create_container(
+            client,
+            spec,
+            part.environ(environ),
+            part.labels,
+            attachment=part.attachment,
+            entrypoint=part.entrypoint,
+            published=part.published,
+        )
     except Exception as exc:
         if engine_api.is_conflict(exc):
             raise ConflictError(
