@@ -1,5 +1,5 @@
 """A P/D plan where launch cannot run it, and how status shows a group with a part down (issue 36),
-without vLLM: the Docker runtime refuses it in one line before any check; a group record whose
+without vLLM: a runtime that runs no group refuses it in one line before any check; a group record whose
 router runs (a real process) and whose decode record is missing is shown degraded, naming the
 part."""
 
@@ -11,28 +11,43 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from m31ctl.deployment import derive
+from m31ctl.errors import InputError
+from m31ctl.hardware import simulated
+from m31ctl.plan import PlanRequest, resolve
 from m31ctl.render import PD_RENDERERS, RENDERERS
 from m31ctl.runtime.native_group import statuses
 from m31ctl.runtime.native_state import NativeServer, process_identity
+from m31ctl.runtime.protocol import LaunchOptions
 from tests.conftest import run_cli
 
 
-def test_docker_refuses_a_pd_plan_in_one_line_before_any_check(tmp_path):
-    for extra in ((), ("--dry-run",)):
-        refused = run_cli(
-            "launch", "--hardware", "cpu", "--variant", "pd", "--runtime", "docker", "--json", *extra,
-            env={"M31CTL_STATE_DIR": str(tmp_path / "state")},
-        )  # fmt: skip
-        assert refused.returncode == 2, refused.stderr
-        error = json.loads(refused.stdout)
-        assert (
-            error["message"] == "the docker runtime does not launch a P/D plan (prefill, decode and router)"
-        )
-        assert "--runtime native" in error["hint"]
-        # The targets the hint sends a user to are the ones that render a P/D plan.
-        named = {target for target in RENDERERS if re.search(rf"\b{target}\b", error["hint"])}
+class _Single:
+    """A runtime that runs one server only (every registered one runs a P/D group now)."""
+
+    name, gates, runs_groups = "single", (), False
+
+
+def test_a_runtime_without_groups_refuses_a_pd_plan_in_one_line_before_any_check(monkeypatch):
+    from m31ctl import deploy
+
+    registered = deploy.get_runtime
+    monkeypatch.setattr(
+        deploy, "get_runtime", lambda name: _Single() if name == "single" else registered(name)
+    )
+    d = derive(resolve(PlanRequest(simulated("cpu"), variant="pd")))
+    options = LaunchOptions(report=lambda _: None, confirm=lambda _: False)
+    for attempt in (lambda: deploy.launch(d, "single", options), lambda: deploy.dry_run(d, "single")):
+        with pytest.raises(InputError) as refused:
+            attempt()
+        error = refused.value
+        assert error.message == "the single runtime does not launch a P/D plan (prefill, decode and router)"
+        # The hint names the registered runtimes that run a group, and targets that render one.
+        assert "--runtime docker or native" in str(error.hint)
+        named = {target for target in RENDERERS if re.search(rf"\b{target}\b", str(error.hint))}
         assert named and named <= set(PD_RENDERERS), named
-    assert not (tmp_path / "state").exists()
 
 
 def test_native_dry_run_shows_the_three_command_lines():
