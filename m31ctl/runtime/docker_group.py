@@ -279,6 +279,10 @@ def halt(client: Any, deployment: Deployment, report: Reporter) -> list[str]:
         container = engine_api.find_container(client, name)
         if container is None or not _ours(container):
             continue
+        # Only this group's: a server of ours under the group's name that is no router (an
+        # aggregated one the router would have replaced) is not this launch's to stop.
+        if not (parts_of(container) if name == deployment.name else group_of(container) == deployment.name):
+            continue
         try:
             engine_api.stop_for_good(container)
             stopped.append(name)

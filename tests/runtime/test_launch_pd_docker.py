@@ -268,7 +268,8 @@ class _Network:
 class _Engine:
     """Networks and containers as launch_group and halt use them."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: str = "") -> None:
+        self.group = group
         self.made: list[tuple[str, str]] = []
         self.stopped: list[str] = []
         self.networks, self.containers = self, self
@@ -282,9 +283,11 @@ class _Engine:
 
     def get(self, name: str) -> Any:
         engine = self
+        group = name.rsplit("-", 1)[0]
+        mine = {Label.PARTS: f"{name}-prefill,{name}-decode"} if name == self.group else {Label.GROUP: group}
 
         class Container:
-            labels: ClassVar[dict[str, str]] = {Label.OWNER: OWNER}
+            labels: ClassVar[dict[str, str]] = {Label.OWNER: OWNER, **mine}
 
             def update(self, **kw: Any) -> None: ...
 
@@ -296,7 +299,7 @@ class _Engine:
 
 def test_a_role_that_dies_while_the_group_starts_is_named_and_the_group_is_stopped():
     d = _group()
-    engine, seen = _Engine(), []
+    engine, seen = _Engine(d.name), []
     options = LaunchOptions(report=lambda _: None, confirm=lambda _: False, timeout=5, detach=True)
     serving = iter([True, False])  # prefill serves this plan already; decode is created and dies
     with pytest.raises(ServerDied) as died:
