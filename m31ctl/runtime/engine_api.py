@@ -250,16 +250,40 @@ def build_image(client: Any, tag: str, dockerfile: str, timeout: float) -> str |
     return None
 
 
-def create_network(client: Any, name: str, labels: Mapping[str, str]) -> str | None:
-    """A bridge network; None when made, else the engine's reason."""
+def create_network(
+    client: Any, name: str, labels: Mapping[str, str], subnet: str | None = None
+) -> str | None:
+    """A bridge network (with `subnet`, one whose addresses may be given: Docker assigns a
+    container a fixed address only on a network with a subnet of the user's); None when made,
+    else the engine's reason."""
+    # lazy: the docker SDK costs start-up (render imports this module)
+    from docker.errors import APIError
+    from docker.types import IPAMConfig, IPAMPool
+
+    ipam = IPAMConfig(pool_configs=[IPAMPool(subnet=subnet)]) if subnet else None
+    try:
+        client.networks.create(name, labels=dict(labels), ipam=ipam)
+    except APIError as exc:
+        return explanation(exc)
+    return None
+
+
+def free_subnet(client: Any, name: str, labels: Mapping[str, str]) -> str | None:
+    """A subnet no other network holds, as Docker's own pool allocator picks one: a network is
+    made under `name` and removed again, and its subnet returned (None: the engine refused)."""
     # lazy: the docker SDK costs start-up (render imports this module)
     from docker.errors import APIError
 
     try:
-        client.networks.create(name, labels=dict(labels))
-    except APIError as exc:
-        return explanation(exc)
-    return None
+        made = client.networks.create(name, labels=dict(labels))
+        try:
+            made.reload()
+            configs = made.attrs.get("IPAM", {}).get("Config") or []
+            return next((str(c["Subnet"]) for c in configs if ":" not in str(c.get("Subnet", ":"))), None)
+        finally:
+            made.remove()
+    except APIError:
+        return None
 
 
 def create_volume(client: Any, name: str, labels: Mapping[str, str]) -> str | None:
@@ -279,6 +303,7 @@ def run_detached(
     host: Mapping[str, Any],
     network: str | None = None,
     aliases: Sequence[str] = (),
+    address: str | None = None,
     **create: Any,
 ) -> Ran:
     """`docker run -d`: create (`create`: the Engine API's create_container arguments; `host`:
@@ -289,7 +314,7 @@ def run_detached(
 
     host_config = client.api.create_host_config(**host, **({"network_mode": network} if network else {}))
     if network:
-        endpoint = client.api.create_endpoint_config(aliases=list(aliases) or None)
+        endpoint = client.api.create_endpoint_config(aliases=list(aliases) or None, ipv4_address=address)
         create["networking_config"] = client.api.create_networking_config({network: endpoint})
     try:
         created = client.api.create_container(host_config=host_config, **create)
@@ -298,6 +323,32 @@ def run_detached(
         said = explanation(exc)
         return Ran(run_exit_code(said), "", said)
     return Ran(0, str(created["Id"]), "")
+
+
+def kill(client: Any, container: str) -> str | None:
+    """`docker kill`: SIGKILL, as a node lost or an OOM kill ends a process; None when done,
+    else the engine's reason."""
+    # lazy: the docker SDK costs start-up (render imports this module)
+    from docker.errors import APIError
+
+    try:
+        client.api.kill(container)
+    except APIError as exc:
+        return explanation(exc)
+    return None
+
+
+def start_again(client: Any, container: str) -> str | None:
+    """`docker start` of a container that ended: the same container (its name, address and
+    environment), as the kubelet restarts a pod's container in place; None when started."""
+    # lazy: the docker SDK costs start-up (render imports this module)
+    from docker.errors import APIError
+
+    try:
+        client.api.start(container)
+    except APIError as exc:
+        return explanation(exc)
+    return None
 
 
 def wait_exit(client: Any, container: str, timeout: float) -> int | None:
