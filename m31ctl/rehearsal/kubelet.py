@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from m31ctl.labels import Label
-from m31ctl.rehearsal.pods import PodRun, Probe, Volume
+from m31ctl.rehearsal.pods import NAMESPACE, PodRun, Probe, Volume
 from m31ctl.runtime import engine_api
 from m31ctl.units import quantity_bytes
 
@@ -51,7 +51,14 @@ def claim_volume(session: str, claim: str) -> str:
     return f"m31ctl-rh-{session}-{claim}"
 
 
-def run_args(pod: PodRun, session: str, network: str) -> dict[str, Any]:
+# The downward API's fields the rehearsal fills (Kubernetes: pods/fieldRef); the pod's address
+# is the one the runner assigned it on the rehearsal network.
+def field_values(pod: PodRun, address: str) -> list[tuple[str, str]]:
+    known = {"status.podIP": address, "metadata.name": pod.pod, "metadata.namespace": NAMESPACE}
+    return [(name, known.get(path, "")) for name, path in pod.fields]
+
+
+def run_args(pod: PodRun, session: str, network: str, address: str = "") -> dict[str, Any]:
     """engine_api.run_detached's arguments for one pod's container: what the kubelet would hand
     the runtime. Environment values here are the plan's (settings refuse secrets in them); the
     secrets' values are added by Kubelet.start, into the API request only (never any argv)."""
@@ -72,12 +79,13 @@ def run_args(pod: PodRun, session: str, network: str) -> dict[str, Any]:
         "image": pod.image,
         "labels": {Label.REHEARSAL: session},
         "hostname": pod.hostname[:63],
-        "environment": [f"{name}={value}" for name, value in pod.env],
+        "environment": [f"{name}={value}" for name, value in (*pod.env, *field_values(pod, address))],
         "entrypoint": entrypoint,
         "command": command or None,
         "host": host,
         "network": network,
         "aliases": list(pod.aliases),
+        "address": address or None,
     }
 
 
@@ -133,11 +141,23 @@ class Kubelet:
     """Starts pods and probes them through the Docker client (engine_api.connect); `clock` is
     injectable for tests."""
 
-    def __init__(self, client: Any, session: str, network: str, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        client: Any,
+        session: str,
+        network: str,
+        clock: Callable[[], float] = time.monotonic,
+        addresses: Mapping[str, str] | None = None,
+    ):
         self.client, self.session, self.network, self.clock = client, session, network, clock
+        # pod name -> its fixed address (a manifest that reads status.podIP needs one known
+        # before the pod starts); an init container runs without one (it ends before the pod's
+        # containers start, and two containers cannot hold one address on one network).
+        self.addresses = dict(addresses or {})
 
     def start(self, pod: PodRun, secrets: dict[str, str]) -> PodState:
-        create = run_args(pod, self.session, self.network)
+        address = "" if pod.init else self.addresses.get(pod.pod, "")
+        create = run_args(pod, self.session, self.network, address)
         create["environment"] += [f"{name}={secrets[name]}" for name, _ in pod.secrets if name in secrets]
         done = engine_api.run_detached(self.client, **create)
         state = PodState(pod, container_name(self.session, pod), self.clock())

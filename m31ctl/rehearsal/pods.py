@@ -68,6 +68,31 @@ class PodRun(NamedTuple):
     unconfined: bool
     ipc_host: bool
     init: bool = False  # an init container: runs to completion before the pod's containers
+    # (name, fieldPath) of each downward-API variable: the kubelet fills them once the pod has
+    # its address (status.podIP), which the runner assigns (Kubelet.start).
+    fields: tuple[tuple[str, str], ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()  # the pod template's labels (what Services select)
+    # (variable, "secret/key") of each secret variable: two variables that read one key (the
+    # roles' VLLM_API_KEY and the router's OPENAI_API_KEY) get one value.
+    secret_refs: tuple[tuple[str, str], ...] = ()
+
+
+class ServiceRun(NamedTuple):
+    """A ClusterIP Service as the rehearsal gives it: its DNS names, and for each port the
+    target port on the pod it selects. Ports equal to their targets need only the names (an
+    alias of the pod); mapped ports need a forwarder, kube-proxy's job (runner.py)."""
+
+    name: str
+    pod: str  # the selected serving pod (the first the selector matches)
+    ports: tuple[tuple[int, int], ...]  # (service port, the pod's port)
+
+    @property
+    def maps_ports(self) -> bool:
+        return any(port != target for port, target in self.ports)
+
+    @property
+    def dns_names(self) -> tuple[str, ...]:
+        return (self.name, f"{self.name}.{NAMESPACE}", f"{self.name}.{NAMESPACE}.svc.cluster.local")
 
 
 class Manifest(NamedTuple):
@@ -75,6 +100,13 @@ class Manifest(NamedTuple):
     claims: tuple[str, ...]
     api_port: int  # the Service's port (published on the host as the plan's runtime.port)
     kinds: tuple[str, ...]  # every kind the manifest holds (what the rehearsal did not emulate shows)
+    services: tuple[ServiceRun, ...] = ()
+    api_pod: str = ""  # the pod clients reach: the one behind the API Service
+
+    @property
+    def forwarded(self) -> tuple[ServiceRun, ...]:
+        """The Services that map a port: each gets a forwarder at its names."""
+        return tuple(s for s in self.services if s.maps_ports)
 
 
 def _by_kind(documents: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -122,14 +154,24 @@ def _secret_marks(secrets: list[tuple[str, bool]]) -> dict[str, str]:
     return {name: secret_mark(name) for name, _ in secrets}
 
 
+class ContainerEnv(NamedTuple):
+    values: dict[str, str]  # literal values, expanded
+    secrets: list[tuple[str, bool]]  # (name, optional) read from the Secret
+    fields: list[tuple[str, str]]  # (name, fieldPath): the downward API, filled at start
+    secret_refs: list[tuple[str, str]]  # (name, "secret/key")
+
+
 def container_env(
     container: dict[str, Any], injected: list[tuple[str, str]], links: list[tuple[str, str]]
-) -> tuple[dict[str, str], list[tuple[str, bool]]]:
+) -> ContainerEnv:
     """The container's environment as the kubelet builds it: service links, then the env list
     (the LWS variables first, as its webhook puts them), each value expanded against what was
-    defined before it; secrets by name only (their values never pass through here)."""
+    defined before it; secrets by name only (their values never pass through here); downward-API
+    fields by path (a pod's address exists only once it runs)."""
     env: dict[str, str] = dict(links)
     secrets: list[tuple[str, bool]] = []
+    fields: list[tuple[str, str]] = []
+    refs: list[tuple[str, str]] = []
     entries: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in injected]
     entries += [e for e in container.get("env", []) if e["name"] not in dict(injected)]
     for entry in entries:
@@ -137,9 +179,13 @@ def container_env(
             ref = entry["valueFrom"].get("secretKeyRef")
             if ref is not None:
                 secrets.append((entry["name"], bool(ref.get("optional", False))))
+                refs.append((entry["name"], f"{ref.get('name', '')}/{ref.get('key', '')}"))
+            field = entry["valueFrom"].get("fieldRef")
+            if field is not None:
+                fields.append((entry["name"], str(field["fieldPath"])))
             continue
         env[entry["name"]] = expand(str(entry.get("value", "")), mapping_for(env, _secret_marks(secrets)))
-    return env, secrets
+    return ContainerEnv(env, secrets, fields, refs)
 
 
 def _probe(kind: str, spec: dict[str, Any] | None, ports: dict[str, int], env: dict[str, str]) -> list[Probe]:
@@ -196,7 +242,7 @@ def _pod(
     for init, container in [(True, c) for c in spec.get("initContainers", [])] + [
         (False, spec["containers"][0])
     ]:
-        env, secrets = container_env(container, injected, links)
+        env, secrets, fields, refs = container_env(container, injected, links)
         ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports", []) if "name" in p}
 
         probes = (
@@ -229,6 +275,9 @@ def _pod(
                 unconfined=security.get("seccompProfile", {}).get("type") == "Unconfined",
                 ipc_host=bool(spec.get("hostIPC", False)),
                 init=init,
+                fields=tuple(fields),
+                secret_refs=tuple(refs),
+                labels=tuple(template.get("metadata", {}).get("labels", {}).items()),
             )
         )
     return runs
@@ -286,22 +335,57 @@ def deployment_pods(deployment: dict[str, Any], services: list[dict[str, Any]]) 
     return [p._replace(aliases=(pod_name,) if not p.init else ()) for p in pods]
 
 
-def read_manifest(documents: list[dict[str, Any]]) -> Manifest:
-    """The pods a rendered manifest makes, in start order, and what else it declares."""
-    services = _by_kind(documents, "Service")
+def _selects(service: dict[str, Any], pod: PodRun) -> bool:
+    selector = service.get("spec", {}).get("selector") or {}
+    return bool(selector) and selector.items() <= dict(pod.labels).items()
+
+
+def service_runs(services: list[dict[str, Any]], pods: list[PodRun]) -> tuple[ServiceRun, ...]:
+    """Each ClusterIP Service with the serving pod it selects and its ports' targets (a named
+    targetPort is looked up among the pod's ports, as kube-proxy does)."""
+    out = []
+    for service in services:
+        spec = service.get("spec", {})
+        chosen = next((p for p in pods if not p.init and _selects(service, p)), None)
+        if spec.get("clusterIP") == "None" or chosen is None:
+            continue
+        named = dict(chosen.ports)
+        ports = tuple(
+            (int(p["port"]), named[t] if isinstance(t := p.get("targetPort", p["port"]), str) else int(t))
+            for p in spec.get("ports", [])
+        )
+        out.append(ServiceRun(service["metadata"]["name"], chosen.pod, ports))
+    return tuple(out)
+
+
+def read_manifest(documents: list[dict[str, Any]], api_service: str = "") -> Manifest:
+    """The pods a rendered manifest makes, in start order, and what else it declares.
+    `api_service`: the Service clients reach (the deployment's `<name>-api`); without it, or
+    when no Service selects a pod, the first leader or server is the one clients reach."""
+    service_documents = _by_kind(documents, "Service")
     pods: list[PodRun] = []
     for lws in _by_kind(documents, "LeaderWorkerSet"):
-        pods += lws_pods(lws, services)
+        pods += lws_pods(lws, service_documents)
     for deployment in _by_kind(documents, "Deployment"):
-        pods += deployment_pods(deployment, services)
+        pods += deployment_pods(deployment, service_documents)
+    services = service_runs(service_documents, pods)
     serving = [p for p in pods if p.role in ("leader", "server") and not p.init]
-    api_port = next(
-        (int(port["port"]) for s in services for port in s["spec"].get("ports", [])
+    api = next((s for s in services if s.name == api_service), None)
+    api_pod = api.pod if api else (serving[0].pod if serving else "")
+    api_port = api.ports[0][0] if api and api.ports else next(
+        (int(port["port"]) for s in service_documents for port in s["spec"].get("ports", [])
          if serving and port.get("targetPort") in dict(serving[0].ports)),
         0,
     )  # fmt: skip
-    # Services resolve to the serving pod inside the network, as a ClusterIP would.
-    names = tuple(s["metadata"]["name"] for s in services)
-    pods = [p._replace(aliases=p.aliases + names) if p in serving else p for p in pods]
+    # A Service whose ports are its pod's resolves to that pod inside the network, as a
+    # ClusterIP would; one that maps ports gets a forwarder instead (Manifest.forwarded).
+    names: dict[str, tuple[str, ...]] = {}
+    for service in services:
+        if not service.maps_ports:
+            names[service.pod] = (*names.get(service.pod, ()), service.name)
+    if not services:  # Services that select nothing (a hand-written manifest): the old rule
+        names = {p.pod: tuple(s["metadata"]["name"] for s in service_documents) for p in serving}
+    pods = [p._replace(aliases=p.aliases + names.get(p.pod, ())) if not p.init else p for p in pods]
     claims = tuple(d["metadata"]["name"] for d in _by_kind(documents, "PersistentVolumeClaim"))
-    return Manifest(tuple(pods), claims, api_port, tuple(str(d.get("kind")) for d in documents if d))
+    kinds = tuple(str(d.get("kind")) for d in documents if d)
+    return Manifest(tuple(pods), claims, api_port, kinds, services, api_pod)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from m31ctl.rehearsal.pairing import PairingOutcome
 from m31ctl.rehearsal.twin import Change
 
 
@@ -51,6 +52,8 @@ class RehearsalResult(NamedTuple):
     leftovers: tuple[str, ...]
     kept: bool
     session: str = ""  # the label value on everything it made: io.m31ctl.rehearsal=<session>
+    # A P/D plan's proof: parity with an aggregated server, KV transfer, prefill killed and back.
+    pairing: PairingOutcome | None = None
 
     def changes_by_reason(self) -> tuple[tuple[str, tuple[Change, ...]], ...]:
         """The changes grouped by their reason, in the order the reasons first come: a reason
@@ -67,4 +70,5 @@ class RehearsalResult(NamedTuple):
         data["nodes"] = [n._asdict() for n in self.nodes]
         data["probes"] = [p._asdict() for p in self.probes]
         data["probes_passed"] = sum(1 for p in self.probes if p.passed)
+        data["pairing"] = self.pairing.to_json() if self.pairing else None
         return data

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import ipaddress
 import json
 import os
 import secrets
@@ -34,17 +35,20 @@ from m31ctl.errors import HostPreconditionError, InputError, M31Error
 from m31ctl.labels import Label
 from m31ctl.plan import Plan
 from m31ctl.redact import API_KEY_ENV
+from m31ctl.rehearsal import pairing
 from m31ctl.rehearsal.kubelet import Kubelet, PodState, claim_volume
 from m31ctl.rehearsal.logs import failure_cause, read_log, root_cause
-from m31ctl.rehearsal.pods import Manifest, PodRun, read_manifest, secret_mark
+from m31ctl.rehearsal.pods import Manifest, PodRun, ServiceRun, Volume, read_manifest, secret_mark
 from m31ctl.rehearsal.result import NodeOutcome, ProbeOutcome, RehearsalResult
 from m31ctl.rehearsal.twin import Twin, rehearsal_twin
 from m31ctl.render import get_target
+from m31ctl.render.k8s import API_SERVICE_SUFFIX
 from m31ctl.resources import cache_root
 from m31ctl.runtime import engine_api
 from m31ctl.served import smoke
 
 BASE_IMAGE = "m31ctl/vllm-cpu:0.32.0"  # scripts/build-rehearsal-image
+PYTHON = "/opt/vllm/bin/python"  # the rehearsal image's (vLLM's) Python
 # The base image's `vllm` console script fails its own version lookup (the distribution is
 # named vllm-cpu), so `vllm serve`, which every rendered command runs, would not start. The
 # derived image records a `vllm` distribution with the +cpu version vLLM's platform detection
@@ -148,6 +152,16 @@ class Prepared(NamedTuple):
     deployment: Deployment
     manifest: Manifest
     model_dir: Path
+    # A P/D plan's aggregated reference server (the twin without disaggregation, rendered by
+    # the same code): the pod, and the claims its render declares. None: not a P/D plan.
+    reference: PodRun | None = None
+    reference_claims: tuple[str, ...] = ()
+
+    @property
+    def addressed(self) -> bool:
+        """The pods need fixed addresses: one reads its own (status.podIP: a P/D role's NIXL
+        side channel binds it), or a Service maps ports (its forwarder needs the target's)."""
+        return any(p.fields for p in self.manifest.pods) or bool(self.manifest.forwarded)
 
 
 def _cache_root(options: Options) -> Path:
@@ -184,11 +198,34 @@ def prepare(plan: Plan, options: Options) -> Prepared:
         plan, str(model_dir), shim_image(options.base_image), options.timeout_s, options.clock_scale
     )
     deployment = derive(twin.plan)
-    manifest = read_manifest(render_documents(deployment, options.target))
+    manifest = read_manifest(
+        render_documents(deployment, options.target), deployment.name + API_SERVICE_SUFFIX
+    )
     if not [p for p in manifest.pods if not p.init]:
         raise InputError(f"the {options.target} render holds no pod to run")
     refuse_secret_expansion(manifest)
-    return Prepared(twin, deployment, manifest, model_dir)
+    if deployment.disaggregated is None:
+        return Prepared(twin, deployment, manifest, model_dir)
+    reference, claims = reference_pod(twin.plan, options.target)
+    return Prepared(twin, deployment, manifest, model_dir, reference, claims)
+
+
+# The aggregated reference server's pod (and container) name in a P/D rehearsal.
+REFERENCE_POD = "reference"
+
+
+def reference_pod(paired: Plan, target: str) -> tuple[PodRun, tuple[str, ...]]:
+    """The P/D twin's aggregated twin (the same settings, disaggregation off) rendered by the
+    normal render code: its serving pod, renamed and without the Service names (those are the
+    pair's), and the claims it mounts."""
+    settings = paired.settings
+    alone = settings.model_copy(
+        update={"disaggregation": settings.disaggregation.model_copy(update={"enabled": False})}
+    )
+    deployment = derive(paired._replace(settings=alone))
+    manifest = read_manifest(render_documents(deployment, target), deployment.name + API_SERVICE_SUFFIX)
+    pod = next(p for p in manifest.pods if p.pod == manifest.api_pod and not p.init)
+    return pod._replace(pod=REFERENCE_POD, hostname=REFERENCE_POD, aliases=()), manifest.claims
 
 
 def refuse_secret_expansion(manifest: Manifest) -> None:
@@ -240,7 +277,7 @@ def ensure_model(client: Any, base: str, model_dir: Path, moe: bool, session: st
             labels={Label.REHEARSAL: session},
             user=f"{os.getuid()}:{os.getgid()}",
             environment=["HOME=/tmp"],
-            entrypoint=["/opt/vllm/bin/python"],
+            entrypoint=[PYTHON],
             command=[f"/m31ctl-rehearsal/{generator}", f"/out/{scratch.name}"],
         )
         if not done.ok:
@@ -263,7 +300,14 @@ def secret_values(manifest: Manifest) -> Iterator[dict[str, str]]:
     """Values for the required secrets: the user's exported one, else a fresh one for this
     rehearsal. VLLM_API_KEY is also set in this process while it runs, so smoke sends it.
     Optional secrets (HF_TOKEN: the tiny model is local) are not passed."""
-    values = {name: os.environ.get(name) or secrets.token_urlsafe(24) for name in required_secrets(manifest)}
+    required = required_secrets(manifest)
+    refs = {name: ref for pod in manifest.pods for name, ref in pod.secret_refs if name in required}
+    by_ref: dict[str, str] = {}
+    for name in required:  # one value per Secret key, whichever variable reads it
+        exported = os.environ.get(name)
+        if exported:
+            by_ref.setdefault(refs.get(name, name), exported)
+    values = {name: by_ref.setdefault(refs.get(name, name), secrets.token_urlsafe(24)) for name in required}
     saved = os.environ.get(API_KEY_ENV)
     if API_KEY_ENV in values:
         os.environ[API_KEY_ENV] = values[API_KEY_ENV]
@@ -295,7 +339,12 @@ Progress = Callable[[str], None]
 
 
 def start_pods(
-    kubelet: Kubelet, manifest: Manifest, keys: dict[str, str], timeout: float, leader_delay_s: float = 0.0
+    kubelet: Kubelet,
+    manifest: Manifest,
+    keys: dict[str, str],
+    timeout: float,
+    leader_delay_s: float = 0.0,
+    progress: Progress = lambda _: None,
 ) -> list[PodState]:
     """Each pod's init containers to completion, then its container; the leader first (the LWS
     controller creates the group's pods together; the order only saves the workers a retry).
@@ -303,16 +352,20 @@ def start_pods(
     pulling its image or downloading would start."""
     if leader_delay_s > 0:
         workers = [p for p in manifest.pods if p.role == "worker"]
-        first = _start_each(kubelet, workers, keys, timeout)
+        first = _start_each(kubelet, workers, keys, timeout, progress)
         interrupt.sleep(leader_delay_s)
-        return first + _start_each(kubelet, [p for p in manifest.pods if p.role != "worker"], keys, timeout)
-    return _start_each(kubelet, list(manifest.pods), keys, timeout)
+        rest = [p for p in manifest.pods if p.role != "worker"]
+        return first + _start_each(kubelet, rest, keys, timeout, progress)
+    return _start_each(kubelet, list(manifest.pods), keys, timeout, progress)
 
 
-def _start_each(kubelet: Kubelet, pods: list[PodRun], keys: dict[str, str], timeout: float) -> list[PodState]:
+def _start_each(
+    kubelet: Kubelet, pods: list[PodRun], keys: dict[str, str], timeout: float, progress: Progress
+) -> list[PodState]:
     states: list[PodState] = []
     for pod in pods:
         if pod.init:
+            progress(f"{pod.pod}: init container {pod.container} runs to its end before the pod starts")
             state = kubelet.run_to_completion(pod, keys, timeout)
             states.append(state)
             if state.exit_code != 0:
@@ -322,8 +375,10 @@ def _start_each(kubelet: Kubelet, pods: list[PodRun], keys: dict[str, str], time
     return states
 
 
-def serving_state(states: list[PodState]) -> PodState:
-    return next(s for s in states if s.pod.role in ("leader", "server") and not s.pod.init)
+def serving_state(states: list[PodState], api_pod: str = "") -> PodState:
+    """The pod clients reach (the API Service's: a P/D plan's router), else the first leader."""
+    serving = [s for s in states if s.pod.role in ("leader", "server") and not s.pod.init]
+    return next((s for s in serving if s.pod.pod == api_pod), serving[0])
 
 
 def fatal_in_log(client: Any, state: PodState) -> str | None:
@@ -335,10 +390,12 @@ def fatal_in_log(client: Any, state: PodState) -> str | None:
     return read_log(text).error_line
 
 
-def watch(kubelet: Kubelet, states: list[PodState], deadline: float, progress: Progress) -> str | None:
+def watch(
+    kubelet: Kubelet, states: list[PodState], deadline: float, progress: Progress, api_pod: str = ""
+) -> str | None:
     """Probe until the serving pod is ready; why not, when a container ended, a node's vLLM
     printed a fatal traceback (checked every FATAL_EVERY_S), or time ran out."""
-    leader = serving_state(states)
+    leader = serving_state(states, api_pod)
     announced = False
     next_scan = kubelet.clock() + FATAL_EVERY_S
     while True:
@@ -351,7 +408,9 @@ def watch(kubelet: Kubelet, states: list[PodState], deadline: float, progress: P
                 return (
                     f"init container {state.pod.container} of {state.pod.pod} exited with {state.exit_code}"
                 )
-        kubelet.probe_once(leader)
+        for state in states:  # the serving pods' own probes (a P/D pair's roles and router)
+            if state.pod.role in ("leader", "server") and not state.pod.init and state.status == "running":
+                kubelet.probe_once(state)
         if leader.ready_s is not None:
             return None
         if not announced and leader.started:
@@ -408,7 +467,9 @@ class Served(NamedTuple):
 def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served:
     """Completions and smoke through the leader, at its pod address and the Service's target
     port (where the Service sends in-cluster clients)."""
-    port = dict(leader.pod.ports).get("http") or prepared.deployment.network.container_port
+    ports = dict(leader.pod.ports)
+    # vLLM's port is named http; vllm-router's (a P/D plan's front) api.
+    port = ports.get("http") or ports.get("api") or prepared.deployment.network.container_port
     endpoint = f"http://{leader.ip}:{port}"
     served_name = prepared.twin.plan.settings.model.served_name
     count = max(2, 2 * prepared.twin.plan.settings.parallelism.data)
@@ -469,6 +530,12 @@ def probe_outcomes(states: list[PodState]) -> tuple[ProbeOutcome, ...]:
 
 
 def _layout_words(prepared: Prepared) -> str:
+    group = prepared.deployment.disaggregated
+    if group is not None:
+        roles = " + ".join(
+            f"{r.kv_transfer.role.value} TP{r.layout.tensor}" for r in group.roles if r.kv_transfer
+        )
+        return f"P/D pair: {roles}, one Deployment each, behind vllm-router (with an aggregated reference)"
     par = prepared.twin.plan.settings.parallelism
     kind = "LeaderWorkerSet" if par.nodes > 1 else "Deployment"
     shape = f"TP{par.tensor} PP{par.pipeline} DP{par.data}" + (" EP" if par.expert else "")
@@ -491,20 +558,75 @@ class Run(NamedTuple):
     states: list[PodState]
     why: str | None  # why it did not serve; None when it served
     served: Served | None
+    pairing: pairing.PairingOutcome | None = None  # a P/D plan's proof (pairing.py)
+
+
+# Fixed addresses on the rehearsal network start at this host of its subnet (Docker takes .1).
+FIRST_POD_HOST = 10
+FORWARDER_MOUNT = "/m31ctl-rehearsal"
+
+
+def forwarder_pod(service: ServiceRun, image: str, addresses: dict[str, str]) -> PodRun:
+    """A Service that maps ports, as kube-proxy gives it: a container holding the Service's DNS
+    names that forwards each port to the selected pod's address and target port (forwarder.py)."""
+    rules = tuple(f"{port}={addresses[service.pod]}:{target}" for port, target in service.ports)
+    return PodRun(
+        pod=f"svc-{service.name}",
+        container="forwarder",
+        role="service",
+        worker_index=0,
+        image=image,
+        command=(PYTHON, f"{FORWARDER_MOUNT}/forwarder.py"),
+        args=rules,
+        env=(),
+        secrets=(),
+        volumes=(Volume("host", str(PACKAGE_DIR), FORWARDER_MOUNT, True),),
+        ports=(),
+        probes=(),
+        hostname=f"svc-{service.name}"[:63],
+        aliases=service.dns_names,
+        cap_add=(),
+        unconfined=False,
+        ipc_host=False,
+    )
+
+
+def pod_addresses(subnet: str, prepared: Prepared) -> dict[str, str]:
+    """Each pod's fixed address (and the forwarders' and the reference's), in manifest order."""
+    names = list(dict.fromkeys(p.pod for p in prepared.manifest.pods if not p.init))
+    names += [f"svc-{s.name}" for s in prepared.manifest.forwarded]
+    names += [prepared.reference.pod] if prepared.reference else []
+    network = ipaddress.ip_network(subnet)
+    return {name: str(network[FIRST_POD_HOST + index]) for index, name in enumerate(names)}
+
+
+def _network(client: Any, prepared: Prepared, session: str) -> tuple[str, dict[str, str], str | None]:
+    """The rehearsal's network (with a subnet of its own when pods need fixed addresses), its
+    volumes, and the addresses; or why the network could not be made."""
+    network, labels = f"m31ctl-rh-{session}", {Label.REHEARSAL: session}
+    subnet = engine_api.free_subnet(client, network, labels) if prepared.addressed else None
+    if prepared.addressed and subnet is None:
+        return network, {}, "no free subnet for the rehearsal network (docker network create failed)"
+    refused = engine_api.create_network(client, network, labels, subnet)
+    if refused is not None:
+        return network, {}, f"docker network create failed: {refused.strip()[-300:]}"
+    for claim in (*prepared.manifest.claims, *prepared.reference_claims):
+        # Not checked here: a volume the engine refused shows as the pod's own start error.
+        engine_api.create_volume(client, claim_volume(session, claim), labels)
+    return network, (pod_addresses(subnet, prepared) if subnet else {}), None
 
 
 def run_pods(client: Any, prepared: Prepared, session: str, options: Options, progress: Progress) -> Run:
-    network = f"m31ctl-rh-{session}"
-    labels = {Label.REHEARSAL: session}
-    refused = engine_api.create_network(client, network, labels)
+    network, addresses, refused = _network(client, prepared, session)
     if refused is not None:
-        return Run([], f"docker network create failed: {refused.strip()[-300:]}", None)
-    for claim in prepared.manifest.claims:
-        # Not checked here: a volume the engine refused shows as the pod's own start error.
-        engine_api.create_volume(client, claim_volume(session, claim), labels)
-    kubelet = Kubelet(client, session, network)
+        return Run([], refused, None)
+    kubelet = Kubelet(client, session, network, addresses=addresses)
+    image = prepared.twin.plan.settings.engine.image
     with secret_values(prepared.manifest) as keys:
-        states = start_pods(kubelet, prepared.manifest, keys, options.timeout_s, options.leader_delay_s)
+        states = [kubelet.start(forwarder_pod(s, image, addresses), {}) for s in prepared.manifest.forwarded]
+        states += start_pods(
+            kubelet, prepared.manifest, keys, options.timeout_s, options.leader_delay_s, progress
+        )
         progress(f"started {len(states)} container(s) on network {network}")
         failed_init = [s for s in states if s.pod.init and s.exit_code != 0]
         if failed_init:  # the kubelet never starts the pod's containers after a failed init
@@ -513,24 +635,80 @@ def run_pods(client: Any, prepared: Prepared, session: str, options: Options, pr
                                f"{first.exit_code}", None)  # fmt: skip
         # The rendered startup probe's own budget (the timeline's readiness wait) bounds the wait.
         deadline = kubelet.clock() + max(options.timeout_s, prepared.deployment.timeline.ready_s)
-        why = watch(kubelet, states, deadline, progress)
+        why = watch(kubelet, states, deadline, progress, prepared.manifest.api_pod)
         if why is not None:
             return Run(states, why, None)
-        leader = serving_state(states)
-        progress(f"{leader.pod.pod} ready after {leader.ready_s} s: sending completions and smoke")
-        served = serve_checks(prepared, leader, timeout=min(120.0, options.timeout_s))
-        time.sleep(SETTLE_S)  # a rank that dies at its first request takes a moment to be seen
-        for state in states:
-            kubelet.refresh(state)
-        ended = [s for s in states if s.status != "running" and not s.pod.init]
-        if ended:
-            first = ended[0]
-            return Run(states, f"{first.pod.pod} ({first.pod.role}) exited with code {first.exit_code} "
-                               "after the first requests", served)  # fmt: skip
-        if not served.ok:
-            return Run(states, f"{served.answered} of {served.sent} completions answered; smoke ok: "
-                               f"{served.smoke.get('ok')}", served)  # fmt: skip
-        return Run(states, None, served)
+        run = _serve(kubelet, prepared, states, options, progress)
+        if run.why is None and prepared.reference is not None:
+            return _prove_pair(kubelet, prepared, run, keys, options, progress)
+        return run
+
+
+def _serve(
+    kubelet: Kubelet, prepared: Prepared, states: list[PodState], options: Options, progress: Progress
+) -> Run:
+    leader = serving_state(states, prepared.manifest.api_pod)
+    progress(f"{leader.pod.pod} ready after {leader.ready_s} s: sending completions and smoke")
+    served = serve_checks(prepared, leader, timeout=min(120.0, options.timeout_s))
+    time.sleep(SETTLE_S)  # a rank that dies at its first request takes a moment to be seen
+    for state in states:
+        kubelet.refresh(state)
+    ended = [s for s in states if s.status != "running" and not s.pod.init]
+    if ended:
+        first = ended[0]
+        return Run(states, f"{first.pod.pod} ({first.pod.role}) exited with code {first.exit_code} "
+                           "after the first requests", served)  # fmt: skip
+    if not served.ok:
+        return Run(states, f"{served.answered} of {served.sent} completions answered; smoke ok: "
+                           f"{served.smoke.get('ok')}", served)  # fmt: skip
+    return Run(states, None, served)
+
+
+def _engine_url(prepared: Prepared, role: Deployment, states: list[PodState]) -> tuple[str, PodState]:
+    """A P/D role's base URL on the rehearsal network (its pod's address and vLLM's port, as
+    the role's API Service targets it) and its pod."""
+    service = next(s for s in prepared.manifest.services if s.name == role.name + API_SERVICE_SUFFIX)
+    state = next(s for s in states if s.pod.pod == service.pod and not s.pod.init)
+    return f"http://{state.ip}:{service.ports[0][1]}", state
+
+
+def _prove_pair(
+    kubelet: Kubelet, prepared: Prepared, run: Run, keys: dict[str, str], options: Options, progress: Progress
+) -> Run:
+    group = prepared.deployment.disaggregated
+    assert group is not None and prepared.reference is not None and run.served is not None
+    decode, decode_state = _engine_url(prepared, group.decode, run.states)
+    _, prefill = _engine_url(prepared, group.prefill, run.states)
+    reference = prepared.reference
+    started: list[PodState] = []
+
+    def start_reference(budget_s: float) -> tuple[str, str | None]:
+        # The pair's checks are done; its engines busy-poll a core each, and a third vLLM
+        # start beside them on a host of few cores does not finish (seen here on two cores).
+        progress("stopping prefill and decode; starting the aggregated reference server (the same twin, "
+                 "disaggregation off)")  # fmt: skip
+        for role in (prefill, decode_state):
+            engine_api.kill(kubelet.client, role.name)
+        state = kubelet.start(reference, keys)
+        started.append(state)
+        why = watch(kubelet, [state], kubelet.clock() + budget_s, progress)
+        port = dict(reference.ports).get("http") or prepared.deployment.network.container_port
+        return f"http://{state.ip}:{port}", why
+
+    pair = pairing.Pair(
+        router=run.served.endpoint,
+        decode=decode,
+        kill_prefill=lambda: engine_api.kill(kubelet.client, prefill.name),
+        start_prefill=lambda: engine_api.start_again(kubelet.client, prefill.name),
+        start_reference=start_reference,
+        model=prepared.twin.plan.settings.model.served_name,
+    )
+    progress("proving the pair: parity with an aggregated server, KV transfer, prefill killed and back")
+    outcome = pairing.prove(pair, budget_s=max(float(options.timeout_s), 120.0), progress=progress)
+    for role in (prefill, decode_state):
+        kubelet.refresh(role)
+    why = None if outcome.ok else f"the pair: {outcome.failure}"
+    return Run([*run.states, *started], why, run.served, outcome)
 
 
 def rehearse(
@@ -616,4 +794,5 @@ def assemble(
         cleaned=not kept and not leftovers,
         leftovers=leftovers,
         kept=kept,
+        pairing=run.pairing,
     )

@@ -14,8 +14,10 @@ import math
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from m31ctl.hardware import Platform
 from m31ctl.plan import Plan
 from m31ctl.plan.catalog import get_model
+from m31ctl.plan.disaggregation import UCX_TRANSPORTS
 from m31ctl.plan.layers import Source
 from m31ctl.plan.settings import PlanSettings
 from m31ctl.timeline import VLLM_HANDSHAKE_S
@@ -90,6 +92,37 @@ def _omp_bind(ranks: int) -> str:
     return "|".join(str(core) for core in range(ranks)) if ranks > 1 else "auto"
 
 
+# A P/D pair's roles: one engine of one rank each, on a core of its own (the CPU worker binds
+# its OpenMP threads to the core named here), as the CPU recipe's pd variant runs them.
+PD_ROLE_CORES = {"prefill": "0", "decode": "1"}
+# float16 for both roles: on an AMX CPU vLLM 0.32's AMX attention kernel kills the decode worker
+# on its first request with transferred KV under bfloat16 (recipes/cpu.yaml, pd variant); the
+# dtype is a factor of NIXL's compatibility hash, so the roles share it.
+PD_DTYPE_ARGS = ("--dtype", "float16")
+
+
+def pd_twin(pd: dict[str, Any]) -> dict[str, Any]:
+    """A P/D plan's disaggregation section on this host: each role one rank on its own core,
+    the twin's image and the CPU backend's KV cache and attention (the plan's per-role image,
+    KV dtype and backend need GPUs), the CPU build's UCX transports over the containers' own
+    network (UCX_NET_DEVICES unset: UCX takes the interfaces there are). The router and the
+    connector are the plan's."""
+    roles = {
+        role: {
+            **pd.get(role, {}),
+            "tensor": 1,
+            "data": 1,
+            "nodes": 1,
+            "image": None,
+            "kv_dtype": None,
+            "attention_backend": None,
+            "env": {**pd.get(role, {}).get("env", {}), "VLLM_CPU_OMP_THREADS_BIND": core},
+        }
+        for role, core in PD_ROLE_CORES.items()
+    }
+    return {**pd, **roles, "ucx_transports": UCX_TRANSPORTS[Platform.CPU], "ucx_net_devices": None}
+
+
 # A scaled rehearsal's load uses this share of the plan's (scaled) load budget: a real load that
 # fits its budget, longer than vLLM's scaled default engine-ready limit (600 s of 1,200 s).
 LOAD_SHARE = 0.75
@@ -118,19 +151,31 @@ def twin_settings(
 ) -> tuple[dict[str, Any], str]:
     """The twin's settings as data (validated by the caller) and why the layout was scaled."""
     tree = plan.settings_dict()
+    # settings_dict leaves out a section the plan does not set (an aggregated plan's disaggregation)
+    paired = bool(tree.get("disaggregation", {}).get("enabled", False))
     layout, why = scaled_layout(tree["parallelism"])
+    if paired:  # the roles' own layouts (pd_twin) are what runs; the plan's is the reference's
+        layout = {**layout, "nodes": 1, "tensor": 1, "pipeline": 1, "data": 1}
+        why = "a P/D pair on this host: each role one engine of one rank, on a core of its own"
     ranks = layout["tensor"] * (layout["data"] if layout["nodes"] == 1 else 1)  # ranks in one pod
     runtime = tree["runtime"]
     # The plan's own environment wins: a VLLM_CPU_* it sets is what the user means to rehearse.
     env = {**CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": _omp_bind(ranks), **runtime["env"]}
     serving = tree["serving"]
+    # The CPU flags the plan does not already pass (the CPU recipe's own pass them), then its own.
+    extra = [
+        *(a for a in CPU_EXTRA_ARGS if a not in tree["engine"]["extra_args"]),
+        *tree["engine"]["extra_args"],
+    ]
+    if paired and "--dtype" not in extra:
+        extra += PD_DTYPE_ARGS
     tree.update(
         model={"id": TINY_MODEL_ID, "path": model_dir, "served_name": tree["model"]["served_name"]},
         # The plan's extra flags stay (after the CPU ones): they are part of what would run.
         engine={
             **tree["engine"],
             "image": image,
-            "extra_args": [*CPU_EXTRA_ARGS, *tree["engine"]["extra_args"]],
+            "extra_args": extra,
         },
         parallelism=layout,
         attention_backend=None,
@@ -147,6 +192,8 @@ def twin_settings(
         },
         runtime={**runtime, "env": env, "startup_timeout": startup_s},
     )
+    if paired:
+        tree["disaggregation"] = pd_twin(tree["disaggregation"])
     if scale is not None:
         clock, plugin_env = scaled_clock(plan, startup_s, scale)
         tree["runtime"] = {**tree["runtime"], **clock, "env": {**env, **plugin_env}}
@@ -172,6 +219,8 @@ _WHY = {
     "attention_backend": "the CPU attention backend",
     "moe": "the CPU MoE path",
     "multimodal": "the tiny model is text-only",
+    "disaggregation": "each role one rank on a core of its own, the CPU build's UCX transports over the "
+    "containers' network (per-role images, KV dtypes and backends need GPUs)",
     "serving": "the tiny model's 2K context; MiniMax's parsers need MiniMax's tokenizer; a 5 s drain",
     "runtime": "the CPU backend's KV space and thread binding, torch.compile off (no compiler in the "
     "image); the startup budget is --timeout",
@@ -188,7 +237,8 @@ _WHY_KEY = {
     "runtime.load_and_compile_s": "--clock-scale: the tiny model's own start plus the plan's budget, scaled",
     "runtime.env": "the CPU backend's KV space and thread binding, torch.compile off (no compiler in the image)",
     "engine.image": "vLLM's CPU build in the local rehearsal image",
-    "engine.extra_args": "eager mode: no C++ compiler in the image for torch.compile",
+    "engine.extra_args": "eager mode: no C++ compiler in the image for torch.compile (a P/D pair: "
+    "float16, which an AMX CPU's attention kernel needs for transferred KV)",
     "model.path": "a tiny model made on the spot (random weights): the checkpoint needs GPUs",
     "model.id": "a tiny model made on the spot (random weights): the checkpoint needs GPUs",
 }

@@ -1,0 +1,196 @@
+"""`m31ctl rehearse` of a prefill/decode plan (issue 36): the rendered Kubernetes manifest's
+prefill, decode and router Deployments as containers on a private network, each Service as
+kube-proxy gives it, then the pair's proof (rehearsal/pairing.py). The pure parts first; the
+real rehearsal (Docker, the rehearsal image, three vLLM starts) last."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from m31ctl.hardware import simulated
+from m31ctl.plan import PlanRequest, resolve
+from m31ctl.rehearsal.kubelet import field_values, run_args
+from m31ctl.rehearsal.pods import read_manifest
+from m31ctl.rehearsal.runner import Options, forwarder_pod, pod_addresses, prepare
+from m31ctl.rehearsal.twin import PD_ROLE_CORES
+from tests.conftest import ROOT
+from tests.ports import free_port
+from tests.rehearsal.test_rehearse_layouts import _leftovers, needs_image
+
+FORWARDER = ROOT / "m31ctl" / "rehearsal" / "forwarder.py"
+
+
+def _prepared(tmp_path: Path, hardware: str = "cpu", *sets: str):
+    variant = "pd" if hardware == "cpu" else None
+    if hardware != "cpu":
+        sets = ("disaggregation.enabled=true", *sets)
+    plan = resolve(PlanRequest(hardware=simulated(hardware), variant=variant, sets=sets))
+    return prepare(plan, Options(cache_dir=tmp_path))
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "b300x8"])
+def test_clients_reach_the_router_and_the_roles_reach_each_other_by_their_services(tmp_path, hardware):
+    prepared = _prepared(tmp_path, hardware)
+    manifest = prepared.manifest
+    group = prepared.deployment.disaggregated
+    assert group is not None
+    assert manifest.api_pod == f"{group.router.name}-0"
+    # The roles' Services map their ports (8100, 8200) onto vLLM's: each gets a forwarder; the
+    # router's maps none, so its name is an alias of its pod, as before.
+    forwarded = {s.name: s.ports for s in manifest.forwarded}
+    assert forwarded == {
+        f"{group.prefill.name}-api": ((group.prefill.network.port, 8000),),
+        f"{group.decode.name}-api": ((group.decode.network.port, 8000),),
+    }
+    router = next(p for p in manifest.pods if p.pod == manifest.api_pod and not p.init)
+    assert f"{prepared.deployment.name}-api" in router.aliases  # the API Service: the router
+    roles = [p for p in manifest.pods if p.pod != manifest.api_pod]
+    assert all(("VLLM_NIXL_SIDE_CHANNEL_HOST", "status.podIP") in p.fields for p in roles)
+    # No role holds another Service's name: a name that resolved to the wrong pod would pair
+    # prefill with itself.
+    for pod in roles:
+        assert not any(name.endswith("-api") for name in pod.aliases), pod.aliases
+
+
+def test_each_role_is_one_rank_on_its_own_core_with_the_cpu_transports(tmp_path):
+    prepared = _prepared(tmp_path, "b300x8")
+    pd = prepared.twin.plan.settings.disaggregation
+    assert (pd.prefill.tensor, pd.decode.tensor) == (1, 1)
+    assert {pd.prefill.env["VLLM_CPU_OMP_THREADS_BIND"], pd.decode.env["VLLM_CPU_OMP_THREADS_BIND"]} == set(
+        PD_ROLE_CORES.values()
+    )
+    assert pd.ucx_transports == "tcp,self,sm" and pd.ucx_net_devices is None
+    extra = prepared.twin.plan.settings.engine.extra_args
+    assert extra.count("--enforce-eager") == 1 and extra[extra.index("--dtype") + 1] == "float16"
+    changed = {c.key: c for c in prepared.twin.changes}
+    assert "one rank" in changed["disaggregation.prefill.tensor"].why
+
+
+def test_the_reference_is_the_same_twin_aggregated(tmp_path):
+    prepared = _prepared(tmp_path, "b300x8")
+    reference = prepared.reference
+    assert reference is not None and reference.aliases == () and not reference.init
+    args = list(reference.args or ())
+    assert "--kv-transfer-config" not in args
+    assert args[args.index("--tensor-parallel-size") + 1] == "1"
+    role = next(p for p in prepared.manifest.pods if p.pod.endswith("decode-0"))
+    role_args = list(role.args or ())
+    # Same model, served name and flags as the roles, but for the connector.
+    for flag in ("--served-model-name", "--max-model-len", "--dtype"):
+        assert args[args.index(flag) + 1] == role_args[role_args.index(flag) + 1], flag
+    assert prepared.reference_claims
+
+
+def test_addresses_are_distinct_and_the_pod_reads_its_own(tmp_path):
+    prepared = _prepared(tmp_path)
+    addresses = pod_addresses("10.123.4.0/24", prepared)
+    assert len(set(addresses.values())) == len(addresses)
+    assert all(a.startswith("10.123.4.") for a in addresses.values())
+    prefill = next(p for p in prepared.manifest.pods if p.pod.endswith("prefill-0"))
+    assert ("VLLM_NIXL_SIDE_CHANNEL_HOST", addresses[prefill.pod]) in field_values(
+        prefill, addresses[prefill.pod]
+    )
+    create = run_args(prefill, "s1", "net", addresses[prefill.pod])
+    assert f"VLLM_NIXL_SIDE_CHANNEL_HOST={addresses[prefill.pod]}" in create["environment"]
+    assert create["address"] == addresses[prefill.pod]
+    service = prepared.manifest.forwarded[0]
+    forwarder = forwarder_pod(service, "img", addresses)
+    assert forwarder.aliases[0] == service.name
+    assert forwarder.args == (f"{service.ports[0][0]}={addresses[service.pod]}:{service.ports[0][1]}",)
+
+
+def test_a_service_without_a_selector_match_keeps_the_old_rule():
+    documents = [
+        {"kind": "Deployment", "metadata": {"name": "web"},
+         "spec": {"template": {"metadata": {"labels": {"app": "web"}},
+                               "spec": {"containers": [{"name": "c", "image": "i"}]}}}},
+        {"kind": "Service", "metadata": {"name": "web-api"},
+         "spec": {"selector": {"app": "other"}, "ports": [{"port": 80, "targetPort": 80}]}},
+    ]  # fmt: skip
+    manifest = read_manifest(documents)
+    (pod,) = manifest.pods
+    assert "web-api" in pod.aliases and manifest.api_pod == "web-0"
+
+
+class _Hello(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_the_forwarder_carries_a_request_and_its_answer(tmp_path):
+    """The forwarder as the rehearsal runs it (the standard library alone), for real: a POST
+    through it reaches the upstream and the answer comes back whole; before the upstream
+    listens, a client is refused and the forwarder lives on."""
+    upstream_port, listen_port = free_port(), free_port()
+    forwarder = subprocess.Popen(
+        [sys.executable, str(FORWARDER), f"{listen_port}=127.0.0.1:{upstream_port}"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "forwarding" in (forwarder.stdout.readline() if forwarder.stdout else "")
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{listen_port}/", data=b"x", timeout=30)
+        assert forwarder.poll() is None
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", upstream_port), _Hello)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            payload = json.dumps({"prompt": "p" * 200_000}).encode()
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{listen_port}/", data=payload, timeout=30
+            ) as answer:
+                assert answer.status == 200 and answer.read() == payload
+        finally:
+            server.shutdown()
+    finally:
+        forwarder.kill()
+        forwarder.wait(timeout=30)
+
+
+@needs_image
+@pytest.mark.docker
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_pd_rehearsal_serves_through_the_router_with_parity_transfer_and_recovery():
+    """The CPU recipe's pd variant rehearsed for real: prefill, decode, router and the Services'
+    forwarders as containers; greedy output through the router equals the aggregated
+    reference's, decode's /metrics count the prompts as transferred KV, prefill killed gives
+    5xx while decode stays healthy, and prefill back, the group serves again. Then nothing is
+    left."""
+    done = subprocess.run(
+        [sys.executable, "-m", "m31ctl", "rehearse", "--hardware", "cpu", "--variant", "pd", "--json"],
+        capture_output=True, text=True, timeout=2400, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    report = json.loads(done.stdout)
+    pairing = report["pairing"]
+    assert report["served"] and pairing["ok"], pairing
+    assert {p["prompt"] for p in pairing["parity"]} == {
+        "short",
+        "two-blocks",
+        "seven-blocks",
+        "thirteen-blocks",
+    }
+    assert all(p["same"] for p in pairing["parity"])
+    assert max(p["prompt_tokens"] for p in pairing["parity"]) > 12 * 128
+    transfer = pairing["transfer"]
+    assert transfer["transfers"] >= 4 and transfer["failed_transfers"] == 0
+    assert transfer["external_prompt_tokens"] > transfer["local_prompt_tokens"]
+    assert 500 <= pairing["prefill_down_status"] < 600
+    assert pairing["decode_healthy_when_prefill_down"] and pairing["recovered_after_s"] is not None
+    assert report["cleaned"] and not _leftovers()
