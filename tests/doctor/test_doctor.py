@@ -244,7 +244,9 @@ def test_against_this_machine(cli):
     gpu_plan = run_cli("doctor", "--hardware", "b300x4", "--json")
     checks = {c["id"]: c for c in json.loads(gpu_plan.stdout)["checks"]}
     assert checks["gpu-runtime"]["status"] == "fail" and checks["gpus"]["status"] == "fail"
-    assert sum(c["duration_s"] for c in checks.values()) < 15
+    # Without GPUs the GPU checks answer at once rather than waiting out a probe (a hung one is
+    # given 300 s): a bound far above a loaded host's few seconds, so speed decides nothing.
+    assert sum(c["duration_s"] for c in checks.values()) < 120
 
 
 # Issue 16: checks that passed hosts vLLM or Docker would reject.

@@ -221,7 +221,7 @@ def _docker_ready() -> bool:
 needs_image = pytest.mark.skipif(not _docker_ready(), reason=f"needs Docker and {BASE_IMAGE}")
 
 
-def _rehearse(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+def _rehearse(*args: str, timeout: int = 1800) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "m31ctl", "rehearse", "--hardware", "b300x4", *args, "--json"],
         capture_output=True,
@@ -289,10 +289,10 @@ def test_a_plan_vllm_refuses_fails_with_vllms_own_line():
     start, on every node; the rehearsal exits non-zero quoting that line. (With the recipe's NVFP4
     caches m31ctl refuses 4096 itself, before any container: the decode row limit, issue 35; FP8
     caches have no such limit, so the plan goes through and vLLM's own refusal is what shows.)"""
-    refused = _rehearse(*_sets(*DP_DENSE, *RWX, "serving.max_num_seqs=4096"), "--timeout", "300")
+    refused = _rehearse(*_sets(*DP_DENSE, *RWX, "serving.max_num_seqs=4096"), "--timeout", "900")
     assert refused.returncode == 2 and "NVFP4" in refused.stderr and not _leftovers()
     fp8 = ("cache.kv_dtype=fp8", "cache.indexer_dtype=fp8")
-    done = _rehearse(*_sets(*DP_DENSE, *RWX, *fp8, "serving.max_num_seqs=4096"), "--timeout", "300")
+    done = _rehearse(*_sets(*DP_DENSE, *RWX, *fp8, "serving.max_num_seqs=4096"), "--timeout", "900")
     result = json.loads(done.stdout)
     assert done.returncode == 5 and not result["served"]
     assert "must be greater than or equal to max_num_seqs (4096)" in result["error_line"]
@@ -305,7 +305,7 @@ def test_a_plan_vllm_refuses_fails_with_vllms_own_line():
 @pytest.mark.slow
 def test_pp_over_ray_fails_with_the_pods_own_error():
     """The CPU image has no Ray: the leader's `ray start` is the shell's error, named."""
-    done = _rehearse(*_sets(*PP, *RWX), "--timeout", "120")
+    done = _rehearse(*_sets(*PP, *RWX), "--timeout", "600")
     result = json.loads(done.stdout)
     assert done.returncode == 5 and "ray: not found" in result["error_line"]
     assert "Ray" in result["cause"] and result["cleaned"] and not _leftovers()

