@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from m31ctl.cli.output import emit, text_view
 from m31ctl.errors import ExitCode
 from m31ctl.labels import Label
+from m31ctl.rehearsal.pairing import PairingOutcome
 from m31ctl.rehearsal.result import RehearsalResult
 from m31ctl.rehearsal.runner import Options, rehearse
 
@@ -50,6 +51,8 @@ def summary(result: RehearsalResult) -> str:
     lines += [
         f"  {'ok  ' if p.passed else 'FAIL'} {p.pod} {p.probe} ({p.attempts} tries)" for p in result.probes
     ]
+    if result.pairing is not None:
+        lines += pairing_lines(result.pairing)
     if result.served:
         lines.append(f"{result.completions} completions and smoke answered through {result.endpoint}")
     else:
@@ -71,6 +74,26 @@ def summary(result: RehearsalResult) -> str:
         lines.append("LEFT BEHIND: " + " ".join(result.leftovers))
     lines.append(f"took {result.timings_s.get('total_s', 0):g} s")
     return "\n".join(lines) + "\n"
+
+
+def pairing_lines(outcome: PairingOutcome) -> list[str]:
+    """A P/D rehearsal's proof, a line a check (rehearsal/pairing.py)."""
+    same = sum(p.same for p in outcome.parity)
+    recovered = outcome.recovered_after_s
+    lines = [
+        f"P/D pair: {'proven' if outcome.ok else 'NOT proven'}",
+        f"  kv transfer: {outcome.transfer_verdict}",
+        f"  prefill killed: the router answered HTTP {outcome.prefill_down_status}, decode "
+        + ("healthy" if outcome.decode_healthy_when_prefill_down else "not healthy"),
+        "  prefill back: "
+        + (f"serving again after {recovered} s" if recovered is not None else "not serving"),
+        f"  parity with the aggregated server: {same} of {len(outcome.parity)} prompts equal",
+    ]
+    lines += [
+        f"    {'same' if p.same else 'DIFF'} {p.prompt} ({p.prompt_tokens} prompt tokens)"
+        for p in outcome.parity
+    ]
+    return lines
 
 
 def _value(value: object) -> str:

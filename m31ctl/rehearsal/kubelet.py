@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from m31ctl import interrupt
 from m31ctl.labels import Label
 from m31ctl.rehearsal.pods import NAMESPACE, PodRun, Probe, Volume
 from m31ctl.runtime import engine_api
@@ -169,13 +170,33 @@ class Kubelet:
         state.probes = [ProbeState(p, next_at=state.started_at + p.initial_delay_s) for p in pod.probes]
         return state
 
-    def run_to_completion(self, pod: PodRun, secrets: dict[str, str], timeout: float) -> PodState:
-        """An init container: it must exit 0 before the pod's containers start."""
+    def run_to_completion(
+        self,
+        pod: PodRun,
+        secrets: dict[str, str],
+        timeout: float,
+        meanwhile: Callable[[], None] | None = None,
+    ) -> PodState:
+        """An init container: it must exit 0 before the pod's containers start. `meanwhile`
+        runs between looks (the kubelet probes the other pods while this one initializes: a P/D
+        router's init waits on the roles, whose own probes go on)."""
         state = self.start(pod, secrets)
-        if state.status == "running":
+        if state.status != "running":
+            return state
+        if meanwhile is None:
             code = engine_api.wait_exit(self.client, state.name, timeout)
             state.exit_code = -1 if code is None else code
             state.status = "exited"
+            return state
+        deadline = self.clock() + timeout
+        while state.status == "running":
+            self.refresh(state)
+            if state.status == "running" and self.clock() > deadline:
+                engine_api.kill(self.client, state.name)
+                state.status, state.exit_code = "exited", -1
+            elif state.status == "running":
+                meanwhile()
+                interrupt.sleep(PROBE_PERIOD_S)  # Ctrl-C and SIGTERM end the wait here
         return state
 
     def refresh(self, state: PodState) -> None:

@@ -366,7 +366,14 @@ def _start_each(
     for pod in pods:
         if pod.init:
             progress(f"{pod.pod}: init container {pod.container} runs to its end before the pod starts")
-            state = kubelet.run_to_completion(pod, keys, timeout)
+            running = [s for s in states if not s.pod.init and s.status == "running"]
+
+            def probe_the_others(running: list[PodState] = running) -> None:
+                for other in running:
+                    kubelet.refresh(other)
+                    kubelet.probe_once(other)
+
+            state = kubelet.run_to_completion(pod, keys, timeout, probe_the_others if running else None)
             states.append(state)
             if state.exit_code != 0:
                 break

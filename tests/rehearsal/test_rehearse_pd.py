@@ -194,3 +194,27 @@ def test_pd_rehearsal_serves_through_the_router_with_parity_transfer_and_recover
     assert 500 <= pairing["prefill_down_status"] < 600
     assert pairing["decode_healthy_when_prefill_down"] and pairing["recovered_after_s"] is not None
     assert report["cleaned"] and not _leftovers()
+
+
+def test_the_report_says_each_proof_in_a_line():
+    """The text report of a P/D rehearsal, with the figures of a real one (this host, load 10-48)."""
+    from m31ctl.cli.rehearsing import pairing_lines
+    from m31ctl.rehearsal.pairing import PairingOutcome, Parity
+
+    reason = "4 NIXL transfers, 6,029,312 bytes, 0 failed; prompt tokens: 2623 external, 0 computed locally"
+    outcome = PairingOutcome(
+        parity=(Parity("short", 9, " a b", " a b"), Parity("thirteen-blocks", 1651, " c", " d")),
+        transfer={}, transfer_verdict=reason, prefill_down_status=500,
+        decode_healthy_when_prefill_down=True, recovered_after_s=173.6,
+        failure="greedy output through the router differs from aggregated on ['thirteen-blocks']",
+    )  # fmt: skip
+    assert pairing_lines(outcome) == [
+        "P/D pair: NOT proven",
+        f"  kv transfer: {reason}",
+        "  prefill killed: the router answered HTTP 500, decode healthy",
+        "  prefill back: serving again after 173.6 s",
+        "  parity with the aggregated server: 1 of 2 prompts equal",
+        "    same short (9 prompt tokens)",
+        "    DIFF thirteen-blocks (1651 prompt tokens)",
+    ]
+    assert not outcome.ok and outcome.to_json()["parity"][1]["same"] is False
