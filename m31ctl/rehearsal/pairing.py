@@ -105,9 +105,9 @@ def transfer_facts(decode: str, timeout: float) -> kv_transfer.KvTransferFacts:
         return kv_transfer.facts_of(prometheus.scrape(client))
 
 
-def healthy(base: str, timeout: float) -> bool:
+def health(base: str, timeout: float) -> http_answers.Answer:
     with _client(base, timeout) as client:
-        return http_answers.fetch(client, "GET", "/health", parse=False, limit_s=timeout).status == 200
+        return http_answers.fetch(client, "GET", "/health", parse=False, limit_s=timeout)
 
 
 def through_router(pair: Pair, timeout: float) -> tuple[dict[str, tuple[str, int]], str | None]:
@@ -170,12 +170,17 @@ def faults(pair: Pair, outcome: PairingOutcome, budget_s: float, timeout: float)
     if refused is not None:
         return outcome._replace(failure=f"killing prefill failed: {refused}")
     down = completion(pair.router, pair.model, PROMPTS["two-blocks"], timeout)
-    decode_ok = healthy(pair.decode, timeout)
+    decode_health = health(pair.decode, timeout)
+    decode_ok = decode_health.status == 200
     outcome = outcome._replace(prefill_down_status=down.status, decode_healthy_when_prefill_down=decode_ok)
     if not 500 <= down.status < 600:
-        return outcome._replace(failure=f"prefill killed, the router answered HTTP {down.status}, not 5xx")
+        return outcome._replace(
+            failure=f"prefill killed, the router answered HTTP {down.status}{down.evidence()}, not 5xx"
+        )
     if not decode_ok:
-        return outcome._replace(failure="prefill killed, decode stopped answering /health")
+        return outcome._replace(
+            failure=f"prefill killed, decode's /health answered HTTP {decode_health.status}{decode_health.evidence()}"
+        )
     refused = pair.start_prefill()
     if refused is not None:
         return outcome._replace(failure=f"starting prefill again failed: {refused}")

@@ -56,14 +56,20 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _cleanup() -> None:
+def _cleanup(session: str) -> None:
+    """Remove what the rehearsal of `session` kept (--keep) and nothing else: another
+    rehearsal running on this host (a user's, another test run's) is not this test's to remove."""
+    if not session:
+        return
     for kind, listing in (
         ("rm", ["ps", "-aq"]),
         ("network", ["network", "ls", "-q"]),
         ("volume", ["volume", "ls", "-q"]),
     ):
         found = subprocess.run(
-            ["docker", *listing, "--filter", "label=io.m31ctl.rehearsal"], capture_output=True, text=True
+            ["docker", *listing, "--filter", f"label=io.m31ctl.rehearsal={session}"],
+            capture_output=True,
+            text=True,
         ).stdout.split()
         if found:
             remove = ["rm", "-f"] if kind == "rm" else [kind, "rm"]
@@ -78,6 +84,7 @@ def test_a_slow_load_and_a_late_leader_serve_at_the_scaled_clock():
     """DP over two nodes: every engine loads for 45 s (longer than vLLM's default limit scaled,
     30 s), the leader starts 25 s after its worker (longer than vLLM's handshake scaled, 15 s);
     the worker waits for the leader's port, then joins, and the group serves."""
+    result: dict = {}
     try:
         done = _run(*_sets(*DP_DENSE, *RWX), "--clock-scale", str(SCALE), "--leader-delay", "25",
                     "--timeout", str(TIMEOUT), "--keep")  # fmt: skip
@@ -102,7 +109,7 @@ def test_a_slow_load_and_a_late_leader_serve_at_the_scaled_clock():
         assert "Did not receive response from front-end" not in worker
         assert result["completions"] >= 4 and result["smoke"]["ok"]
     finally:
-        _cleanup()
+        _cleanup(result.get("session", ""))
     assert not _leftovers()
 
 
@@ -117,6 +124,7 @@ def test_the_same_load_under_vllms_default_limit_fails_in_vllms_words():
     applies the limit only after the engine is ready: a single engine served a 40 s load under
     15 s; the limit is raised on every plan all the same.)"""
     default = str(int(VLLM_DEFAULT_ENGINE_READY_S * SCALE))
+    result: dict = {}
     try:
         done = _run(*_sets(*DP_DENSE, *RWX, f"runtime.env.VLLM_ENGINE_READY_TIMEOUT_S={default}"),
                     "--clock-scale", str(SCALE), "--timeout", str(TIMEOUT))  # fmt: skip
@@ -125,5 +133,5 @@ def test_the_same_load_under_vllms_default_limit_fails_in_vllms_words():
         assert "Timed out waiting for engine core processes to start" in result["error_line"]
         assert f"Waited {default}s (configured by VLLM_ENGINE_READY_TIMEOUT_S)" in result["error_line"]
     finally:
-        _cleanup()
+        _cleanup(result.get("session", ""))
     assert not _leftovers()
