@@ -1,7 +1,8 @@
 """A real prefill/decode group on this machine, natively: a prefill vLLM and a decode vLLM (the CPU
 build in .venv-vllm) paired by vLLM's NixlConnector over UCX/TCP on loopback, vllm-router in
-front (`--vllm-pd-disaggregation`), and an aggregated vLLM to compare with. Shared by
-tests/runtime/test_pd_native.py and scripts/bench_pd.py (issue 36).
+front (`--vllm-pd-disaggregation`), and an aggregated vLLM to compare with, for
+scripts/bench_pd.py (issue 36). (The pair's proof in the test command is `m31ctl rehearse` of the
+rendered pair, tests/rehearsal/test_rehearse_pd.py, and the native launch, tests/runtime/test_launch_pd.py.)
 
 Every process starts in its own session (process group), so stopping it stops vLLM's engine
 core child too; `Group` stops whatever it started, whatever happened. Waiting is by bounded,

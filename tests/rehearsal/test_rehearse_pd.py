@@ -23,7 +23,7 @@ from m31ctl.rehearsal.runner import Options, forwarder_pod, pod_addresses, prepa
 from m31ctl.rehearsal.twin import PD_ROLE_CORES
 from tests.conftest import ROOT
 from tests.ports import free_port
-from tests.rehearsal.test_rehearse_layouts import _leftovers, needs_image
+from tests.rehearsal.test_rehearse_layouts import needs_image
 
 FORWARDER = ROOT / "m31ctl" / "rehearsal" / "forwarder.py"
 
@@ -193,7 +193,15 @@ def test_pd_rehearsal_serves_through_the_router_with_parity_transfer_and_recover
     assert transfer["external_prompt_tokens"] > transfer["local_prompt_tokens"]
     assert 500 <= pairing["prefill_down_status"] < 600
     assert pairing["decode_healthy_when_prefill_down"] and pairing["recovered_after_s"] is not None
-    assert report["cleaned"] and not _leftovers()
+    session = report["session"]
+    assert report["cleaned"] and not [
+        line
+        for listing in (["ps", "-aq"], ["network", "ls", "-q"], ["volume", "ls", "-q"])
+        for line in subprocess.run(
+            ["docker", *listing, "--filter", f"label=io.m31ctl.rehearsal={session}"],
+            capture_output=True, text=True, check=False,
+        ).stdout.split()
+    ]  # fmt: skip
 
 
 def test_the_report_says_each_proof_in_a_line():
