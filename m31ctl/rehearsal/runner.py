@@ -638,8 +638,12 @@ def run_pods(client: Any, prepared: Prepared, session: str, options: Options, pr
         failed_init = [s for s in states if s.pod.init and s.exit_code != 0]
         if failed_init:  # the kubelet never starts the pod's containers after a failed init
             first = failed_init[0]
-            return Run(states, f"init container {first.pod.container} of {first.pod.pod} exited with "
-                               f"{first.exit_code}", None)  # fmt: skip
+            how = (
+                f"did not end within {options.timeout_s} s (raise --timeout)"
+                if first.exit_code == -1
+                else f"exited with {first.exit_code}"
+            )
+            return Run(states, f"init container {first.pod.container} of {first.pod.pod} {how}", None)
         # The rendered startup probe's own budget (the timeline's readiness wait) bounds the wait.
         deadline = kubelet.clock() + max(options.timeout_s, prepared.deployment.timeline.ready_s)
         why = watch(kubelet, states, deadline, progress, prepared.manifest.api_pod)

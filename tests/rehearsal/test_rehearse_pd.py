@@ -173,8 +173,11 @@ def test_pd_rehearsal_serves_through_the_router_with_parity_transfer_and_recover
     5xx while decode stays healthy, and prefill back, the group serves again. Then nothing is
     left."""
     done = subprocess.run(
-        [sys.executable, "-m", "m31ctl", "rehearse", "--hardware", "cpu", "--variant", "pd", "--json"],
-        capture_output=True, text=True, timeout=2400, cwd=ROOT, check=False,
+        # --timeout: each wait's budget (roles, router, reference); three vLLM starts on a
+        # loaded two-core host took more than the default 600 s for the roles (seen).
+        [sys.executable, "-m", "m31ctl", "rehearse", "--hardware", "cpu", "--variant", "pd",
+         "--timeout", "1200", "--json"],
+        capture_output=True, text=True, timeout=4800, cwd=ROOT, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     report = json.loads(done.stdout)
