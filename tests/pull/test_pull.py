@@ -149,22 +149,23 @@ def _spawn(hub: StandinHub, cache: Path) -> subprocess.Popen[str]:
 def _stop_mid_shard(
     hub: StandinHub, cache: Path, how: signal.Signals
 ) -> tuple[subprocess.Popen[str], dict[str, int]]:
-    """Start a throttled pull in a process, stop it with `how` once 1.5 MiB of SHARD are on disk;
-    the bytes of each file it left there. 1 MiB/s per response: the rest of SHARD takes 2.5 s at
-    least, longer than even the interrupt's grace (m31ctl.interrupt cuts a step that reaches no
-    check within 1 s; the pull checks every 0.1 s), so the stop always lands mid-file."""
-    hub.knobs.rate = 1 * MIB
+    """Start a pull in a process and stop it with `how` once 1.5 MiB of SHARD are on disk; the
+    bytes of each file it left there. SHARD's response hangs after 2 MiB (the stand-in's stall,
+    once), so the stop lands mid-file however long the signal takes to act (a throttle gave it a
+    2.5 s window, which a loaded host can miss); the pull writes 1 MiB at a time."""
+    hub.knobs.stall_after[SHARD] = 2 * MIB
+    hub.knobs.stalls_left = 1
     partial = repo_dir(cache, hub) / "blobs" / f"{hub.repo.files[SHARD].etag}.incomplete"
     process = _spawn(hub, cache)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.poll() is None:
         if partial.is_file() and partial.stat().st_size >= 1.5 * MIB:
             break
         time.sleep(0.01)
     assert process.poll() is None, process.communicate()
     process.send_signal(how)
-    process.wait(timeout=30)
-    hub.knobs.rate = None
+    process.wait(timeout=60)
+    hub.knobs.stall_after.clear()
     hub.wait_idle()  # the killed transfer's last bytes are counted before the counts are reset
     return process, on_disk(hub, cache)
 
