@@ -143,16 +143,23 @@ def _spawn(hub: StandinHub, cache: Path) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own group: the signal goes to it alone
+        # Ctrl-C at a terminal: SIGINT at its default disposition. A test run started in the
+        # background of a non-interactive shell (`bash .ci/run &`, nohup) ignores SIGINT and its
+        # children inherit that: the pull would never see the interrupt (seen: exit 0, not 130).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
 def _stop_mid_shard(
     hub: StandinHub, cache: Path, how: signal.Signals
 ) -> tuple[subprocess.Popen[str], dict[str, int]]:
-    """Start a pull in a process and stop it with `how` once 1.5 MiB of SHARD are on disk; the
-    bytes of each file it left there. SHARD's response hangs after 2 MiB (the stand-in's stall,
-    once), so the stop lands mid-file however long the signal takes to act (a throttle gave it a
-    2.5 s window, which a loaded host can miss); the pull writes 1 MiB at a time."""
+    """Start a throttled pull in a process and stop it with `how` once 1.5 MiB of SHARD are on
+    disk; the bytes of each file it left there. 1 MiB/s per response keeps every file partial for
+    seconds (a file whole in its .incomplete at the stop but not yet moved into place would be
+    neither complete nor partial to the resume's count), and SHARD's response also hangs after
+    2 MiB (the stand-in's stall, once), so SHARD's stop lands mid-file however long the signal
+    takes to act; the pull writes 1 MiB at a time."""
+    hub.knobs.rate = 1 * MIB
     hub.knobs.stall_after[SHARD] = 2 * MIB
     hub.knobs.stalls_left = 1
     partial = repo_dir(cache, hub) / "blobs" / f"{hub.repo.files[SHARD].etag}.incomplete"
@@ -165,6 +172,7 @@ def _stop_mid_shard(
     assert process.poll() is None, process.communicate()
     process.send_signal(how)
     process.wait(timeout=60)
+    hub.knobs.rate = None
     hub.knobs.stall_after.clear()
     hub.wait_idle()  # the killed transfer's last bytes are counted before the counts are reset
     return process, on_disk(hub, cache)
