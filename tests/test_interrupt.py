@@ -41,6 +41,20 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # --- the mechanism, in-process -----------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def sigint_as_at_a_terminal() -> Iterator[None]:
+    """Each test starts with SIGINT at Python's own handler, as a command run at a terminal does.
+    A test run started in the background of a non-interactive shell (`bash .ci/run &`, nohup)
+    inherits SIGINT ignored, and interrupt.handling() rightly keeps an ignored signal ignored
+    (test_a_signal_ignored_by_the_caller_stays_ignored): the Ctrl-C these tests send would never
+    arrive (seen: a clean-clone run in the background failed here)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture
 def handling() -> Iterator[None]:
     with interrupt.handling():
