@@ -91,6 +91,11 @@ class ServiceRun(NamedTuple):
         return any(port != target for port, target in self.ports)
 
     @property
+    def forwarder_pod(self) -> str:
+        """The name of the forwarder that stands for this Service (runner.forwarder_pod)."""
+        return f"svc-{self.name}"
+
+    @property
     def dns_names(self) -> tuple[str, ...]:
         return (self.name, f"{self.name}.{NAMESPACE}", f"{self.name}.{NAMESPACE}.svc.cluster.local")
 

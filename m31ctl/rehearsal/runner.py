@@ -471,12 +471,17 @@ class Served(NamedTuple):
         return self.answered == self.sent and bool(self.smoke.get("ok"))
 
 
+def api_port(pod: PodRun, prepared: Prepared) -> int:
+    """The port a pod serves its API on: vLLM's is named http, vllm-router's (a P/D plan's
+    front) api; else the plan's container port."""
+    ports = dict(pod.ports)
+    return ports.get("http") or ports.get("api") or prepared.deployment.network.container_port
+
+
 def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served:
     """Completions and smoke through the leader, at its pod address and the Service's target
     port (where the Service sends in-cluster clients)."""
-    ports = dict(leader.pod.ports)
-    # vLLM's port is named http; vllm-router's (a P/D plan's front) api.
-    port = ports.get("http") or ports.get("api") or prepared.deployment.network.container_port
+    port = api_port(leader.pod, prepared)
     endpoint = f"http://{leader.ip}:{port}"
     served_name = prepared.twin.plan.settings.model.served_name
     count = max(2, 2 * prepared.twin.plan.settings.parallelism.data)
@@ -578,7 +583,7 @@ def forwarder_pod(service: ServiceRun, image: str, addresses: dict[str, str]) ->
     names that forwards each port to the selected pod's address and target port (forwarder.py)."""
     rules = tuple(f"{port}={addresses[service.pod]}:{target}" for port, target in service.ports)
     return PodRun(
-        pod=f"svc-{service.name}",
+        pod=service.forwarder_pod,
         container="forwarder",
         role="service",
         worker_index=0,
@@ -590,7 +595,7 @@ def forwarder_pod(service: ServiceRun, image: str, addresses: dict[str, str]) ->
         volumes=(Volume("host", str(PACKAGE_DIR), FORWARDER_MOUNT, True),),
         ports=(),
         probes=(),
-        hostname=f"svc-{service.name}"[:63],
+        hostname=service.forwarder_pod[:63],
         aliases=service.dns_names,
         cap_add=(),
         unconfined=False,
@@ -601,7 +606,7 @@ def forwarder_pod(service: ServiceRun, image: str, addresses: dict[str, str]) ->
 def pod_addresses(subnet: str, prepared: Prepared) -> dict[str, str]:
     """Each pod's fixed address (and the forwarders' and the reference's), in manifest order."""
     names = list(dict.fromkeys(p.pod for p in prepared.manifest.pods if not p.init))
-    names += [f"svc-{s.name}" for s in prepared.manifest.forwarded]
+    names += [s.forwarder_pod for s in prepared.manifest.forwarded]
     names += [prepared.reference.pod] if prepared.reference else []
     network = ipaddress.ip_network(subnet)
     return {name: str(network[FIRST_POD_HOST + index]) for index, name in enumerate(names)}
@@ -703,7 +708,7 @@ def _prove_pair(
         state = kubelet.start(reference, keys)
         started.append(state)
         why = watch(kubelet, [state], kubelet.clock() + budget_s, progress)
-        port = dict(reference.ports).get("http") or prepared.deployment.network.container_port
+        port = api_port(reference, prepared)
         return f"http://{state.ip}:{port}", why
 
     pair = pairing.Pair(
