@@ -5,7 +5,7 @@ frontiers drawn together (docs/bench-compare-cpu.png) with a price of 2.50 USD p
 
     .venv/bin/python scripts/bench_compare_example.py [--reports DIR] [--plot PATH]
 
-Needs .venv-vllm (scripts/setup-vllm). Takes a few minutes: two server starts and two sweeps of
+Needs the tests' vLLM (scripts/setup-vllm). Takes a few minutes: two server starts and two sweeps of
 three points. The figures are a 2-core CPU's, to show the shape of the output, not a GPU's speed.
 """
 
@@ -19,8 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import vllm_env  # scripts/vllm_env.py: where the tests' vLLM lives
+
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PY = os.environ.get("M31CTL_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+VLLM_PY = str(vllm_env.python())
 SEQS = (1, 4)
 
 
@@ -43,7 +45,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "bench-compare-cpu.png")
     opts = parser.parse_args()
     if not Path(VLLM_PY).exists():
-        sys.exit(f"no Python with vLLM at {VLLM_PY} (scripts/setup-vllm makes .venv-vllm)")
+        sys.exit(f"no Python with vLLM at {VLLM_PY} (scripts/setup-vllm makes it)")
     with tempfile.TemporaryDirectory(prefix="m31ctl-compare-") as tmp:
         work = Path(tmp)
         reports = opts.reports or work / "reports"

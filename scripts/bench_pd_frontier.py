@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """bench's frontier for a P/D group beside the aggregated layout's, on one host (issue 36).
 
-Makes the rehearsal's tiny model, then, natively with vLLM's CPU build (.venv-vllm):
+Makes the rehearsal's tiny model, then, natively with vLLM's CPU build (scripts/setup-vllm):
   1. launches the aggregated CPU plan (`--hardware cpu`), runs `m31ctl bench` at concurrency
      1,2,4 against it (aggregated.json), stops it;
   2. launches the P/D plan (`--hardware cpu --variant pd`: prefill and decode engines joined by
@@ -34,8 +34,10 @@ import time
 import uuid
 from pathlib import Path
 
+import vllm_env  # scripts/vllm_env.py: where the tests' vLLM lives
+
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PY = os.environ.get("M31CTL_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+VLLM_PY = str(vllm_env.python())
 FLOAT16 = '["--enforce-eager","-O0","--dtype","float16"]'  # the pd variant's engine args
 STARTED = time.monotonic()
 
@@ -98,7 +100,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     opts = parser.parse_args()
     if not Path(VLLM_PY).exists():
-        sys.exit(f"no Python with vLLM at {VLLM_PY} (scripts/setup-vllm makes .venv-vllm)")
+        sys.exit(f"no Python with vLLM at {VLLM_PY} (scripts/setup-vllm makes it)")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM cleans up as Ctrl-C does
     work = Path(tempfile.mkdtemp(prefix="m31ctl-pd-frontier-"))
     say(f"work dir {work} (state, model, reports)")

@@ -25,8 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import vllm_env  # scripts/vllm_env.py: where the tests' vLLM lives
+
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PY = vllm_env.python()
 M31CTL = [sys.executable, "-m", "m31ctl"]
 sys.path.insert(0, str(ROOT))
 

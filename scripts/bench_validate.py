@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Validation cost: m31ctl's schema check in-process and whole-process, against building and
-running vLLM's own `vllm serve` parser (needs a Python with vLLM: .venv-vllm by default).
+running vLLM's own `vllm serve` parser (needs a Python with vLLM: scripts/setup-vllm's by default).
 
-    python3 scripts/bench_validate.py [--vllm-python .venv-vllm/bin/python]
+    python3 scripts/bench_validate.py [--vllm-python PYTHON]
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import vllm_env  # scripts/vllm_env.py: where the tests' vLLM lives
 
 ROOT = Path(__file__).resolve().parent.parent
 PARSE = """
@@ -27,7 +29,7 @@ parser.parse_args(json.loads(sys.argv[1]))
 
 def main() -> None:
     ns = argparse.ArgumentParser(description=__doc__)
-    ns.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ns.add_argument("--vllm-python", default=str(vllm_env.python()))
     ns.add_argument("--runs", type=int, default=5)
     opts = ns.parse_args()
     sys.path.insert(0, str(ROOT))

@@ -47,8 +47,10 @@ from typing import Any
 
 import httpx
 
+import vllm_env  # scripts/vllm_env.py: where the tests' vLLM lives
+
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = vllm_env.python()
 MARKER_ENV = "M31CTL_SOAK_MARKER"
 # A server that is not back this long after a kill counts as not recovered (the CPU rehearsal
 # starts in about a minute here; a busy machine may take several).

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import subprocess
@@ -116,9 +117,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
 
 
+@functools.cache
+def _vllm_env(what: str) -> str:
+    """scripts/vllm-env's answer (`dir` or `python`): the one place that says where the tests'
+    vLLM lives (outside the clone, keyed by its pins; M31CTL_VLLM_VENV names another)."""
+    return subprocess.run(
+        [str(ROOT / "scripts" / "vllm-env"), what], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def vllm_python() -> str | None:
-    """A Python with real vLLM: $M31CTL_VLLM_PYTHON, or .venv-vllm (scripts/setup-vllm makes it)."""
-    candidate = os.environ.get("M31CTL_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    """The tests' Python with real vLLM, once scripts/setup-vllm has made it."""
+    candidate = _vllm_env("python")
     return candidate if Path(candidate).exists() else None
 
 
@@ -127,8 +137,8 @@ def vllm_py() -> str:
     python = vllm_python()
     if python is None:
         if os.environ.get("CI") == "true":
-            pytest.fail("CI must run the vLLM tests: scripts/setup-vllm did not leave .venv-vllm")
-        pytest.skip("no Python with vLLM (scripts/setup-vllm makes .venv-vllm)")
+            pytest.fail(f"CI must run the vLLM tests: scripts/setup-vllm made no {_vllm_env('dir')}")
+        pytest.skip(f"no Python with vLLM at {_vllm_env('dir')} (scripts/setup-vllm makes it)")
     return python
 
 
