@@ -564,24 +564,30 @@ def test_deep_checks_skip_when_the_runtime_has_no_engine_to_ask():
 @pytest.mark.parametrize("runtime", ["native", pytest.param("docker", marks=pytest.mark.docker)])
 def test_doctor_deep_runs_the_collective_for_real(runtime, vllm_py, tiny_model):
     """gloo over two processes with the rehearsal's own torch, and vLLM's own configuration built
-    from the plan's argv: natively, and in the rehearsal image with the container settings launch
-    uses."""
+    from the plan's argv (TP 2, a good layout: vLLM resolves it and says so): natively, and in the
+    rehearsal image with the container settings launch uses. One deep run per runtime proves both
+    (each costs an import of vLLM and of torch twice over)."""
     result = run_cli(
         "doctor", "--hardware", "cpu", "--deep", "--runtime", runtime, "--set", f"model.path={tiny_model}",
-        "--set", f"runtime.native_python={vllm_py}", "--json",
+        "--set", f"runtime.native_python={vllm_py}", *TP2_ON_TWO_CORES, "--json",
     )  # fmt: skip
     checks = {c["id"]: c for c in json.loads(result.stdout)["checks"]}
     assert checks["engine-image"]["status"] == "ok" and "vLLM 0.32.0" in checks["engine-image"]["message"]
     config = checks["engine-config"]
     assert config["status"] == "ok", config
     assert "vLLM 0.32.0 (cpu) builds the plan's configuration" in config["message"]
-    assert "TP 1" in config["message"] and "max_model_len 2048" in config["message"]
+    assert "TP 2, DCP 1" in config["message"] and "max_model_len 2048" in config["message"]
     assert checks["collective"]["status"] == "ok", checks["collective"]
     assert (
         "gloo all-reduce over 2 ranks" in checks["collective"]["message"]
         and "GB/s" in checks["collective"]["message"]
     )
     print(checks["collective"]["message"])
+
+
+# TP 2 on the CPU build: vLLM binds one core to each rank (it refuses two ranks on one NUMA node
+# without it).
+TP2_ON_TWO_CORES = ("--set", "parallelism.tensor=2", "--set", "runtime.env.VLLM_CPU_OMP_THREADS_BIND=0|1")
 
 
 @pytest.mark.vllm
@@ -763,16 +769,15 @@ def test_engine_config_skips_a_model_it_cannot_read_offline(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", ["native", pytest.param("docker", marks=pytest.mark.docker)])
 def test_engine_config_reports_a_real_vllm_refusal(runtime, vllm_py, tiny_model):
-    """Real vLLM 0.32 (the CPU build) builds its configuration from the plan's argv: TP 2 passes,
+    """Real vLLM 0.32 (the CPU build) builds its configuration from the plan's argv: TP 2 passes
+    (test_doctor_deep_runs_the_collective_for_real),
     and more sequences than the batch holds tokens are refused in vLLM's own words. (DCP 2 on the
     model's 4 KV heads, vLLM's refusal in the unit test above, no longer reaches doctor: the plan
     refuses it first, by its mirror of that rule, and engine.extra_args may not set a flag that
     m31ctl owns. vLLM's batch-size rule has no mirror: this check is what catches it.)"""
     base = (
         "doctor", "--hardware", "cpu", "--deep", "--runtime", runtime, "--set", f"model.path={tiny_model}",
-        "--set", f"runtime.native_python={vllm_py}", "--set", "parallelism.tensor=2",
-        # vLLM's CPU build binds one core to each rank (it refuses two ranks on one NUMA node without it).
-        "--set", "runtime.env.VLLM_CPU_OMP_THREADS_BIND=0|1", "--json",
+        "--set", f"runtime.native_python={vllm_py}", *TP2_ON_TWO_CORES, "--json",
     )  # fmt: skip
     refused = run_cli(*base, "--set", "serving.max_num_seqs=4096")
     checks = {c["id"]: c for c in json.loads(refused.stdout)["checks"]}
@@ -784,7 +789,4 @@ def test_engine_config_reports_a_real_vllm_refusal(runtime, vllm_py, tiny_model)
         in check["message"]
     )
     assert check["remedy"].startswith("change serving.max_num_seqs")
-    if runtime == "native":  # the good layout once is enough (test_doctor_deep_runs_... covers docker)
-        good = run_cli(*base)
-        check = {c["id"]: c for c in json.loads(good.stdout)["checks"]}["engine-config"]
-        assert check["status"] == "ok" and "TP 2, DCP 1" in check["message"], check
+    # The same layout without the refused value passes: test_doctor_deep_runs_the_collective_for_real.
