@@ -10,7 +10,9 @@ environment or inside the rehearsal image:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 # head_dim 64: vLLM's CPU attention kernel rejects 16 (vllm-engine-facts.md).
 CONFIG = {
@@ -72,29 +74,45 @@ def corpus() -> list[str]:
     return [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 4
 
 
+def tokenizer(
+    directory: Path, vocab_size: int, markers: Sequence[str] = (), chat_template: str = CHAT_TEMPLATE
+) -> Any:
+    """Train the byte-level BPE tokenizer on corpus(), add `markers` as whole (not special)
+    entries, save it with the chat template into `directory` and return it. With markers, the
+    vocabulary is padded with unused entries up to vocab_size, so every id a model of that
+    vocabulary can sample decodes."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(markers),
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(corpus(), trainer=trainer)
+    if markers:
+        bpe.add_tokens([AddedToken(m, normalized=False, special=False) for m in markers])
+        bpe.add_special_tokens([f"<|unused_{i}|>" for i in range(vocab_size - bpe.get_vocab_size())])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="<|end|>", pad_token="</s>"
+    )
+    fast.chat_template = chat_template
+    fast.save_pretrained(directory)
+    return fast
+
+
 def make(directory: Path, kv_heads: int = 4) -> None:
     """kv_heads below the tensor-parallel size makes vLLM replicate KV heads across ranks (the
     capacity model's replication case); the default matches the rehearsal recipe."""
     # lazy: torch and friends live in vLLM's Python only; CONFIG is read without them
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=CONFIG["vocab_size"],
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="<|end|>", pad_token="</s>"
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(directory)
+    fast = tokenizer(directory, int(CONFIG["vocab_size"]))
 
     torch.manual_seed(0)
     geometry = {**CONFIG, "num_key_value_heads": kv_heads}
