@@ -60,10 +60,19 @@ class Engine(NamedTuple):
     images: tuple[str, ...]
 
 
+class Fallback(NamedTuple):
+    """The setting that serves without a capability an engine lacks, and why it is one."""
+
+    key: str
+    value: Any
+    note: str
+
+
 class Capability(NamedTuple):
     id: str
     name: str
     engines: tuple[tuple[str, CapabilityAnswer], ...]  # (engine pattern, answer), first match answers
+    fallback: Fallback | None = None
 
     def answer(self, engine: str) -> CapabilityAnswer | None:
         for pattern, answer in self.engines:
@@ -113,6 +122,14 @@ def _answer(data: Any, where: str) -> CapabilityAnswer:
     return CapabilityAnswer(has, " ".join(str(data["source"]).split()))
 
 
+def _fallback(data: Any, where: str) -> Fallback | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not {"key", "value", "note"} <= set(data):
+        raise InputError("a fallback needs `key`, `value` and `note`", where=where)
+    return Fallback(str(data["key"]), data["value"], " ".join(str(data["note"]).split()))
+
+
 def _platform(value: Any, where: str) -> Platform:
     try:
         return Platform(value)
@@ -139,8 +156,9 @@ def capability_table() -> CapabilityTable:
     capabilities = {
         cap_id: Capability(
             cap_id,
-            str(entry["name"]),
+            " ".join(str(entry["name"]).split()),
             tuple((p, _answer(a, f"{where}: {cap_id}.{p}")) for p, a in entry["engines"].items()),
+            _fallback(entry.get("fallback"), f"{where}: {cap_id}.fallback"),
         )
         for cap_id, entry in data["capabilities"].items()
     }
@@ -700,6 +718,15 @@ def capability_uses(ctx: RuleContext) -> list[Use]:
         uses.append(Use("flashinfer_ts_nvfp4_draft", "speculative.draft_attention_backend", "FLASHINFER_TS"))
     if ctx.minimax_m3 and s.cache.indexer_dtype == "nvfp4":
         uses.append(Use("nvfp4_indexer_cache", "cache.indexer_dtype", "nvfp4"))
+    # An FP8 index cache runs on SM10x's MSA indexer in every release, elsewhere on the Triton
+    # indexer, which takes FP8 from vLLM 0.32 on (common/indexer.py select_indexer_impl_cls).
+    if (
+        ctx.minimax_m3
+        and ctx.platform is Platform.CUDA
+        and s.cache.indexer_dtype in ("fp8", "fp8_e4m3")
+        and (ctx.hardware.arch or "").split(".")[0] != "10"
+    ):
+        uses.append(Use("fp8_indexer_cache_off_sm100", "cache.indexer_dtype", s.cache.indexer_dtype))
     if s.cache.kv_dtype == "nvfp4":
         uses.append(Use("nvfp4_kv_cache", "cache.kv_dtype", "nvfp4"))
         for key, backend in (
@@ -776,6 +803,7 @@ def _capability_check(ctx: RuleContext, merged: Layer) -> list[str]:
         ]
     label = f"{image} ({engine.description})"
     missing: list[str] = []
+    fallbacks: list[str] = []
     if engine.platform is not ctx.platform:
         missing.append(
             f"a {ctx.platform.title} build for this host's "
@@ -790,15 +818,84 @@ def _capability_check(ctx: RuleContext, merged: Layer) -> list[str]:
             unknown.append(capability.name)
         elif answer.has is False:
             missing.append(f"{capability.name} ({use.key}={use.value}) [{answer.source}]")
+            if capability.fallback is not None:
+                fallbacks.append(_fallback_hint(ctx, capability.fallback))
     if missing:
         raise RuleViolation(
             f"engine.image={label} lacks what the plan uses: " + "; ".join(missing),
             where=_culprit(merged, "engine.image"),
-            hint="use an image that has them (recipes/engines/capabilities.yaml), or change those settings",
+            hint="; ".join(
+                [*fallbacks, "or use an image that has them (recipes/engines/capabilities.yaml)"]
+                if fallbacks
+                else [
+                    "use an image that has them (recipes/engines/capabilities.yaml), or change those settings"
+                ]
+            ),
         )
     if unknown:
         return [f"engine.image={label}: unknown whether it has {', '.join(unknown)}; not checked"]
     return []
+
+
+def lacking_in_version(settings: PlanSettings, hw: Hardware, version: str, platform: str) -> list[str]:
+    """What the plan uses that stock vLLM `version` on `platform` lacks, by the capability table
+    (doctor asks with the version the engine's Python imported: a native engine's image name
+    says nothing of it), each with its source and fallback; [] for a version the table does not
+    list."""
+    engine = f"vllm-{'.'.join(version.split('.')[:2])}-{platform}"
+    table = capability_table()
+    if not any(e.id == engine for e in table.engines):
+        return []
+    ctx = _context(settings, hw, get_model(settings.model.id))
+    found = []
+    for use in capability_uses(ctx):
+        capability = table.capabilities[use.capability]
+        answer = capability.answer(engine)
+        if answer is not None and answer.has is False:
+            fallback = f"; {_fallback_hint(ctx, capability.fallback)}" if capability.fallback else ""
+            found.append(f"{capability.name} ({use.key}={use.value}) [{answer.source}]{fallback}")
+    return found
+
+
+def _fallback_hint(ctx: RuleContext, fallback: Fallback) -> str:
+    """`--set KEY=VALUE` with what it costs: for the index cache's dtype, the bytes a token each
+    rank stores before and after (the checkpoint's config.json, else recipes/models.yaml)."""
+    hint = f"--set {fallback.key}={fallback.value} serves without it ({fallback.note})"
+    if fallback.key != "cache.indexer_dtype":
+        return hint
+    cost = indexer_cost(ctx.settings, ctx.model, str(fallback.value))
+    return f"{hint}: {cost}" if cost else hint
+
+
+def indexer_cost(settings: PlanSettings, model: ModelFacts, dtype: str) -> str:
+    """What an index cache of `dtype` costs against the plan's: each rank's bytes a token (main
+    attention plus index keys, capacity/memory.py token_bytes) and the KV tokens that leaves."""
+    # lazy: the capacity package reads the plan's catalog; a cycle at import otherwise
+    from m31ctl.capacity.geometry import config_geometry, facts_geometry
+    from m31ctl.capacity.memory import CACHE_BYTES_PER_VALUE, INDEXER_AUTO_DTYPE
+
+    directory, _looked = checkpoint_dir(settings)
+    geometry = (
+        config_geometry(directory / "config.json", model.display_name) if directory else facts_geometry(model)
+    )
+    spelled = {"auto": geometry.dtype, "fp8_e4m3": "fp8"}
+    kv = spelled.get(settings.cache.kv_dtype, settings.cache.kv_dtype)
+    now, then = (
+        {**spelled, "auto": INDEXER_AUTO_DTYPE}.get(d, d) for d in (settings.cache.indexer_dtype, dtype)
+    )
+    sizes = [CACHE_BYTES_PER_VALUE.get(d) for d in (kv, now, then)]
+    if None in sizes or not geometry.sparse_layers:
+        return ""
+    value, index_now, index_then = (float(size or 0) for size in sizes)
+    tp = settings.parallelism.tensor
+    main = geometry.layers * 2 * max(1, geometry.kv_heads // tp) * geometry.head_dim * value
+    before = main + geometry.sparse_layers * geometry.indexer_dim * index_now
+    after = main + geometry.sparse_layers * geometry.indexer_dim * index_then
+    return (
+        f"each rank stores {after:,.0f} bytes a token instead of {before:,.0f} "
+        f"({geometry.sparse_layers} sparse layers x {geometry.indexer_dim} index values), "
+        f"{100 * (1 - before / after):.0f}% fewer KV tokens in the same memory"
+    )
 
 
 # --- the generated reference (docs/engine-rules.md) ----------------------------------------------

@@ -3,7 +3,10 @@ is fast enough, with vLLM's own benchmark. This module holds the checks; /metric
 read by prometheus.py, the load is one point of bench's sweep (sweep.bench_args).
 
 Function: a chat completion and a streamed one (smoke's checks), structured output, and a tool
-call, the reasoning split and an image input where the plan configures them. Facts: the served
+call, the reasoning split and an image input where the plan configures them. A checkpoint m31ctl
+made with random weights (its m31ctl-rehearsal.json) writes noise: the tool call and the
+reasoning split are then requested and must be served, but what the model wrote is not judged
+(skipped, saying why); structured output still is, its grammar constrains any weights. Facts: the served
 model, its max length, the KV cache dtype, block size and size the engine reports on /metrics, and
 speculative decoding's acceptance, each compared with the plan. Load: `vllm bench serve` (the
 engine's own) with the plan's `verify` settings; its pass marks gate. Regression: against an
@@ -17,6 +20,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -111,10 +115,11 @@ def run(
         transfers_before = (
             kv_transfer.facts_of(prometheus.scrape(metrics)) if deployment.disaggregated else None
         )
+        noise = random_weights(deployment)
         _basic(base, served, report)
         _structured(client, served, report)
-        _tool_call(client, plan, report)
-        _reasoning(client, plan, report)
+        _tool_call(client, plan, report, noise)
+        _reasoning(client, plan, report, noise)
         _image(client, plan, report)
         _served_facts(client, metrics, engine, report)
         if bench is None:
@@ -165,6 +170,32 @@ def _basic(base: str, served: str, report: VerifyReport) -> None:
     report.facts["ttft_s"] = basic.ttft_s
 
 
+def random_weights(deployment: Deployment) -> str | None:
+    """Why the served model's words mean nothing, or None: a local checkpoint m31ctl made on the
+    spot (make_tiny_model.py, make_tiny_m3.py) has random weights and says so in its
+    m31ctl-rehearsal.json."""
+    directory = deployment.model.host_path
+    marker = Path(directory) / "m31ctl-rehearsal.json" if directory else None
+    try:
+        made = json.loads(marker.read_text()) if marker is not None and marker.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(made, dict) or made.get("made_by") != "m31ctl":
+        return None
+    return f"the checkpoint's weights are random ({marker}), so what the model writes is noise"
+
+
+def _unjudged(report: VerifyReport, name: str, answer: Answer, detail: str, noise: str) -> None:
+    """A check of what the model writes, on random weights: the request must be served (HTTP
+    200 with a message), the rest is skipped and says why."""
+    served = answer.status == 200 and bool(_message(answer))
+    report.check(
+        name,
+        None if served else False,
+        f"{detail}; not judged: {noise}" if served else detail + answer.evidence(),
+    )
+
+
 def _chat(client: Any, body: dict[str, Any]) -> Answer:
     return fetch(client, "POST", "/v1/chat/completions", body)
 
@@ -206,7 +237,7 @@ def _structured(client: Any, served: str, report: VerifyReport) -> None:
     )
 
 
-def _tool_call(client: Any, plan: Plan, report: VerifyReport) -> None:
+def _tool_call(client: Any, plan: Plan, report: VerifyReport, noise: str | None = None) -> None:
     parser = plan.settings.serving.tool_call_parser
     if not parser:
         report.check("tool-call", None, "the plan sets no tool-call parser")
@@ -238,12 +269,15 @@ def _tool_call(client: Any, plan: Plan, report: VerifyReport) -> None:
     names = [as_str(as_object(as_object(c).get("function")).get("name")) for c in as_list(sent)]
     ok = answer.status == 200 and "get_weather" in names
     shown = glimpse(", ".join(n for n in names if n), 80) if any(names) else "no tool call"
+    if noise:
+        _unjudged(report, "tool-call", answer, f"HTTP {answer.status}, {parser} parsed {shown}", noise)
+        return
     # Tool calls of another shape are quoted themselves: the answer's first bytes may not reach them.
     said = f"; tool_calls {glimpse(sent)}" if sent and not ok else _said(answer, ok)
     report.check("tool-call", ok, f"HTTP {answer.status}, {parser} parsed {shown}" + said)
 
 
-def _reasoning(client: Any, plan: Plan, report: VerifyReport) -> None:
+def _reasoning(client: Any, plan: Plan, report: VerifyReport, noise: str | None = None) -> None:
     parser = plan.settings.serving.reasoning_parser
     if not parser:
         report.check("reasoning", None, "the plan sets no reasoning parser")
@@ -263,12 +297,11 @@ def _reasoning(client: Any, plan: Plan, report: VerifyReport) -> None:
     reasoning = as_str(message.get("reasoning")) or as_str(message.get("reasoning_content")) or ""
     content = as_str(message.get("content")) or ""
     ok = answer.status == 200 and bool(reasoning) and "<mm:think>" not in content
-    report.check(
-        "reasoning",
-        ok,
-        f"HTTP {answer.status}, {parser}: {len(reasoning)} characters of reasoning in their own field"
-        + _said(answer, ok),
-    )
+    detail = f"HTTP {answer.status}, {parser}: {len(reasoning)} characters of reasoning in their own field"
+    if noise:
+        _unjudged(report, "reasoning", answer, detail, noise)
+        return
+    report.check("reasoning", ok, detail + _said(answer, ok))
 
 
 def _image(client: Any, plan: Plan, report: VerifyReport) -> None:

@@ -115,7 +115,11 @@ def test_blackwell_env_follows_the_decision():
 def test_hopper_cosmetic_fixes():
     hopper = builtin_recipes()["hopper"]
     rules = {r.id: r for r in hopper.rules}
-    assert rules["hopper-fp8-cache"].equals == "fp8" and rules["hopper-fp8-indexer-cache"].equals == "fp8"
+    assert rules["hopper-fp8-cache"].equals == "fp8"
+    # FP8 is the recipe's indexer cache; bf16 the fallback for an engine without an FP8 Triton
+    # indexer (vLLM 0.26-0.31 off SM100: capability fp8_indexer_cache_off_sm100)
+    assert rules["hopper-indexer-cache"].one_of == ("fp8", "bf16")
+    assert hopper.layer["cache.indexer_dtype"].value == "fp8"
     assert "Blackwell and MI350" not in rules["hopper-no-dspark"].reason
     assert "hopper-fp8-cache" in refusal("h200x8", "cache.kv_dtype=auto")
 

@@ -21,6 +21,7 @@ from m31ctl.doctor.engine_probe import run_engine_script
 from m31ctl.engine.adapter import EngineInvocation, build_invocation
 from m31ctl.engine.dry_run import CONFIG_CHECK_SCRIPT, EngineConfigCheck
 from m31ctl.engine.validate import schema_from_data, validate
+from m31ctl.plan.engine_rules import lacking_in_version
 from m31ctl.runtime.protocol import ScriptRun
 
 # Importing vLLM and building its configuration: 15-40 s natively on two busy cores, up to about
@@ -193,6 +194,28 @@ def engine_config(ctx: CheckContext) -> Outcome:
     invocation = build_invocation(deployment)
     argv = ["--", *invocation.args]
     run = run_engine_script(ctx, CONFIG_CHECK_SCRIPT, argv, ENGINE_CONFIG_TIMEOUT_S, OFFLINE)
-    return judge_engine_config(
+    outcome = judge_engine_config(
         run, ENGINE_CONFIG_TIMEOUT_S, deployment.plan.settings.engine.extra_args, invocation
+    )
+    return judge_capabilities(outcome, read_answer(run), deployment, run.where)
+
+
+def judge_capabilities(
+    outcome: Outcome, answer: EngineConfigCheck | None, deployment: Deployment, where: str
+) -> Outcome:
+    """vLLM builds some configurations it cannot run: MiniMax-M3's model code refuses an FP8
+    index cache off SM10x before vLLM 0.32 only at model init, after the download. The version
+    the engine's Python imported, against the capability table: what it lacks fails the check,
+    named with its source and fallback."""
+    if outcome.status is not CheckStatus.OK or answer is None or not answer.vllm or not answer.platform:
+        return outcome
+    plan = deployment.plan
+    lacks = lacking_in_version(plan.settings, plan.hardware, answer.vllm, answer.platform)
+    if not lacks:
+        return outcome
+    return Outcome(
+        CheckStatus.FAIL,
+        f"vLLM {answer.vllm} {where} builds the plan's configuration but its model code lacks: "
+        + "; ".join(lacks),
+        "use the fallback named, or a vLLM that has it (recipes/engines/capabilities.yaml)",
     )
