@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # m31ctl (the transfer facts of the decode instance's /metrics)
 
-from tests import pd_group  # noqa: E402 (the repository root, above)
+import pd_group  # noqa: E402 (its library, next to it in scripts/: a script's directory is on sys.path)
 
 SENTENCE = "the model serves tokens on four GPUs with sparse attention and a speculative draft; "
 LENGTHS = {"short": 1, "~900 tokens": 50, "~1800 tokens": 100}  # sentences per prompt

@@ -15,7 +15,9 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,8 +27,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
-
-from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -149,6 +149,32 @@ def router_argv(port: int, prefill: str, decode: str, prometheus_port: int) -> l
         "--prometheus-port",
         str(prometheus_port),
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ports: tests/ports.py's picker (a script does not import the tests). Below the kernel's
+# ephemeral range (32768-60999 by default), where no outgoing connection takes a port between
+# the pick and the server's bind (NIXL's side channel binds only after the engine has loaded),
+# and never twice by one process.
+
+_BELOW_EPHEMERAL = range(20000, 32000)
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before."""
+    for _ in range(1000):
+        port = random.choice(_BELOW_EPHEMERAL)
+        if port in _handed_out:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {_BELOW_EPHEMERAL.start}-{_BELOW_EPHEMERAL.stop - 1}")
 
 
 # ---------------------------------------------------------------------------------------------

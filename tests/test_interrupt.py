@@ -404,13 +404,13 @@ def test_rehearse_stopped_at_a_sweep_of_moments():
     the line, and nothing of its session left (README: containers, network and volume removed on
     Ctrl-C). Other rehearsals may run on this Docker Engine meanwhile: only sessions that were not
     there before this one count."""
-    from tests.rehearsal.test_rehearse_layouts import DP_DENSE, RWX, _docker_ready, _sets
+    from tests.support.rehearsal import DP_DENSE, RWX, docker_ready, set_flags
 
-    if not _docker_ready():
+    if not docker_ready():
         pytest.skip("needs Docker and the rehearsal image (scripts/build-rehearsal-image)")
     for delay, sig in [(0.0, signal.SIGINT), (1.5, signal.SIGTERM), (6.0, signal.SIGINT)]:
         before = _rehearsal_sessions()
-        argv = ["rehearse", "--hardware", "b300x4", *_sets(*DP_DENSE, *RWX)]
+        argv = ["rehearse", "--hardware", "b300x4", *set_flags(*DP_DENSE, *RWX)]
         err = _stopped_at(argv, "rehearsing", delay, sig, timeout=300)
         assert err.splitlines()[-1].startswith("m31ctl: error: interrupted"), err[-2000:]
         mine = re.findall(r"on network m31ctl-rh-([0-9a-f]{8})", err)
@@ -429,9 +429,9 @@ def test_doctor_deep_stopped_leaves_no_throwaway_container():
     ends), 130, the line, and no throwaway container of this run left."""
     from m31ctl.labels import Label
     from m31ctl.runtime.engine_api import connect
-    from tests.rehearsal.test_rehearse_layouts import _docker_ready
+    from tests.support.rehearsal import docker_ready
 
-    if not _docker_ready():
+    if not docker_ready():
         pytest.skip("needs Docker and the rehearsal image (scripts/build-rehearsal-image)")
     client = connect()
 
@@ -456,8 +456,8 @@ def test_doctor_deep_stopped_leaves_no_throwaway_container():
 
 
 def _native(tmp_path: Path, tag: str):  # type: ignore[no-untyped-def]
-    """A native server's own state directory, name and port (tests/runtime/test_native_faults.py's)."""
-    from tests.runtime.test_native_faults import Native
+    """A native server's own state directory, name and port (tests/support/native.py)."""
+    from tests.support.native import Native
 
     (tmp_path / tag).mkdir()
     return Native(tmp_path / tag)
@@ -470,11 +470,11 @@ def _native_files(server) -> set[str]:  # type: ignore[no-untyped-def]
 
 def _recorded_group(server) -> list[int]:  # type: ignore[no-untyped-def]
     """The live processes of the recorded server's process group (none without a record)."""
-    from tests.runtime.test_native_faults import _group
+    from tests.support.native import group
 
     if not server.record.exists():
         return []
-    return _group(json.loads(server.record.read_text())["pid"])
+    return group(json.loads(server.record.read_text())["pid"])
 
 
 def _assert_nothing_unrecorded(server) -> None:  # type: ignore[no-untyped-def]
@@ -579,9 +579,9 @@ def test_verify_and_bench_stopped_while_vllm_bench_serve_runs(serving, tmp_path,
         argv = [*command, "--name", server.name, "--runtime", "native", "--bench-python", str(bench)]
         err = _stopped_at(argv, None, delay, sig, timeout=120, env=env, appears=started)
         assert err.splitlines()[-1] == LINE, err[-2000:]
-        from tests.runtime.test_native_faults import _gone
+        from tests.support.native import gone
 
-        assert all(_gone(int(pid)) for pid in started.read_text().split()), "the benchmark runs on"
+        assert all(gone(int(pid)) for pid in started.read_text().split()), "the benchmark runs on"
         assert list(temp.iterdir()) == [], list(temp.iterdir())
         assert server.engines() == engines and server.record.exists()
 

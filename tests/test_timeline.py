@@ -31,8 +31,8 @@ from m31ctl.timeline import (
     timeline_of,
 )
 from tests.conftest import PINNED_COMMIT
-from tests.render.test_render_pd import PLANS as PD_PLANS
-from tests.render.test_render_pd import pd_deployment
+from tests.support.render import PLANS as PD_PLANS
+from tests.support.render import pd_deployment
 
 # Every product at the count its recipe asks for (Hopper needs 8), and the CPU rehearsal.
 SPECS = [f"{name}x8" for name in PRODUCTS] + [f"{name}x4" for name in PRODUCTS if not name.startswith("h")]

@@ -85,7 +85,7 @@ def test_stop_all_with_nothing_running_says_so():
 def test_stop_prints_what_it_stopped(tmp_path):
     """As `docker stop` names what it stopped: "stopped NAME" on stdout, one line a server (the
     native stand-in engine: no Docker)."""
-    from tests.runtime.test_native_faults import Native
+    from tests.support.native import Native
 
     servers = []
     for tag in ("one", "two"):

@@ -18,7 +18,7 @@ from m31ctl.rehearsal.runner import Options, prepare
 from m31ctl.rehearsal.twin import HANDSHAKE_ENV, LOAD_DELAY_ENV
 from m31ctl.timeline import VLLM_DEFAULT_ENGINE_READY_S, VLLM_HANDSHAKE_S
 from tests.conftest import ROOT
-from tests.rehearsal.test_rehearse_layouts import DP_DENSE, RWX, _leftovers, _sets, needs_image
+from tests.support.rehearsal import DP_DENSE, RWX, leftovers, needs_image, set_flags
 
 SCALE = 0.05
 TIMEOUT = 420
@@ -86,7 +86,7 @@ def test_a_slow_load_and_a_late_leader_serve_at_the_scaled_clock():
     the worker waits for the leader's port, then joins, and the group serves."""
     result: dict = {}
     try:
-        done = _run(*_sets(*DP_DENSE, *RWX), "--clock-scale", str(SCALE), "--leader-delay", "25",
+        done = _run(*set_flags(*DP_DENSE, *RWX), "--clock-scale", str(SCALE), "--leader-delay", "25",
                     "--timeout", str(TIMEOUT), "--keep")  # fmt: skip
         result = json.loads(done.stdout)
         assert done.returncode == 0 and result["served"], done.stderr[-2000:]
@@ -110,7 +110,7 @@ def test_a_slow_load_and_a_late_leader_serve_at_the_scaled_clock():
         assert result["completions"] >= 4 and result["smoke"]["ok"]
     finally:
         _cleanup(result.get("session", ""))
-    assert not _leftovers()
+    assert not leftovers()
 
 
 @needs_image
@@ -126,7 +126,7 @@ def test_the_same_load_under_vllms_default_limit_fails_in_vllms_words():
     default = str(int(VLLM_DEFAULT_ENGINE_READY_S * SCALE))
     result: dict = {}
     try:
-        done = _run(*_sets(*DP_DENSE, *RWX, f"runtime.env.VLLM_ENGINE_READY_TIMEOUT_S={default}"),
+        done = _run(*set_flags(*DP_DENSE, *RWX, f"runtime.env.VLLM_ENGINE_READY_TIMEOUT_S={default}"),
                     "--clock-scale", str(SCALE), "--timeout", str(TIMEOUT))  # fmt: skip
         result = json.loads(done.stdout)
         assert done.returncode == 5 and not result["served"]
@@ -134,4 +134,4 @@ def test_the_same_load_under_vllms_default_limit_fails_in_vllms_words():
         assert f"Waited {default}s (configured by VLLM_ENGINE_READY_TIMEOUT_S)" in result["error_line"]
     finally:
         _cleanup(result.get("session", ""))
-    assert not _leftovers()
+    assert not leftovers()

@@ -19,17 +19,13 @@ from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.rehearsal import logs
 from m31ctl.rehearsal.pods import read_manifest, service_links
-from m31ctl.rehearsal.runner import BASE_IMAGE, Options, prepare, refuse_secret_expansion
+from m31ctl.rehearsal.runner import Options, prepare, refuse_secret_expansion
 from m31ctl.render.kubelet_expansion import literal
 from tests.conftest import ROOT
+from tests.support.readme import readme_command, run_as_written
+from tests.support.rehearsal import DP, DP_DENSE, RWX, leftovers, needs_image, set_flags
 
-DP = ("parallelism.nodes=2", "parallelism.tensor=1", "parallelism.data=8", "parallelism.expert=true")
 PP = ("parallelism.nodes=2", "parallelism.tensor=8")
-# vLLM's CPU build serves DP across nodes but not expert parallelism across DP ranks (no
-# all_gatherv for the MoE all2all): the serving rehearsals use DP without EP.
-DP_DENSE = (*DP[:3], "parallelism.expert=false")
-# A multi-node render refuses a shared cache claim without a storage class that is ReadWriteMany.
-RWX = ("kubernetes.hf_cache_storage_class=nfs",)
 # README's rehearse example (its Rehearsal section), which test_two_node_dp_rehearsal_serves runs
 # as written: the README's text is what that test proves (tests/test_readme_commands.py).
 README_EXAMPLE = "m31ctl rehearse --hardware b300x4 --set parallelism.nodes=2"
@@ -210,17 +206,6 @@ def test_a_node_log_gives_ranks_ready_time_and_vllms_error_line():
 heavy = [pytest.mark.docker, pytest.mark.vllm, pytest.mark.slow]
 
 
-def _docker_ready() -> bool:
-    try:
-        done = subprocess.run(["docker", "image", "inspect", BASE_IMAGE], capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return done.returncode == 0
-
-
-needs_image = pytest.mark.skipif(not _docker_ready(), reason=f"needs Docker and {BASE_IMAGE}")
-
-
 def _rehearse(*args: str, timeout: int = 1800) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "m31ctl", "rehearse", "--hardware", "b300x4", *args, "--json"],
@@ -232,25 +217,9 @@ def _rehearse(*args: str, timeout: int = 1800) -> subprocess.CompletedProcess[st
     )
 
 
-def _sets(*items: str) -> list[str]:
-    return [word for item in items for word in ("--set", item)]
-
-
-def _leftovers() -> list[str]:
-    found = []
-    for listing in (["ps", "-aq"], ["network", "ls", "-q"], ["volume", "ls", "-q"]):
-        done = subprocess.run(
-            ["docker", *listing, "--filter", "label=io.m31ctl.rehearsal"], capture_output=True, text=True
-        )
-        found += done.stdout.split()
-    return found
-
-
 def test_the_readme_example_is_the_dense_dp_layout_over_two_nodes():
     """What test_two_node_dp_rehearsal_serves runs (README's example, as written) is the layout
     its checks are about: DP8 x TP1 without expert parallelism over two nodes of a b300x4."""
-    from tests.test_readme_commands import readme_command
-
     words = shlex.split(readme_command(README_EXAMPLE).text)
     sets = [words[i + 1] for i, word in enumerate(words[:-1]) if word == "--set"]
     assert words[:2] == ["m31ctl", "rehearse"] and words[words.index("--hardware") + 1] == "b300x4"
@@ -265,8 +234,6 @@ def test_the_readme_example_is_the_dense_dp_layout_over_two_nodes():
 def test_two_node_dp_rehearsal_serves(_, tmp_path):
     """README's rehearse example, read from README.md and run exactly as written (its own
     --timeout: the default 600 s)."""
-    from tests.test_readme_commands import readme_command, run_as_written
-
     done = run_as_written(readme_command(README_EXAMPLE), tmp_path, timeout=900)
     result = json.loads(done.stdout)
     print(json.dumps({k: result[k] for k in ("served", "layout", "timings_s", "failure", "error_line")}))
@@ -277,7 +244,7 @@ def test_two_node_dp_rehearsal_serves(_, tmp_path):
     assert any("headless" in line for line in worker["ranks"])
     assert result["probes_passed"] == len(result["probes"]) >= 3
     assert result["completions"] >= 4 and result["smoke"]["ok"]
-    assert result["cleaned"] and not _leftovers()
+    assert result["cleaned"] and not leftovers()
 
 
 @needs_image
@@ -289,14 +256,14 @@ def test_a_plan_vllm_refuses_fails_with_vllms_own_line():
     start, on every node; the rehearsal exits non-zero quoting that line. (With the recipe's NVFP4
     caches m31ctl refuses 4096 itself, before any container: the decode row limit, issue 35; FP8
     caches have no such limit, so the plan goes through and vLLM's own refusal is what shows.)"""
-    refused = _rehearse(*_sets(*DP_DENSE, *RWX, "serving.max_num_seqs=4096"), "--timeout", "900")
-    assert refused.returncode == 2 and "NVFP4" in refused.stderr and not _leftovers()
+    refused = _rehearse(*set_flags(*DP_DENSE, *RWX, "serving.max_num_seqs=4096"), "--timeout", "900")
+    assert refused.returncode == 2 and "NVFP4" in refused.stderr and not leftovers()
     fp8 = ("cache.kv_dtype=fp8", "cache.indexer_dtype=fp8")
-    done = _rehearse(*_sets(*DP_DENSE, *RWX, *fp8, "serving.max_num_seqs=4096"), "--timeout", "900")
+    done = _rehearse(*set_flags(*DP_DENSE, *RWX, *fp8, "serving.max_num_seqs=4096"), "--timeout", "900")
     result = json.loads(done.stdout)
     assert done.returncode == 5 and not result["served"]
     assert "must be greater than or equal to max_num_seqs (4096)" in result["error_line"]
-    assert result["cleaned"] and not _leftovers()
+    assert result["cleaned"] and not leftovers()
 
 
 @needs_image
@@ -305,10 +272,10 @@ def test_a_plan_vllm_refuses_fails_with_vllms_own_line():
 @pytest.mark.slow
 def test_pp_over_ray_fails_with_the_pods_own_error():
     """The CPU image has no Ray: the leader's `ray start` is the shell's error, named."""
-    done = _rehearse(*_sets(*PP, *RWX), "--timeout", "600")
+    done = _rehearse(*set_flags(*PP, *RWX), "--timeout", "600")
     result = json.loads(done.stdout)
     assert done.returncode == 5 and "ray: not found" in result["error_line"]
-    assert "Ray" in result["cause"] and result["cleaned"] and not _leftovers()
+    assert "Ray" in result["cause"] and result["cleaned"] and not leftovers()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -317,7 +284,7 @@ def test_pp_over_ray_fails_with_the_pods_own_error():
 @pytest.mark.slow
 def test_ctrl_c_leaves_no_container_network_or_volume(signum):
     child = subprocess.Popen(
-        [sys.executable, "-m", "m31ctl", "rehearse", "--hardware", "b300x4", *_sets(*DP_DENSE, *RWX)],
+        [sys.executable, "-m", "m31ctl", "rehearse", "--hardware", "b300x4", *set_flags(*DP_DENSE, *RWX)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -333,8 +300,8 @@ def test_ctrl_c_leaves_no_container_network_or_volume(signum):
         seen.append(line)
         if ("started" in line and "container" in line) or not line:
             break
-    assert _leftovers(), f"nothing was started: {''.join(seen)[-2000:]}"
+    assert leftovers(), f"nothing was started: {''.join(seen)[-2000:]}"
     os.kill(child.pid, signum)
     _, err = child.communicate(timeout=180)
     assert child.returncode == 130, err[-2000:]
-    assert not _leftovers()
+    assert not leftovers()

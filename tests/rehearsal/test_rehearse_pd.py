@@ -23,7 +23,7 @@ from m31ctl.rehearsal.runner import Options, forwarder_pod, pod_addresses, prepa
 from m31ctl.rehearsal.twin import PD_ROLE_CORES
 from tests.conftest import ROOT
 from tests.ports import free_port
-from tests.rehearsal.test_rehearse_layouts import needs_image
+from tests.support.rehearsal import needs_image
 
 FORWARDER = ROOT / "m31ctl" / "rehearsal" / "forwarder.py"
 

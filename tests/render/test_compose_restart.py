@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from tests.conftest import make_tiny_model, run_cli
-from tests.rehearsal.test_rehearse_layouts import needs_image
 from tests.standin_hub import Repo, RepoFile, StandinHub
+from tests.support.rehearsal import needs_image
 
 REPO_ID = "standin/tiny-rehearsal"
 # Bounds for a start on a busy 2-core machine; they decide only when something is broken.

@@ -9,10 +9,7 @@ import json
 import math
 import os
 import re
-import shutil
-import signal
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -28,8 +25,8 @@ from m31ctl.render import get_target
 from m31ctl.render import observability as obs
 from tests.conftest import PINNED_COMMIT, run_cli, vllm_python
 from tests.ports import free_port
+from tests.support.prometheus import PROMETHEUS, PROMTOOL, all_queries, get, stop, until
 
-PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="no promtool (scripts/setup-host installs prometheus)"
 )
@@ -46,12 +43,6 @@ def deployment_for(*sets: str, hw: str = "cpu"):  # type: ignore[no-untyped-def]
 
 def artifacts(deployment: Any) -> dict[str, str]:
     return {a.name: a.content for a in get_target("monitoring")(deployment)}
-
-
-def all_queries(deployment: Any) -> list[tuple[str, str]]:
-    """(what, PromQL) for every dashboard query and every alert's measured signal."""
-    panels = [(f"panel {p.title!r} {q.legend}", q.expr) for p in obs.panels(deployment) for q in p.queries]
-    return panels + [(f"alert {a.name}", a.signal.expr) for a in obs.alerts(deployment)]
 
 
 def test_the_scrape_config_targets_the_plans_port_with_the_selector_label():
@@ -172,36 +163,6 @@ def test_promtool_checks_the_rules_and_the_config(tmp_path):
 
 # --- a real Prometheus scraping a real vLLM ---------------------------------------------------
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-WAIT_S = 600  # generous: a condition is awaited, never a duration trusted
-
-
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as response:
-        return json.load(response)
-
-
-def _until(what: str, check: Any, deadline_s: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + deadline_s
-    while True:
-        try:
-            found = check()
-        except OSError:
-            found = None
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(1)
-
-
-def _stop(child: subprocess.Popen[bytes]) -> None:
-    if child.poll() is None:
-        os.killpg(child.pid, signal.SIGTERM)
-        try:
-            child.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
 
 
 @pytest.mark.vllm
@@ -242,7 +203,7 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
     prometheus = None
     try:
         base = f"http://127.0.0.1:{port}"
-        _until(
+        until(
             "vLLM /health",
             lambda: urllib.request.urlopen(f"{base}/health", timeout=5).status == 200 or server.poll(),
         )
@@ -256,13 +217,13 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
         api = f"http://127.0.0.1:{web}/api/v1"
 
         def query(expr: str) -> list[dict[str, Any]]:
-            result: list[dict[str, Any]] = _get(f"{api}/query?" + urllib.parse.urlencode({"query": expr}))[
+            result: list[dict[str, Any]] = get(f"{api}/query?" + urllib.parse.urlencode({"query": expr}))[
                 "data"
             ]["result"]
             return result
 
         # One scrape before the load, so that rates over the window see it begin.
-        _until("the first scrape", lambda: query('up{m31ctl_deployment="mon-real"} == 1'))
+        until("the first scrape", lambda: query('up{m31ctl_deployment="mon-real"} == 1'))
         loaded = run_cli(
             "bench", "--hardware", "cpu", *[a for s in sets for a in ("--set", s)], "--url", base,
             "--bench-python", vllm_py, "--concurrency", "2", "--requests", "8", "--output-len", "64",
@@ -277,7 +238,7 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
             2.5 / (p["output_tok_s"] * 3600) * 1e6, rel=1e-5
         )
         served = _get_metric(f"{base}/metrics", "vllm:generation_tokens_total")
-        _until(
+        until(
             "a scrape after the load",
             lambda: any(
                 float(s["value"][1]) >= served
@@ -304,11 +265,11 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
         # A real ratio over the drafts the point counted (how many the tiny model accepts varies).
         assert float(answers["alert VllmSpecAcceptanceCollapsed"][0]) >= 1.0
         # Prometheus loaded and evaluated every rule without an error.
-        rules = _until(
+        rules = until(
             "the rules' first evaluation",
             lambda: [
                 r
-                for g in _get(f"{api}/rules")["data"]["groups"]
+                for g in get(f"{api}/rules")["data"]["groups"]
                 for r in g["rules"]
                 if r["lastEvaluation"][:4] != "0001"
             ],
@@ -316,8 +277,8 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
         assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
     finally:
         if prometheus is not None:
-            _stop(prometheus)
-        _stop(server)
+            stop(prometheus)
+        stop(server)
 
 
 def _get_metric(url: str, name: str) -> float:

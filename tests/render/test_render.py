@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from m31ctl.render.docker_run import docker_run_argv
 from m31ctl.render.kubelet_expansion import expand, mapping_for
 from m31ctl.render.targets import TARGETS
 from tests.conftest import PINNED_COMMIT
+from tests.support.render import HOSTILE, REFERENCE, shlex_split_systemd, tool
 
 
 def render(plan, target: str) -> list[Artifact]:  # type: ignore[no-untyped-def]
@@ -30,17 +29,7 @@ def render(plan, target: str) -> list[Artifact]:  # type: ignore[no-untyped-def]
     return get_target(target)(derive(plan, commit=PINNED_COMMIT))
 
 
-REFERENCE = Path(__file__).parent.parent / "reference_files" / "render"
 GOLDEN_HOSTS = ["b300x4", "h200x8", "mi355xx8"]
-HOSTILE = 'x\'; rm -rf / $(touch /tmp/pwned) `id` "q" \\ \nnext line'
-VENV_BIN = Path(sys.executable).parent
-
-
-def tool(name: str) -> str:
-    path = shutil.which(name, path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    if path is None:
-        pytest.fail(f"{name} is not installed; scripts/bootstrap installs it")
-    return path
 
 
 def plan_for(hw: str, **kw):  # type: ignore[no-untyped-def]
@@ -571,36 +560,6 @@ def test_systemd_fails_closed_without_the_api_key(tmp_path):
     assert subprocess.run(["/bin/sh", "-c", script], env={"VLLM_API_KEY": "k"}).returncode == 0
     (plain,) = render(plan_for("b300x4"), "systemd")
     assert "EnvironmentFile=-/etc/m31ctl/minimax-m31-flash.env" in plain.content  # HF_TOKEN is optional
-
-
-def shlex_split_systemd(line: str) -> list[str]:
-    """The words systemd makes of an Exec line: quotes removed, C escapes read (`\\n` is a line
-    break), `$$` a literal `$`, `%%` a literal `%` (systemd.service, "Command lines")."""
-    words: list[str] = []
-    word: list[str] | None = None
-    quote = ""
-    escapes = {"n": "\n", "t": "\t", "\\": "\\", '"': '"', "'": "'", "s": " "}
-    i = 0
-    while i < len(line):
-        c = line[i]
-        if c == "\\" and i + 1 < len(line):
-            word = (word or []) + [escapes.get(line[i + 1], line[i + 1])]
-            i += 2
-            continue
-        if quote and c == quote:
-            quote = ""
-        elif not quote and c in "\"'":
-            quote, word = c, word or []
-        elif not quote and c == " ":
-            if word is not None:
-                words.append("".join(word))
-            word = None
-        else:
-            word = (word or []) + [c]
-        i += 1
-    if word is not None:
-        words.append("".join(word))
-    return [w.replace("$$", "$").replace("%%", "%") for w in words]
 
 
 def _compose_config(path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]

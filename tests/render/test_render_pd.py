@@ -19,42 +19,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT, Deployment, derive
+from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT
 from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, build_invocation
 from m31ctl.engine.router import Upstreams, router_invocation
 from m31ctl.errors import InputError
-from m31ctl.hardware import simulated
-from m31ctl.plan import PlanRequest, resolve
-from m31ctl.render import PD_RENDERERS, Artifact, get_target
+from m31ctl.render import PD_RENDERERS, get_target
 from m31ctl.render.kubelet_expansion import expand, mapping_for
 from m31ctl.render.pd import COMPOSE_SUBNET, ROUTER_LISTEN, refuse_pd
 from m31ctl.render.targets import TARGETS
 from tests.conftest import PINNED_COMMIT, make_tiny_model, run_cli
-from tests.rehearsal.test_rehearse_layouts import needs_image
-from tests.render.test_render import HOSTILE, tool
+from tests.support.rehearsal import needs_image
+from tests.support.render import HOSTILE, PLANS, REFERENCE, pd_deployment, render, tool
 
-REFERENCE = Path(__file__).parent.parent / "reference_files" / "render"
-# The two P/D plans the brief names: the CPU rehearsal's pd variant, and B300x8 split 4 + 4.
-PLANS = {
-    "pd-cpu": ("cpu", {"variant": "pd"}),
-    "pd-b300x8": ("b300x8", {"sets": ("disaggregation.enabled=true",)}),
-}
 CPU_PD = ("--hardware", "cpu", "--variant", "pd")
 PROMTOOL = shutil.which("promtool")
-
-
-def pd_plan(key: str, extra: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
-    hw, kw = PLANS[key]
-    sets = (*kw.get("sets", ()), *extra)
-    return resolve(PlanRequest(hardware=simulated(hw), variant=kw.get("variant"), sets=sets))
-
-
-def pd_deployment(key: str, extra: tuple[str, ...] = ()) -> Deployment:
-    return derive(pd_plan(key, extra), commit=PINNED_COMMIT)
-
-
-def render(key: str, target: str, extra: tuple[str, ...] = ()) -> list[Artifact]:
-    return get_target(target)(pd_deployment(key, extra))
 
 
 @pytest.mark.parametrize("target", sorted(PD_RENDERERS))

@@ -19,8 +19,7 @@ import pytest
 from m31ctl.render import PD_RENDERERS, Artifact
 from m31ctl.render.pd import COMPOSE_SUBNET, pair_upstreams, role_address
 from m31ctl.render.pd_host import network_name
-from tests.render.test_render import HOSTILE, shlex_split_systemd, tool
-from tests.render.test_render_pd import PLANS, REFERENCE, pd_deployment, render
+from tests.support.render import HOSTILE, PLANS, REFERENCE, pd_deployment, render, shlex_split_systemd, tool
 
 STUB_DOCKER = Path(__file__).parent.parent / "stub_docker.py"
 CANARY_KEY = "sk-CANARY_api_key_do_not_leak_42"

@@ -29,7 +29,7 @@ from m31ctl.render import get_target
 from m31ctl.render.common import render_spec
 from m31ctl.render.kubelet_expansion import expand, literal, mapping_for
 from tests.conftest import PINNED_COMMIT
-from tests.render.test_render import HOSTILE, shlex_split_systemd, tool
+from tests.support.render import HOSTILE, shlex_split_systemd, tool
 
 STUB_DOCKER = Path(__file__).parent.parent / "stub_docker.py"
 CANARY = "hf_CANARY_5ecret_do_not_leak_0123456789"

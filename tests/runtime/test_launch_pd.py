@@ -6,7 +6,7 @@ KV came over the wire (m31ctl/served/kv_transfer.py); status lists the group and
 logs prints each part's; a relaunch changes nothing; stop leaves no process of any part. A
 decode that dies while the group starts stops the whole group, with one line naming it.
 
-The tiny model is made as tests/rehearsal/test_rehearsal.py makes it; tests/pd_group.py proved the pair and
+The tiny model is made as tests/rehearsal/test_rehearsal.py makes it; scripts/pd_group.py proved the pair and
 the router natively first (tests/runtime/test_pd_native.py)."""
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from m31ctl.errors import ExitCode
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.served import kv_transfer
-from tests import pd_group
 from tests.conftest import last_json, run_cli
 from tests.ports import free_ports
-from tests.render.test_observability import PROMETHEUS, _get, _stop, _until, all_queries
+from tests.support.http import metrics_text, request
+from tests.support.prometheus import PROMETHEUS, all_queries, get, stop, until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -80,7 +80,7 @@ def _group_members(pgid: int) -> list[int]:
 
 def _completion(base: str) -> dict:
     body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    answer = pd_group.request(f"{base}/v1/completions", body)
+    answer = request(f"{base}/v1/completions", body)
     assert answer.status == 200, answer.body[:500]
     return dict(answer.json())
 
@@ -107,11 +107,11 @@ def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_mode
         pids = [r["pid"] for r in rows]
         decode_url = rows[2]["endpoint"]
 
-        before = kv_transfer.facts(pd_group.metrics_text(decode_url))
+        before = kv_transfer.facts(metrics_text(decode_url))
         answer = _completion(endpoint)
         again = _completion(endpoint)
         assert answer["choices"][0]["text"] and answer["choices"][0]["text"] == again["choices"][0]["text"]
-        seen = kv_transfer.since(before, kv_transfer.facts(pd_group.metrics_text(decode_url)))
+        seen = kv_transfer.since(before, kv_transfer.facts(metrics_text(decode_url)))
         print(f"decode /metrics over two requests through the router: {seen}")
         verdict = kv_transfer.judge(seen)
         assert verdict.came_over_the_wire, verdict.reason
@@ -196,12 +196,12 @@ def _nixl_queries_answer_from_a_real_prometheus(launch_args: list[str], name: st
     try:
         api = f"http://127.0.0.1:{web}/api/v1/query?"
         for what, expr in nixl:
-            result = _until(
-                what, lambda expr=expr: _get(api + urllib.parse.urlencode({"query": expr}))["data"]["result"]
+            result = until(
+                what, lambda expr=expr: get(api + urllib.parse.urlencode({"query": expr}))["data"]["result"]
             )
             assert [float(sample["value"][1]) for sample in result] == [0.0], (what, result)
     finally:
-        _stop(prometheus)
+        stop(prometheus)
 
 
 def test_a_decode_that_dies_while_the_group_starts_stops_the_group(vllm_py, tiny_model, tmp_path):

@@ -12,65 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, last_json, run_cli
-from tests.ports import free_port
-
-STANDIN = ROOT / "tests" / "standin_vllm"
-
-
-class Native:
-    """One test's native server: its own state directory, name and port."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.state = tmp_path / "state"
-        self.model = tmp_path / "model"
-        self.model.mkdir()
-        self.name = f"m31ctl-faults-{uuid.uuid4().hex[:6]}"
-        self.port = free_port()
-        self.env = {
-            "M31CTL_STATE_DIR": str(self.state),
-            "PYTHONPATH": str(STANDIN),
-            "DOCKER_HOST": f"unix://{tmp_path}/no-docker.sock",
-        }
-
-    def args(self, *extra: str, delay: float = 0.2, timeout: int = 60) -> list[str]:
-        return [
-            "launch", "--hardware", "cpu", "--runtime", "native", "--name", self.name,
-            "--port", str(self.port), "--set", f"model.path={self.model}", "--timeout", str(timeout),
-            "--set", f"runtime.env.FAKE_ENGINE_DELAY={delay}", "--skip-deep", *extra,
-        ]  # fmt: skip
-
-    @property
-    def record(self) -> Path:
-        return self.state / "native" / f"{self.name}.json"
-
-    def engines(self) -> list[int]:
-        """Pids of live stand-in engines serving this test's port (whoever started them)."""
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
-            except OSError:
-                continue
-            if (
-                b"vllm.entrypoints.openai.api_server" in argv
-                and str(self.port).encode() in argv
-                and state != "Z"
-            ):
-                found.append(int(entry.name))
-        return found
-
-    def temp_files(self) -> list[Path]:
-        directory = self.state / "native"
-        return sorted(directory.glob("*.tmp")) if directory.is_dir() else []
+from tests.conftest import last_json, run_cli
+from tests.support.native import Native, gone, group
 
 
 @pytest.fixture
@@ -81,19 +28,6 @@ def native(tmp_path):
         run_cli("stop", "--runtime", "native", env=server.env)
     for pid in server.engines():  # whatever a failing test left
         os.kill(pid, signal.SIGKILL)
-
-
-def _gone(pid: int, within: float = 60.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # (a) stop never signals a pid it cannot confirm.
@@ -149,7 +83,7 @@ def test_a_confirmed_server_is_stopped_and_its_identity_includes_the_command_lin
     assert json.loads(record["plan"])["plan_hash"] == last_json(launched.stdout)["plan_hash"]
     stopped = run_cli("stop", "--name", native.name, "--json", env=native.env)
     assert stopped.returncode == 0, stopped.stderr
-    assert _gone(record["pid"]) and not native.record.exists()
+    assert gone(record["pid"]) and not native.record.exists()
 
 
 def test_stop_all_stops_ours_and_reports_the_stale_record(native):
@@ -166,7 +100,7 @@ def test_stop_all_stops_ours_and_reports_the_stale_record(native):
         (native.state / "native" / "m31ctl-stale-one.json").write_text(json.dumps(stale))
         stopped = run_cli("stop", "--runtime", "native", env=native.env)
         assert stopped.returncode == 4 and "m31ctl-stale-one" in stopped.stderr, stopped.stderr
-        assert _gone(engine) and not native.record.exists()
+        assert gone(engine) and not native.record.exists()
         assert bystander.poll() is None
     finally:
         bystander.kill()
@@ -257,19 +191,6 @@ def test_a_launch_leaves_only_its_record_and_log_and_stop_only_the_log(native):
     assert sorted(p.name for p in directory.iterdir()) == [f"{native.name}.log"]
 
 
-def _group(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[-1].split()
-        except OSError:
-            continue
-        if proc.name.isdigit() and fields[2] == str(pgid) and fields[0] != "Z":
-            found.append(int(proc.name))
-    return found
-
-
 @pytest.mark.slow  # seconds of signal sweeps: the full suite runs it, the fast lane does not
 def test_stop_returns_only_when_every_process_of_the_server_is_gone(native, tmp_path):
     """vLLM's multiprocessing resource tracker ignores SIGTERM and outlived a real server by 3 s
@@ -281,10 +202,10 @@ def test_stop_returns_only_when_every_process_of_the_server_is_gone(native, tmp_
     launched = run_cli(*native.args("--set", f"runtime.native_python={python}"), env=native.env)
     assert launched.returncode == 0, launched.stderr
     pid = json.loads(native.record.read_text())["pid"]
-    assert len(_group(pid)) >= 3  # the shell, the helper and the engine
+    assert len(group(pid)) >= 3  # the shell, the helper and the engine
     stopped = run_cli("stop", "--name", native.name, env=native.env)
     assert stopped.returncode == 0, stopped.stderr
-    assert _group(pid) == []
+    assert group(pid) == []
 
 
 @pytest.mark.parametrize("then", ["stop", "launch"])
@@ -302,7 +223,7 @@ def test_a_killed_servers_orphans_are_ended_by_stop_and_by_the_next_launch(nativ
     assert launched.returncode == 0, launched.stderr
     pid = json.loads(native.record.read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
-    assert _gone(pid) and len(_group(pid)) == 2  # the engine and the helper, orphaned
+    assert gone(pid) and len(group(pid)) == 2  # the engine and the helper, orphaned
     status = json.loads(run_cli("status", "--runtime", "native", "--json", env=native.env).stdout)
     assert [r["state"] for r in status["containers"]] == ["exited"]
     if then == "stop":
@@ -314,8 +235,8 @@ def test_a_killed_servers_orphans_are_ended_by_stop_and_by_the_next_launch(nativ
         assert done.returncode == 0, done.stderr
         assert last_json(done.stdout)["action"] == "recreated"
         new = json.loads(native.record.read_text())["pid"]
-        assert set(native.engines()) <= set(_group(new))  # the shell and its engine, nothing older
-    assert _group(pid) == []
+        assert set(native.engines()) <= set(group(new))  # the shell and its engine, nothing older
+    assert group(pid) == []
 
 
 # (e) an interrupt while the engine is started but not yet recorded, and one while waiting.

@@ -14,7 +14,7 @@ from m31ctl.errors import InputError
 from m31ctl.served import cost, figures, profile
 from m31ctl.served.cost import Costing, Price
 from tests.conftest import FIXTURES, run_cli
-from tests.served.test_bench import point
+from tests.support.bench import point
 
 REPORT = FIXTURES / "bench" / "report-max-num-seqs-1.json"
 

@@ -1,6 +1,6 @@
 """The transfer facts of a decode instance's /metrics (m31ctl/served/kv_transfer.py), read from a
 real capture: tests/fixtures/pd/decode-metrics.txt is the decode vLLM's /metrics (the CPU build,
-NixlConnector kv_consumer, tests/pd_group.py's flags) after two requests through vllm-router (8
+NixlConnector kv_consumer, scripts/pd_group.py's flags) after two requests through vllm-router (8
 and 901 prompt tokens: all 909 counted as external KV transfer) and then the same two asked of the decode instance directly."""
 
 from __future__ import annotations
