@@ -582,3 +582,74 @@ def test_tests_mirror_the_packages():
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     folders = {p.parent.name for p in tests.glob("*/test_*.py")}
     assert folders <= packages, folders - packages
+
+
+# Tests stand alone (issue 47): a test module imports m31ctl, tests/conftest.py, the helpers in
+# tests/support/ and the stand-ins at the top of tests/, never another test module, so that each
+# runs, moves or is deleted on its own; and a script (scripts/) imports no test code.
+TESTS = PACKAGE.parent / "tests"
+SCRIPTS = PACKAGE.parent / "scripts"
+TEST_SHARED = {
+    *("conftest", "support"),
+    *("ports", "fakes", "standin_hub", "standin_vllm", "stub_docker", "dockerlib", "slow_docker"),
+}
+# What two benchmarks still take from tests/: a stand-in each (the engine images, the hub), reached
+# as tests.dockerlib and, with tests/ on sys.path, as standin_hub. No other script may join them.
+SCRIPTS_USING_STAND_INS = {
+    ("scripts/bench_launch.py", "tests.dockerlib"),
+    ("scripts/bench_pull.py", "standin_hub"),
+}
+
+
+def _imported(path: Path, root: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of everything `path` imports, at any depth of the file; `from a import
+    b` is a.b (b may be a submodule), a relative import is made absolute from `root`."""
+    package = list(path.relative_to(root).parent.parts)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def _python_scripts() -> list[Path]:
+    def python(p: Path) -> bool:
+        return p.suffix == ".py" or p.read_bytes().startswith(b"#!/usr/bin/env python")
+
+    return sorted(p for p in SCRIPTS.rglob("*") if p.is_file() and python(p))
+
+
+def test_no_test_module_imports_another():
+    root = PACKAGE.parent
+    found = [
+        f"{path.relative_to(root)}:{line} imports {name}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for line, name in _imported(path, root)
+        if name.split(".")[0] == "tests" and (name.count(".") == 0 or name.split(".")[1] not in TEST_SHARED)
+    ]
+    assert found == [], "a test module's shared helper belongs in tests/support/"
+
+
+def test_no_script_imports_the_tests():
+    root = PACKAGE.parent
+    # tests/ itself, or one of its modules reached with tests/ on sys.path.
+    test_names = {"tests"} | {p.stem for p in TESTS.iterdir() if p.suffix == ".py" or p.is_dir()}
+    found = [
+        (str(path.relative_to(root)), line, name)
+        for path in _python_scripts()
+        for line, name in _imported(path, root)
+        if name.split(".")[0] in test_names
+    ]
+
+    def excepted(path: str, name: str) -> tuple[str, str] | None:
+        return next(
+            ((p, m) for p, m in SCRIPTS_USING_STAND_INS if p == path and f"{name}.".startswith(f"{m}.")), None
+        )
+
+    assert [f"{path}:{line} imports {name}" for path, line, name in found if not excepted(path, name)] == []
+    # An exception that no script needs any more is dropped from the list.
+    assert {excepted(path, name) for path, _, name in found} == SCRIPTS_USING_STAND_INS
