@@ -1,5 +1,5 @@
 """A real prefill/decode group on this machine, natively: a prefill vLLM and a decode vLLM (the CPU
-build in .venv-vllm) paired by vLLM's NixlConnector over UCX/TCP on loopback, vllm-router in
+build, scripts/setup-vllm) paired by vLLM's NixlConnector over UCX/TCP on loopback, vllm-router in
 front (`--vllm-pd-disaggregation`), and an aggregated vLLM to compare with, for
 scripts/bench_pd.py (issue 36). (The pair's proof in the test command is `m31ctl rehearse` of the
 rendered pair, tests/rehearsal/test_rehearse_pd.py, and the native launch, tests/runtime/test_launch_pd.py.)
@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import vllm_env  # scripts/vllm_env.py: where the tests' vLLM lives
+
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_VENV = ROOT / ".venv-vllm"
 SERVED_NAME = "tiny"
 # vLLM's CPU start on two shared cores takes 60-150 s; a busy machine may take several times that.
 START_TIMEOUT_S = 900.0
@@ -37,7 +38,7 @@ STOP_GRACE_S = 30.0
 
 
 def vllm_python() -> Path:
-    return Path(os.environ.get("M31CTL_VLLM_PYTHON") or VLLM_VENV / "bin" / "python")
+    return vllm_env.python()
 
 
 def router_binary() -> Path:
@@ -278,7 +279,7 @@ def router(prefill: Engine, decode: Engine, logs: Path) -> Router:
 
 
 # ---------------------------------------------------------------------------------------------
-# HTTP, with the standard library only (the test runs in .venv, the servers in .venv-vllm).
+# HTTP, with the standard library only (the test runs in .venv, the servers in vLLM's environment).
 
 
 class Answer(NamedTuple):

@@ -103,7 +103,10 @@ def _docker_reachable() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip GPU tests without a GPU. Docker tests skip without an engine, except in CI,
-    where .ci/run starts one: there a missing engine is a failure, not a silent skip."""
+    where .ci/run starts one: there a missing engine is a failure, not a silent skip. Then the
+    order: the quick tests first, the real engines after them, and the tests that need the
+    rehearsal image last (scripts/test builds it meanwhile): a stable sort, so each group keeps
+    the order the files give."""
     needs_gpu = any("gpu" in item.keywords for item in items)
     needs_docker = any("docker" in item.keywords for item in items)
     gpu = _gpu_present() if needs_gpu else False
@@ -115,6 +118,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(
                 pytest.mark.skip(reason="no Docker Engine reachable (scripts/setup-host starts one)")
             )
+    items.sort(key=_weight)
+
+
+def _weight(item: pytest.Item) -> int:
+    if "rehearsal_image" in getattr(item, "fixturenames", ()):
+        return 3
+    if "vllm" in item.keywords:
+        return 2
+    return 1 if "docker" in item.keywords or "slow" in item.keywords else 0
+
+
+REHEARSAL_IMAGE = "m31ctl/vllm-cpu:0.32.0"  # scripts/build-rehearsal-image; the cpu recipe's engine.image
+IMAGE_BUILD_WAIT_S = 1200.0  # the build takes about 4 minutes here, longer on a busy host
+
+
+@pytest.fixture(scope="session")
+def rehearsal_image() -> str:
+    """The CPU rehearsal image. scripts/test builds it while the quick tests run and writes the
+    outcome to $M31CTL_IMAGE_STATUS: the first test that needs it waits for that. Missing, it
+    fails the test under CI (a silent skip would hide a dozen unproven behaviours) and skips it
+    elsewhere, saying how to build it."""
+    import time
+
+    status_file = os.environ.get("M31CTL_IMAGE_STATUS")
+    if status_file:
+        deadline = time.monotonic() + IMAGE_BUILD_WAIT_S
+        while not Path(status_file).exists() and time.monotonic() < deadline:
+            time.sleep(2)
+        status = Path(status_file).read_text().strip() if Path(status_file).exists() else "still building"
+        if status != "ok":
+            _missing(f"the rehearsal image build: {status}")
+    from m31ctl.runtime import engine_api
+
+    if engine_api.local_image(engine_api.connect(timeout=30), REHEARSAL_IMAGE) is None:
+        _missing(f"{REHEARSAL_IMAGE} is not here (scripts/build-rehearsal-image builds it)")
+    return REHEARSAL_IMAGE
+
+
+def _missing(what: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run the rehearsal image's tests: {what}")
+    pytest.skip(what)
 
 
 @functools.cache

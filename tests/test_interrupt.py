@@ -81,6 +81,9 @@ def test_sleep_ends_when_a_signal_arrives(handling):
     assert time.monotonic() - started < 300  # it ended on the signal, not at its length
 
 
+# pytest-timeout's per-test alarm (pyproject.toml) would hold SIGALRM, and m31ctl arms its grace
+# cut only on a SIGALRM nobody else holds (m31ctl/interrupt.py): this test's bound is its own sleep.
+@pytest.mark.timeout(0)
 def test_a_blocking_step_without_a_check_is_cut_after_the_grace():
     with interrupt.handling():
         _signal_self()
@@ -399,15 +402,13 @@ def _rehearsal_sessions() -> set[str]:
 @pytest.mark.docker
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_rehearse_stopped_at_a_sweep_of_moments():
+def test_rehearse_stopped_at_a_sweep_of_moments(rehearsal_image):
     """The rehearsal from "rehearsing" (pods being made and started, the leader loading): 130,
     the line, and nothing of its session left (README: containers, network and volume removed on
     Ctrl-C). Other rehearsals may run on this Docker Engine meanwhile: only sessions that were not
     there before this one count."""
-    from tests.support.rehearsal import DP_DENSE, RWX, docker_ready, set_flags
+    from tests.support.rehearsal import DP_DENSE, RWX, set_flags
 
-    if not docker_ready():
-        pytest.skip("needs Docker and the rehearsal image (scripts/build-rehearsal-image)")
     for delay, sig in [(0.0, signal.SIGINT), (1.5, signal.SIGTERM), (6.0, signal.SIGINT)]:
         before = _rehearsal_sessions()
         argv = ["rehearse", "--hardware", "b300x4", *set_flags(*DP_DENSE, *RWX)]
@@ -423,16 +424,13 @@ def test_rehearse_stopped_at_a_sweep_of_moments():
 @pytest.mark.docker
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_doctor_deep_stopped_leaves_no_throwaway_container():
+def test_doctor_deep_stopped_leaves_no_throwaway_container(rehearsal_image):
     """doctor --deep runs the engine's torch and an all-reduce in throwaway containers of the
     rehearsal image: stopped at a sweep of moments from its start (it prints nothing until it
     ends), 130, the line, and no throwaway container of this run left."""
     from m31ctl.labels import Label
     from m31ctl.runtime.engine_api import connect
-    from tests.support.rehearsal import docker_ready
 
-    if not docker_ready():
-        pytest.skip("needs Docker and the rehearsal image (scripts/build-rehearsal-image)")
     client = connect()
 
     def throwaways() -> set[str]:

@@ -154,7 +154,7 @@ def test_native_launch_smoke_stop(vllm_py, tiny_model, tmp_path):
 
 
 @pytest.mark.docker
-def test_container_launch_smoke_stop(tiny_model):
+def test_container_launch_smoke_stop(tiny_model, rehearsal_image):
     from m31ctl.runtime.engine_api import connect
 
     client = connect()
@@ -207,7 +207,7 @@ def test_smoke_against_nothing_fails_cleanly():
 
 
 @pytest.mark.docker
-def test_doctor_asks_the_image_own_vllm(tiny_model, tmp_path):
+def test_doctor_asks_the_image_own_vllm(tiny_model, tmp_path, rehearsal_image):
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     base = [
         "doctor",

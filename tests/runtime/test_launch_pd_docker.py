@@ -368,12 +368,12 @@ def _leftovers(client: Any, name: str) -> list[str]:
 @pytest.mark.docker
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_pd_group_in_docker_serves_through_the_router_and_stops_as_one(vllm_py, tiny_model, tmp_path):
+def test_pd_group_in_docker_serves_through_the_router_and_stops_as_one(
+    vllm_py, tiny_model, tmp_path, rehearsal_image
+):
     from m31ctl.runtime import engine_api
 
     client = engine_api.connect()
-    if engine_api.local_image(client, IMAGE) is None:
-        pytest.skip(f"{IMAGE} is not here (scripts/build-rehearsal-image)")
     if _pair_subnet_taken(client):
         pytest.skip(f"another network of this host holds {COMPOSE_SUBNET} (a P/D group's or Compose's)")
     name = f"m31ctl-pdd-{uuid.uuid4().hex[:6]}"

@@ -19,7 +19,9 @@ from tests.conftest import ROOT
 @pytest.mark.docker
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_short_soak_recovers_from_a_killed_engine_and_stop_leaves_nothing(vllm_py, tiny_model, tmp_path):
+def test_short_soak_recovers_from_a_killed_engine_and_stop_leaves_nothing(
+    vllm_py, tiny_model, tmp_path, rehearsal_image
+):
     report_path = tmp_path / "soak.json"
     done = subprocess.run(
         [
