@@ -205,10 +205,39 @@ def make_tiny_model(directory: Path, *extra: str, python: str | None = None) -> 
 
 
 @pytest.fixture(scope="session")
-def tiny_model(vllm_py: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One tiny Llama for the session (4 attention heads, 4 KV heads, 2048 positions): the tests
-    only read it, and each module making its own cost a vLLM import apiece."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-model", python=vllm_py)
+def tiny_models(vllm_py: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The session's one tiny-model factory: `tiny_models(*options)` makes the rehearsal's tiny
+    model with make_tiny_model.py's options once and hands the same directory to every test that
+    asks for those options (the tests only read it; each making its own cost a vLLM import)."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def factory(*options: str) -> Path:
+        if options not in made:
+            name = "tiny-model" + "".join(o.strip("-") for o in options)
+            made[options] = make_tiny_model(tmp_path_factory.mktemp("tiny") / name, *options, python=vllm_py)
+        return made[options]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models: Any) -> Path:
+    """The tiny Llama most tests serve (4 attention heads, 4 KV heads, 2048 positions)."""
+    return Path(tiny_models())
+
+
+@pytest.fixture(scope="session")
+def cpu_server(vllm_py: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One aggregated CPU server for the session, launched by m31ctl natively (tests/support/
+    servers.py): the tests that only read a server share it; stopped, and stop's promise checked,
+    when the session ends."""
+    from tests.support.servers import launch_cpu_server, stop_and_check
+
+    server = launch_cpu_server(tiny_model, vllm_py, tmp_path_factory.mktemp("cpu-server") / "state")
+    try:
+        yield server
+    finally:
+        stop_and_check(server)
 
 
 def last_json(stdout: str) -> Any:

@@ -368,24 +368,10 @@ def test_engine_rules_doc_is_generated():
 
 
 @pytest.fixture(scope="module")
-def tiny_models(vllm_py, tmp_path_factory):
-    made = {}
-    for kv_heads in (4, 1):
-        directory = tmp_path_factory.mktemp("engine-truth") / f"tiny-kv{kv_heads}"
-        subprocess.run(
-            [
-                vllm_py,
-                str(ROOT / "m31ctl/rehearsal/make_tiny_model.py"),
-                str(directory),
-                "--kv-heads",
-                str(kv_heads),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-        made[kv_heads] = directory
-    return made
+def tiny_models(tiny_models):
+    """The session's tiny Llama (4 KV heads) and its one-KV-head twin, by KV heads (the session
+    fixture of the same name makes each once)."""
+    return {4: tiny_models(), 1: tiny_models("--kv-heads", "1")}
 
 
 BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}

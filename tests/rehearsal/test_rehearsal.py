@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, last_json, run_cli
+from tests.conftest import last_json, run_cli
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -73,84 +73,62 @@ def assert_capacity_matches_engine(log: str, model_dir: Path, *sets: str) -> Non
     assert predicted["sequences"] == int(concurrency)
 
 
-def test_native_launch_smoke_stop(vllm_py, tiny_model, tmp_path):
-    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
-    name = f"m31ctl-native-{uuid.uuid4().hex[:6]}"
-    args = [
-        "launch",
-        "--runtime",
-        "native",
-        "--hardware",
-        "cpu",
-        "--name",
-        name,
-        "--port",
-        str(free_port()),
-        "--set",
-        f"model.path={tiny_model}",
-        "--set",
-        f"runtime.native_python={vllm_py}",
-        "--timeout",
-        "900",
-        "--json",
-    ]
-    try:
-        launched = run_cli(*args, env=env)
-        assert launched.returncode == 0, launched.stderr[-3000:]
-        result = last_json(launched.stdout)
-        timings = result["timings_s"]
-        # Ready on the look that first found the model listed (no milestone between; a bound in
-        # seconds would measure this host's load, not the launch).
-        assert result["ready"] and timings["models_first_answer"] <= timings["ready"]
-        assert not [k for k, v in timings.items() if timings["models_first_answer"] < v < timings["ready"]]
-        print(f"native ready after {result['timings_s']['ready']:.1f} s")
-        again = run_cli(*args, env=env)
-        assert last_json(again.stdout)["action"] == "unchanged"
-        status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"]
-        assert [r["name"] for r in status] == [name] and status[0]["health"] == 200
-        smoke = run_cli("smoke", "--runtime", "native", "--json", env=env)
-        report = json.loads(smoke.stdout)
-        assert smoke.returncode == 0 and report["ok"], report
-        assert report["completion_tokens"] == 16 and report["ttft_s"] > 0
-        print(f"native smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
-        plan_options = _plan_options(args)
-        report_path = tmp_path / "verify.json"
-        verified = run_cli("verify", *plan_options, "--json", "-o", str(report_path), env=env)
-        report = json.loads(verified.stdout)
-        assert verified.returncode == 0 and report["ok"], report
-        assert report["bench"]["completed"] == 4 and report["bench"]["p99_ttft_ms"] > 0
-        assert report["facts"]["kv_cache_tokens"] == report["facts"]["kv_cache_tokens_predicted"] == 524288
-        print(
-            f"native verify: p99 TTFT {report['bench']['p99_ttft_ms']:.1f} ms, {report['bench']['output_throughput']:.0f} tokens/s"
-        )
-        # A pass mark the CPU cannot meet, and a plan that says another KV dtype: exit 1, named.
-        slow = run_cli("verify", *plan_options, "--set", "verify.ttft_p99_ms=0.001", "--json", env=env)
-        assert slow.returncode == 1 and json.loads(slow.stdout)["failed"] == ["ttft-p99"]
-        wrong = run_cli(
-            "verify", *plan_options, "--set", "cache.kv_dtype=fp8", "--no-load", "--json", env=env
-        )
-        assert wrong.returncode == 1 and "kv-cache-dtype" in json.loads(wrong.stdout)["failed"]
-        # The regression check against the first run's report. Its verdict on a 10 % tolerance
-        # would measure this host's load between two runs (a loaded CI host is slower the second
-        # time as often as not), so the tolerance is wide: what is proven is that the baseline is
-        # read and compared, figure by figure.
-        again = run_cli(
-            "verify", *plan_options, "--baseline", str(report_path), "--tolerance", "1000", "--json", env=env
-        )
-        checks = {c["id"]: c for c in json.loads(again.stdout)["checks"]}
-        assert again.returncode == 0 and checks["regression"]["status"] == "ok", checks["regression"]
-        logs = run_cli("logs", "--runtime", "native", "--tail", "5000", env=env)
-        assert "POST /v1/chat/completions" in logs.stdout
-        assert_capacity_matches_engine(logs.stdout, tiny_model)
-        pid = status[0]["pid"]
-    finally:
-        stopped = run_cli("stop", "--runtime", "native", "--json", env=env)
-    assert stopped.returncode == 0 and json.loads(stopped.stdout)["stopped"] == [name]
-    assert (
-        not os.path.exists(f"/proc/{pid}")
-        or Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+def test_native_launch_smoke_verify(cpu_server, tmp_path):
+    """The session's shared server (tests/support/servers.py), launched natively with the deep
+    preflight: ready, unchanged on a relaunch, listed, smoke and verify pass, a bare `verify` reads
+    the plan recorded with it, its log shows the requests and the KV figures m31ctl predicts. Its
+    stop (the engine gone, nothing listed) is checked when the session ends."""
+    env, name = cpu_server.env, cpu_server.name
+    result = cpu_server.result
+    timings = result["timings_s"]
+    # Ready on the look that first found the model listed (no milestone between; a bound in
+    # seconds would measure this host's load, not the launch).
+    assert result["ready"] and timings["models_first_answer"] <= timings["ready"]
+    assert not [k for k, v in timings.items() if timings["models_first_answer"] < v < timings["ready"]]
+    print(f"native ready after {result['timings_s']['ready']:.1f} s")
+    again = run_cli(*cpu_server.launch_args, "--json", env=env)
+    assert last_json(again.stdout)["action"] == "unchanged"
+    status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"]
+    assert [r["name"] for r in status] == [name] and status[0]["health"] == 200
+    smoke = run_cli("smoke", "--runtime", "native", "--json", env=env)
+    report = json.loads(smoke.stdout)
+    assert smoke.returncode == 0 and report["ok"], report
+    assert report["completion_tokens"] == 16 and report["ttft_s"] > 0
+    print(f"native smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
+    plan_options = list(cpu_server.plan)
+    report_path = tmp_path / "verify.json"
+    verified = run_cli("verify", *plan_options, "--json", "-o", str(report_path), env=env)
+    report = json.loads(verified.stdout)
+    assert verified.returncode == 0 and report["ok"], report
+    assert report["bench"]["completed"] == 4 and report["bench"]["p99_ttft_ms"] > 0
+    assert report["facts"]["kv_cache_tokens"] == report["facts"]["kv_cache_tokens_predicted"] == 524288
+    print(
+        f"native verify: p99 TTFT {report['bench']['p99_ttft_ms']:.1f} ms, {report['bench']['output_throughput']:.0f} tokens/s"
     )
-    assert json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"] == []
+    # A bare `verify --name` with no plan options verifies the plan recorded with the server (it
+    # used to plan for this host instead, and exit 6: no GPU found).
+    bare = run_cli("verify", "--name", name, "--no-load", "--json", env=env)
+    bare_report = json.loads(bare.stdout)
+    assert bare.returncode == 0 and bare_report["ok"], (bare_report, bare.stderr[-2000:])
+    assert bare_report["plan_hash"] == result["plan_hash"]
+    assert {c["id"]: c["status"] for c in bare_report["checks"]}["plan"] == "ok"
+    # A pass mark the CPU cannot meet, and a plan that says another KV dtype: exit 1, named.
+    slow = run_cli("verify", *plan_options, "--set", "verify.ttft_p99_ms=0.001", "--json", env=env)
+    assert slow.returncode == 1 and json.loads(slow.stdout)["failed"] == ["ttft-p99"]
+    wrong = run_cli("verify", *plan_options, "--set", "cache.kv_dtype=fp8", "--no-load", "--json", env=env)
+    assert wrong.returncode == 1 and "kv-cache-dtype" in json.loads(wrong.stdout)["failed"]
+    # The regression check against the first run's report. Its verdict on a 10 % tolerance
+    # would measure this host's load between two runs (a loaded CI host is slower the second
+    # time as often as not), so the tolerance is wide: what is proven is that the baseline is
+    # read and compared, figure by figure.
+    again = run_cli(
+        "verify", *plan_options, "--baseline", str(report_path), "--tolerance", "1000", "--json", env=env
+    )
+    checks = {c["id"]: c for c in json.loads(again.stdout)["checks"]}
+    assert again.returncode == 0 and checks["regression"]["status"] == "ok", checks["regression"]
+    logs = run_cli("logs", "--runtime", "native", "--tail", "5000", env=env)
+    assert "POST /v1/chat/completions" in logs.stdout
+    assert_capacity_matches_engine(logs.stdout, cpu_server.model)
 
 
 @pytest.mark.docker
@@ -251,17 +229,11 @@ def test_doctor_asks_the_image_own_vllm(tiny_model, tmp_path, rehearsal_image):
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM's CPU build binds one core to each TP rank")
-def test_capacity_predicts_tp2_with_replicated_kv_heads(vllm_py, tmp_path):
+def test_capacity_predicts_tp2_with_replicated_kv_heads(vllm_py, tiny_models, tmp_path):
     """One KV head over two tensor-parallel ranks: vLLM keeps max(1, 1 // 2) = 1 head on each
     rank, so TP2 holds no more tokens than TP1. A model that spread KV over the group (the
     launch post's accounting) would predict twice as many."""
-    model = tmp_path / "one-kv-head"
-    subprocess.run(
-        [vllm_py, str(ROOT / "m31ctl" / "rehearsal" / "make_tiny_model.py"), str(model), "--kv-heads", "1"],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    model = tiny_models("--kv-heads", "1")
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",

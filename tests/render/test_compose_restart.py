@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import make_tiny_model, run_cli
+from tests.conftest import run_cli
 from tests.standin_hub import Repo, RepoFile, StandinHub
 from tests.support.rehearsal import needs_image
 
@@ -29,8 +29,7 @@ def _docker(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def _tiny_repo(tmp_path: Path) -> Repo:
-    model = make_tiny_model(tmp_path / "tiny")
+def _tiny_repo(model: Path) -> Repo:
     files = {
         str(p.relative_to(model)): RepoFile(p.read_bytes(), p.suffix == ".safetensors")
         for p in sorted(model.rglob("*"))
@@ -59,12 +58,12 @@ def _wait_healthy(url: str, container: str) -> None:
 @pytest.mark.docker
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_a_restarted_engine_serves_offline_without_downloading(tmp_path):
+def test_a_restarted_engine_serves_offline_without_downloading(tmp_path, tiny_model):
     # This host as containers reach it: the default bridge's gateway (its subnet's first address:
     # Docker does not always list the gateway).
     subnet = _docker("network", "inspect", "bridge", "-f", "{{(index .IPAM.Config 0).Subnet}}").stdout.strip()
     gateway = str(ipaddress.ip_network(subnet)[1])
-    hub = StandinHub(_tiny_repo(tmp_path), host="0.0.0.0", advertise=gateway)
+    hub = StandinHub(_tiny_repo(tiny_model), host="0.0.0.0", advertise=gateway)
     name = f"m31ctl-clock-{uuid.uuid4().hex[:6]}"
     project = name.replace("-", "")
     port = 18000 + int(uuid.uuid4().hex[:3], 16) % 1000

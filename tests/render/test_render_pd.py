@@ -27,7 +27,7 @@ from m31ctl.render import PD_RENDERERS, get_target
 from m31ctl.render.kubelet_expansion import expand, mapping_for
 from m31ctl.render.pd import COMPOSE_SUBNET, ROUTER_LISTEN, refuse_pd
 from m31ctl.render.targets import TARGETS
-from tests.conftest import PINNED_COMMIT, make_tiny_model, run_cli
+from tests.conftest import PINNED_COMMIT, run_cli
 from tests.support.rehearsal import needs_image
 from tests.support.render import HOSTILE, PLANS, REFERENCE, pd_deployment, render, tool
 
@@ -342,7 +342,7 @@ def _port_free(port: int) -> bool:
 @pytest.mark.docker
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_the_rendered_pair_serves_with_the_kv_over_nixl_between_containers(tmp_path):
+def test_the_rendered_pair_serves_with_the_kv_over_nixl_between_containers(tmp_path, tiny_model):
     """docker-compose runs the CPU pd variant's file as rendered: the router answers once both
     roles are healthy, and the decode container's prompt tokens came from prefill's KV over NIXL
     (vLLM's own counters), not recomputed."""
@@ -350,7 +350,7 @@ def test_the_rendered_pair_serves_with_the_kv_over_nixl_between_containers(tmp_p
         pytest.skip(
             f"port {RENDERED_ROUTER_METRICS_PORT} (the router's metrics, fixed in rendered files) is taken"
         )
-    model = make_tiny_model(tmp_path / "tiny")
+    model = tiny_model
     name = f"m31ctl-pd-{uuid.uuid4().hex[:6]}"
     project = name.replace("-", "")
     base = 20000 + int(uuid.uuid4().hex[:3], 16) % 1000 * 3

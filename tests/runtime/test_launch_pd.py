@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import urllib.parse
 import uuid
 from pathlib import Path
@@ -28,9 +29,8 @@ from m31ctl.served import kv_transfer
 from tests.conftest import last_json, run_cli
 from tests.ports import free_ports
 from tests.support.http import metrics_text, request
+from tests.support.native import STANDIN
 from tests.support.prometheus import PROMETHEUS, all_queries, get, stop, until
-
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SERVED = "m31ctl-rehearsal"  # the cpu recipe's model.served_name
 # Two vLLM starts one after the other on two shared cores: minutes; a busy machine gets more.
@@ -85,6 +85,8 @@ def _completion(base: str) -> dict:
     return dict(answer.json())
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_model, tmp_path):
     env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
     name = f"m31ctl-pd-{uuid.uuid4().hex[:6]}"
@@ -204,14 +206,30 @@ def _nixl_queries_answer_from_a_real_prometheus(launch_args: list[str], name: st
         stop(prometheus)
 
 
-def test_a_decode_that_dies_while_the_group_starts_stops_the_group(vllm_py, tiny_model, tmp_path):
-    """vLLM's CPU backend refuses a KV cache larger than the host's memory at start: decode exits
-    after prefill is up; launch stops prefill too and says which part died (exit 5)."""
-    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
+def test_a_decode_that_dies_while_the_group_starts_stops_the_group(tmp_path):
+    """Decode exits while loading, after prefill is up: launch stops prefill too and says which part
+    died (exit 5). Both roles are the stand-in engine (tests/standin_vllm, FAKE_ENGINE_MODE=crash
+    for decode): what is proven is the group's handling of a part that dies, which does not need
+    a real vLLM to die (before issue 47 a real decode died of a KV cache larger than the host,
+    after a real prefill had started: two vLLM starts for this one behaviour)."""
+    (tmp_path / "model").mkdir()
+    # The native group needs vllm-router beside the engine's Python (it checks before starting
+    # anything); this group never reaches its router, so a stub stands there.
+    engine_bin = tmp_path / "engine" / "bin"
+    engine_bin.mkdir(parents=True)
+    (engine_bin / "python").symlink_to(sys.executable)
+    (engine_bin / "vllm-router").write_text("#!/bin/sh\nexit 0\n")
+    (engine_bin / "vllm-router").chmod(0o755)
+    env = {
+        "M31CTL_STATE_DIR": str(tmp_path / "state"),
+        "PYTHONPATH": str(STANDIN),
+        "DOCKER_HOST": f"unix://{tmp_path}/no-docker.sock",
+    }
     name = f"m31ctl-pd-{uuid.uuid4().hex[:6]}"
     args = _launch_args(
-        name, tiny_model, vllm_py, "--set", "disaggregation.decode.env.VLLM_CPU_KVCACHE_SPACE=100000"
-    )
+        name, tmp_path / "model", str(engine_bin / "python"), "--skip-deep",
+        "--set", "disaggregation.decode.env.FAKE_ENGINE_MODE=crash",
+    )  # fmt: skip
     try:
         launched = run_cli(*args, env=env)
         assert launched.returncode == ExitCode.NOT_READY, (launched.stdout[-2000:], launched.stderr[-3000:])

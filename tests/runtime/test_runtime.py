@@ -168,33 +168,6 @@ def test_verify_smoke_and_status_use_the_servers_recorded_plan(native_env):
     assert same["servers"][0]["runs_plan"] is True and same["servers"][0]["plan_recorded"] is True
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_bare_verify_passes_after_a_native_rehearsal_launch(vllm_py, tiny_model, tmp_path):
-    """The CPU rehearsal with real vLLM, launched natively with plan options; then `verify
-    --no-load` with none: it verifies the plan recorded with the server. It used to plan for this
-    host instead, and exit 6 (no GPU found)."""
-    model = tiny_model
-    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
-    name = f"m31ctl-bare-verify-{uuid.uuid4().hex[:6]}"
-    args = [
-        "launch", "--runtime", "native", "--hardware", "cpu", "--name", name, "--port", str(free_port()),
-        "--set", f"model.path={model}", "--set", f"runtime.native_python={vllm_py}", "--timeout", "900",
-        "--skip-deep", "--json",
-    ]  # fmt: skip
-    try:
-        launched = run_cli(*args, env=env)
-        assert launched.returncode == 0, launched.stderr[-3000:]
-        verified = run_cli("verify", "--name", name, "--no-load", "--json", env=env)
-        report = json.loads(verified.stdout)
-        assert verified.returncode == 0 and report["ok"], (report, verified.stderr[-2000:])
-        assert report["plan_hash"] == last_json(launched.stdout)["plan_hash"]
-        assert {c["id"]: c["status"] for c in report["checks"]}["plan"] == "ok"
-    finally:
-        stopped = run_cli("stop", "--runtime", "native", "--json", env=env)
-    assert stopped.returncode == 0 and json.loads(stopped.stdout)["stopped"] == [name]
-
-
 def test_a_pulled_checkpoint_reaches_the_container_offline():
     """launch pulls first and then sets HF_HUB_OFFLINE=1 for the engine: the native runtime
     inherits it, and the container runtime must pass it through the Engine API too (or the
