@@ -122,7 +122,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _weight(item: pytest.Item) -> int:
-    if "rehearsal_image" in getattr(item, "fixturenames", ()):
+    # A real engine in Docker is the rehearsal image's vLLM.
+    if "rehearsal_image" in getattr(item, "fixturenames", ()) or {"docker", "vllm"} <= set(item.keywords):
         return 3
     if "vllm" in item.keywords:
         return 2

@@ -38,10 +38,13 @@ RUN_ELSEWHERE = {
     ),
 }
 # Slow ones: the suite's markers (pyproject.toml), as the tests that run the same things carry.
+# Each is bounded by run_as_written's 1,800 s, and pytest-timeout's mark lets it get there; those
+# marked docker run the rehearsal image and wait for it (tests/conftest.py `rehearsal_image`).
+_REAL = (pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1900))
 SLOW = {
-    "scripts/rehearse --docker": (pytest.mark.slow, pytest.mark.docker, pytest.mark.vllm),
-    "scripts/rehearse": (pytest.mark.slow, pytest.mark.vllm),
-    "m31ctl rehearse": (pytest.mark.slow, pytest.mark.docker, pytest.mark.vllm),
+    "scripts/rehearse --docker": (*_REAL, pytest.mark.docker),
+    "scripts/rehearse": _REAL,
+    "m31ctl rehearse": (*_REAL, pytest.mark.docker),
 }
 # Commands that download the checkpoint: against the stand-in hub, into a scratch home.
 PULLS = ("m31ctl pull",)
@@ -75,6 +78,8 @@ def test_readme_command_runs_as_written(command: Command, tmp_path, request):
     if why is not None:
         print(f"README.md:{command.line}: skipped: {command.text}\n  because {why}")
         pytest.skip(f"README.md:{command.line}: {why}")
+    if "docker" in request.keywords and "vllm" in request.keywords:
+        request.getfixturevalue("rehearsal_image")  # the rehearsal image's commands wait for it
     env: dict[str, str] = {}
     if command.text.startswith(PULLS):
         env |= {"HF_ENDPOINT": request.getfixturevalue("checkpoint_hub"), "HOME": str(tmp_path)}

@@ -87,6 +87,7 @@ def _completion(base: str) -> dict:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a launch may wait 900 s, then verify, bench and a real Prometheus
 def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_model, tmp_path):
     env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
     name = f"m31ctl-pd-{uuid.uuid4().hex[:6]}"

@@ -368,6 +368,7 @@ def _leftovers(client: Any, name: str) -> list[str]:
 @pytest.mark.docker
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two launches that may each wait 900 s
 def test_pd_group_in_docker_serves_through_the_router_and_stops_as_one(
     vllm_py, tiny_model, tmp_path, rehearsal_image
 ):

@@ -19,6 +19,7 @@ from tests.conftest import ROOT
 @pytest.mark.docker
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.timeout(1900)  # the soak itself is bounded at 1,800 s
 def test_short_soak_recovers_from_a_killed_engine_and_stop_leaves_nothing(
     vllm_py, tiny_model, tmp_path, rehearsal_image
 ):
