@@ -178,3 +178,244 @@ def test_nvfp4_packing_round_trips():
     values = torch.tensor(make_tiny_m3.E2M1)[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0)
     scales = packed["weight_scale"].float().repeat_interleave(16, 1) * packed["weight_scale_2"]
     assert torch.allclose(values * scales, weight, atol=0.25 * float(weight.abs().max()))
+
+
+# --- the capture: the Hopper recipe on the tiny MiniMax-M3, on the H200 ----------------------------
+
+CASES = ("hopper-u0.92", "hopper-u0.5", "hopper-u0.3", "eager-u0.3")  # every launch of the recipe
+
+
+def _json(name: str) -> dict:
+    return json.loads((CAPTURE / name).read_text())
+
+
+def _text(name: str) -> str:
+    return (CAPTURE / name).read_text()
+
+
+def _log(name: str):
+    from m31ctl.engine.startup_log import read_startup_log
+
+    return read_startup_log(_text(f"engine-{name}.log"))
+
+
+def _exits(name: str = "exits.txt") -> dict[str, int]:
+    import re
+
+    found = re.findall(r"^(\S+) (\S+) exit=(\d+)", _text(name), re.M)
+    return {f"{step} {case}": int(code) for step, case, code in found}
+
+
+def _lines(name: str) -> list[dict]:
+    return [json.loads(line) for line in _text(name).splitlines() if line.startswith("{")]
+
+
+def test_the_capture_ran_vllm_026_with_flashinfer_on_an_h200():
+    assert _text("versions.txt").splitlines()[0] == "0.26.0 0.6.14 3.12.3"  # vLLM, FlashInfer, Python
+    assert "Cuda compilation tools, release 13.0" in _text("versions.txt")
+    probe = _json("probe.json")["hardware"]
+    assert (probe["count"], probe["arch"], probe["product"]) == (1, "9.0", "NVIDIA H200")
+    for case in CASES:
+        assert "(v0.26.0)" in _text(f"engine-{case}.log") or "v0.26.0" in _text(f"engine-{case}.log")
+    made = _json("model-made.json")
+    assert (made["quant"], made["weights"], made["parameters"]) == ("nvfp4", "random", 31_755_176)
+    assert _json("model-config.json") == {
+        **make_tiny_m3.config("nvfp4"),
+        **{
+            k: _json("model-config.json")[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id", "text_config")
+        },
+    }
+
+
+def test_flashinfers_first_jit_compile_and_where_it_keeps_it():
+    """FlashInfer compiles the Gemma RMSNorm kernels MiniMax-M3's NVIDIA model imports at first
+    use, with the host's nvcc (nothing fetched: the host reaches no network): 39.2 s once, then
+    read from $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/0.6.14/90a/cached_ops (5.3 MB)."""
+    jit = _text("flashinfer-jit.txt")
+    assert "cache=/tmp/m31ctl-vllm/flashinfer/.cache/flashinfer" in jit
+    assert "import_s=2.0 first_call_s=39.2" in jit and "second_call_s=0.000" in jit
+    assert "0.6.14/90a/cached_ops/norm/norm.so" in jit and "5.3M" in jit
+
+
+def test_m31ctls_launch_of_the_hopper_recipe_ran_the_models_own_code():
+    """launch --recipe hopper, the tensor size brought to the one GPU and the index cache to bf16:
+    FP8 main cache, 128-token blocks, Marlin on the NVFP4 experts, the video limit and both
+    minimax_m3 parsers as the recipe renders them; vLLM chose MiniMax-M3's sparse attention,
+    its indexer and the Marlin NVFP4 MoE, compiled and captured CUDA graphs, and served."""
+    argv = _json("plan-hopper-u0.92.json")["argv"]
+    rendered = " ".join(argv)
+    for flag in ("--tensor-parallel-size 1", "--kv-cache-dtype fp8", '--attention-config {"indexer_kv_dtype":"bf16"}',
+                 "--block-size 128", "--moe-backend marlin", '--limit-mm-per-prompt {"video":0}',
+                 "--max-model-len 262144", "--gpu-memory-utilization 0.92", "--tool-call-parser minimax_m3",
+                 "--reasoning-parser minimax_m3", "--enable-auto-tool-choice"):  # fmt: skip
+        assert flag in rendered, flag
+    assert "--enforce-eager" not in argv
+    exits = _exits()
+    for case in CASES:
+        assert exits[f"launch {case}"] == 0 and exits[f"stop {case}"] == 0
+        log = _text(f"engine-{case}.log")
+        assert "MiniMax M3 sparse attention selected Triton (kv_cache_dtype=fp8, topk_blocks=16)" in log
+        assert (
+            "indexer: selected Triton (no fmha_sm100) [topk_blocks=16, indexer_kv_dtype=bf16, sm100=False]"
+            in log
+        )
+        assert "Using 'MARLIN' NvFp4 MoE backend" in log
+    events = [e["phase"] for e in _lines("launch-hopper-u0.92.jsonl") if e.get("event") == "phase"]
+    assert events == ["starting the engine", "loading weights", "capturing CUDA graphs", "serving", "ready"]
+    ready = _lines("launch-hopper-u0.92.jsonl")[-1]["timings_s"]["ready"]
+    assert ready == pytest.approx(136.88)  # the first start: torch.compile and graphs, FlashInfer cached
+    first = _log("hopper-u0.92")
+    assert first.init_engine_s == 83.36 and first.graph_capture_s == 21.0 and first.graph_pool_gib == 0.22
+    assert _log("hopper-u0.5").init_engine_s == 7.25  # the compile cache's
+    assert _exits("h64-exits.txt")["launch hopper-u0.92"] == 0  # the 64-head checkpoint too
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kv_tokens_m31ctl_printed_on_the_h200_against_vllms_log(case):
+    """capacity --json (printed there, before the measurement) against vLLM's "GPU KV cache
+    size": within 0.9% at every utilization (issue 48 asks 2%). The bytes a token are exact:
+    vLLM's available memory over its tokens is m31ctl's 4,864 (4 layers x 1,024 of FP8 K and V,
+    3 sparse layers x 256 of one bf16 index key); the error is the reserve's."""
+    from m31ctl.capacity.reserve import GIB
+
+    printed, logged = _json(f"capacity-{case}.json")["fit"], _log(case)
+    assert printed["kv_bytes_per_token"] == {"indexer": 768.0, "main_attention": 4096.0, "per_gpu": True,
+                                             "total": 4864.0}  # fmt: skip
+    per_token = logged.available_kv_gib * GIB / logged.kv_cache_tokens  # GiB printed to 0.01
+    assert abs(per_token - 4864) < 1  # 4,480 with an FP8 index key, 5,632 with a bf16 main cache
+    error = (printed["kv_cache_tokens"] - logged.kv_cache_tokens) / logged.kv_cache_tokens
+    assert 0 < error < 0.009, (printed["kv_cache_tokens"], logged.kv_cache_tokens)
+
+
+def test_the_prediction_is_replayed_here_from_the_checkpoints_config(cli, tmp_path):
+    """capacity on this machine, from the tiny checkpoint's config.json, its safetensors header
+    (the weights' sizes: model-safetensors-header.json, the same generator's, no data) and the
+    simulated H200, gives what m31ctl printed on the device: the same arithmetic, no GPU."""
+    (tmp_path / "config.json").write_text(_text("model-config.json"))
+    header = _text("model-safetensors-header.json").encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    for case in CASES:
+        kind, util = case.split("-u")
+        sets = ["engine.image=vllm/vllm-openai:v0.26.0", "parallelism.tensor=1", "cache.indexer_dtype=bf16",
+                f"serving.gpu_memory_utilization={util}", f"model.path={tmp_path}"]  # fmt: skip
+        if kind == "eager":
+            sets.append('engine.extra_args=["--enforce-eager"]')
+        argv = ["capacity", "--recipe", "hopper", "--hardware", "h200x1", "--json"]
+        for value in sets:
+            argv += ["--set", value]
+        result = cli(*argv)
+        assert result.returncode == 0, result.stderr
+        assert (
+            json.loads(result.stdout)["fit"]["kv_cache_tokens"]
+            == _json(f"capacity-{case}.json")["fit"]["kv_cache_tokens"]
+        )
+
+
+def test_the_reserves_parts_against_vllms_profile():
+    """Where the 0.3-0.9% goes (vLLM's DEBUG profile line, every start alike): weights 0.15 GiB
+    loaded against 0.05 GB of checkpoint (the rest is not the checkpoint's: vLLM's rotary cache
+    for 524,288 positions is about 0.1 GiB), torch peak 0.21, non-torch 0.22-0.23, graph pool
+    0.22 GiB (m31ctl models 0.07 from the dense Llama)."""
+    for case in CASES:
+        logged = _log(case)
+        assert (logged.weights_gib, logged.torch_peak_gib) == (0.15, 0.21)
+        assert logged.non_torch_gib in (0.22, 0.23)
+        assert _json(f"capacity-{case}.json")["fit"]["weights_per_gpu_gb"] == 0.05
+    assert "Model loading took 0.15 GiB memory" in _text("engine-hopper-u0.92.log")
+
+
+def test_the_fp8_index_cache_was_refused_on_the_device_before_any_start():
+    refused = _text("plan-fp8-indexer.txt")
+    assert refused.strip().endswith("exit=2")
+    assert (
+        "engine.image=vllm/vllm-openai:v0.26.0 (stock vLLM 0.26, CUDA build) lacks what the plan uses"
+        in refused
+    )
+
+
+def test_doctor_deep_on_the_h200_passed_the_plan():
+    """doctor --deep --runtime native: every check ok or skipped (no Docker there), vLLM built
+    the plan's configuration. It cannot see what the next test shows: the crash comes at the
+    first multi-block prompt, not when vLLM builds its configuration."""
+    checks = {c["id"]: c for c in _json("doctor-deep-hopper-u0.92.json")["checks"]}
+    assert {c["status"] for c in checks.values()} <= {"ok", "skip"}
+    assert _exits()["doctor hopper-u0.92"] == 0
+    assert checks["engine-config"]["message"].startswith("vLLM 0.26.0 (cuda) builds the plan's configuration")
+    assert "KV cache fp8, block size 128" in checks["engine-config"]["message"]
+
+
+def test_vllm_026s_fp8_main_cache_breaks_multi_block_prompts_on_sm90():
+    """The finding: with the recipe's FP8 main cache, vLLM 0.26's Triton sparse attention hits an
+    illegal memory access at the first prompt of two or more 128-token blocks (130 tokens; with
+    CUDA_LAUNCH_BLOCKING=1 in common/ops/sparse_attn.py minimax_m3_sparse_attn), eager or with
+    graphs, 8 or 64 query heads; verify's load, the long prompt and bench then find no server.
+    The same engine and checkpoint with a bf16 main cache served prompts to 16,000 tokens."""
+    blocking = _lines("lengths-probe2.txt")
+    assert [(p["prompt"], p["ok"]) for p in blocking] == [(30, True), (130, False)]
+    log = _text("engine-probe2.log")
+    assert "minimax_m3/common/ops/sparse_attn.py" in log and "minimax_m3_sparse_attn" in log
+    assert "an illegal memory access was encountered" in log
+    bf16 = _lines("lengths-bf16kv.txt")
+    assert all(p["ok"] for p in bf16) and bf16[-1]["usage"]["prompt_tokens"] == 16000
+    assert len(bf16) == 10 and min(p["prompt"] for p in bf16 if p["prompt"] > 3 * 16 * 128) == 6500
+    assert "selected Triton (kv_cache_dtype=auto, topk_blocks=16)" in _text("engine-bf16kv-probe.log")
+    for prefix in ("", "h64-"):
+        exits = _exits(f"{prefix}exits.txt")
+        assert exits["verify hopper-u0.92"] == 1 and exits["bench hopper-u0.92"] == 6
+    assert "an illegal memory access" in _text("engine-h64-hopper-u0.92.log")
+    assert "Connection refused" in _text("long-prompt-hopper-u0.92.txt") or "URLError" in _text(
+        "long-prompt-hopper-u0.92.txt"
+    )
+
+
+def test_what_verify_proved_on_random_weights():
+    """verify on the H200, before the crash: the served model, its length, FP8 and 128-token
+    blocks from the engine's own /metrics, chat and streaming answered; the tool call and the
+    reasoning split were served and not judged (random weights), the load died with the engine.
+    Two failures were this checkpoint's, not the engine's, and verify now reads them so: the
+    image (a text-only checkpoint), and structured output's leading noise before the grammar."""
+    checks = {c["id"]: c for c in _json("verify-hopper-u0.92.json")["checks"]}
+    for name in ("plan", "models", "chat", "chat-usage", "stream", "stream-usage", "max-model-len",
+                 "kv-cache-dtype", "block-size"):  # fmt: skip
+        assert checks[name]["status"] == "ok", name
+    assert checks["kv-cache-dtype"]["message"] == "the engine stores its KV cache as fp8; the plan says fp8"
+    assert checks["block-size"]["message"] == "the engine uses 128-token blocks; the plan says 128"
+    for name in ("tool-call", "reasoning"):
+        assert (
+            checks[name]["status"] == "skip"
+            and "not judged: the checkpoint's weights are random" in checks[name]["message"]
+        )
+    assert checks["structured-output"]["message"] == "HTTP 200, content '\ufffd\"no\"'"
+    assert "is not a multimodal model" in checks["image-input"]["message"]
+    assert checks["load"]["message"] == "8 of 16 requests completed"
+    facts = _json("verify-hopper-u0.92.json")["facts"]
+    assert facts["kv_cache_tokens_ratio"] == 0.9972  # vLLM's /metrics against m31ctl's prediction
+
+
+def test_verify_now_reads_the_tiny_checkpoints_answers_so(tmp_path):
+    """Replayed through today's verify: the structured answer the H200 sent passes on random
+    weights (the grammar's value ends it), and a text-only checkpoint is sent no image."""
+    import httpx
+
+    from m31ctl.deployment import derive
+    from m31ctl.served import verify
+
+    (tmp_path / "config.json").write_text(_text("model-config.json"))
+    deployment = derive(_plan("h200x1", *HOPPER_ON_ONE, "cache.indexer_dtype=bf16", f"model.path={tmp_path}"))
+    assert verify.text_only_checkpoint(deployment) == (
+        f"the checkpoint is text-only ({tmp_path / 'config.json'}: MiniMaxM3SparseForCausalLM, no vision_config)"
+    )
+    sent = {"choices": [{"message": {"role": "assistant", "content": '\ufffd"no"'}}]}
+    client = httpx.Client(
+        base_url="http://h200", transport=httpx.MockTransport(lambda _r: httpx.Response(200, json=sent))
+    )
+    judged = verify.VerifyReport("http://h200", "x")
+    verify._structured(client, "MiniMax-M3.1-Flash", judged, "random weights")
+    verify._structured(client, "MiniMax-M3.1-Flash", judged)
+    assert [c.status for c in judged.checks] == [CheckStatus.OK, CheckStatus.FAIL]
+    verify._image(client, deployment.plan, judged, verify.text_only_checkpoint(deployment))
+    assert (
+        judged.checks[-1].status is CheckStatus.SKIP
+        and "not sent: the checkpoint is text-only" in judged.checks[-1].message
+    )

@@ -122,12 +122,12 @@ FP8_MAX = 448.0
 GROUP = 16
 
 
-def config(quant: str) -> dict[str, Any]:
+def config(quant: str, text_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """config.json: the VL wrapper's model_type with the text backbone's architecture."""
     data: dict[str, Any] = {
         "architectures": ["MiniMaxM3SparseForCausalLM"],
         "model_type": "minimax_m3_vl",
-        "text_config": TEXT_CONFIG,
+        "text_config": dict(text_config or TEXT_CONFIG),
         "torch_dtype": "bfloat16",
         "tie_word_embeddings": False,
     }
@@ -167,11 +167,11 @@ def nvfp4(weight: Any) -> dict[str, Any]:
     }
 
 
-def weights(quant: str, seed: int = 0) -> dict[str, Any]:
+def weights(quant: str, seed: int = 0, text_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every tensor vLLM's MiniMaxM3Model.load_weights reads, under the checkpoint's names."""
     import torch
 
-    c = TEXT_CONFIG
+    c = text_config or TEXT_CONFIG
     gen = torch.Generator().manual_seed(seed)
     hidden, head = c["hidden_size"], c["head_dim"]
     sparse = c["sparse_attention_config"]
@@ -229,13 +229,16 @@ def weights(quant: str, seed: int = 0) -> dict[str, Any]:
     return t
 
 
-def make(directory: Path, quant: str = "nvfp4") -> dict[str, Any]:
-    """Write the checkpoint; return what m31ctl-rehearsal.json says of it."""
+def make(directory: Path, quant: str = "nvfp4", heads: int | None = None) -> dict[str, Any]:
+    """Write the checkpoint; return what m31ctl-rehearsal.json says of it. `heads`: query heads
+    (8 by default; the real model's 64 keep its 16 query heads per KV head)."""
     from safetensors.torch import save_file  # type: ignore[import-not-found,unused-ignore]
+
+    text_config = {**TEXT_CONFIG, "num_attention_heads": heads or TEXT_CONFIG["num_attention_heads"]}
 
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_model.tokenizer(directory, TEXT_CONFIG["vocab_size"], MARKERS, CHAT_TEMPLATE)
-    data = config(quant)
+    data = config(quant, text_config)
     text = data["text_config"]
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         data[key] = text[key] = getattr(tokenizer, key)
@@ -254,7 +257,7 @@ def make(directory: Path, quant: str = "nvfp4") -> dict[str, Any]:
             },
         }
         (directory / "hf_quant_config.json").write_text(json.dumps(modelopt, indent=1) + "\n")
-    tensors = weights(quant)
+    tensors = weights(quant, text_config=text_config)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     made = {
         "made_by": "m31ctl",
@@ -276,7 +279,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Make a tiny MiniMax-M3 checkpoint (random weights).")
     parser.add_argument("directory", type=Path)
     parser.add_argument("--quant", choices=("nvfp4", "bf16"), default="nvfp4")
+    parser.add_argument("--heads", type=int, default=None, help="query heads (default 8)")
     ns = parser.parse_args()
     started = time.monotonic()
-    made = make(ns.directory, ns.quant)
+    made = make(ns.directory, ns.quant, ns.heads)
     print(json.dumps({**made, "seconds": round(time.monotonic() - started, 1)}))
