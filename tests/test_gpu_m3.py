@@ -18,7 +18,10 @@ from m31ctl.errors import RuleViolation
 from m31ctl.rehearsal import make_tiny_m3
 
 CAPTURE = Path(__file__).parent / "fixtures" / "gpu" / "h200-m3-vllm026"
-HOPPER_ON_ONE = ("engine.image=vllm/vllm-openai:v0.26.0", "parallelism.tensor=1")
+V026 = "engine.image=vllm/vllm-openai:v0.26.0"
+# The Hopper recipe on one GPU, as launched there; its image here is the recipe's own (the
+# day-zero one), which plans: vLLM 0.26's image is now refused (the FP8 main cache, below).
+HOPPER_ON_ONE = ("parallelism.tensor=1",)
 
 
 def _plan(hw: str, *sets: str, recipe: str = "hopper"):
@@ -62,8 +65,20 @@ def test_the_recipes_fp8_index_cache_is_refused_on_hopper_before_vllm_032(versio
     assert "25% fewer KV tokens" in message
 
 
-def test_the_fallback_plans_and_newer_engines_keep_fp8():
-    assert _plan("h200x8", "engine.image=vllm/vllm-openai:v0.26.0", "cache.indexer_dtype=bf16")
+def test_the_index_caches_fallback_meets_the_main_caches_refusal_on_026():
+    """bf16 index keys clear the indexer; vLLM 0.26's FP8 main cache under the Triton sparse
+    attention, seen crashing on the H200 (the capture below), is refused next, with its source.
+    The Hopper recipe keeps its main cache FP8, so on Hopper it names no fallback."""
+    message = _refusal("h200x8", V026, "cache.indexer_dtype=bf16")
+    assert "FP8 sparse-attention index cache" not in message
+    assert (
+        "an FP8 main KV cache under MiniMax-M3's sparse attention outside compute capability 10.x" in message
+    )
+    assert "minimax_m3_sparse_attn hits an illegal memory access" in message
+    assert "tests/fixtures/gpu/h200-m3-vllm026" in message
+
+
+def test_newer_engines_keep_fp8_and_say_what_is_unknown():
     for image in (
         "vllm/vllm-openai:v0.32.0",
         "vllm/vllm-openai:v0.33.1",
@@ -79,7 +94,9 @@ def test_compute_capability_10_runs_an_fp8_index_cache_on_its_msa_indexer_in_eve
 
     settings = _plan("h200x8").settings
     assert lacking_in_version(settings, simulated("b300x4"), "0.26.0", "cuda") == []
-    assert len(lacking_in_version(settings, simulated("h200x8"), "0.26.0", "cuda")) == 1
+    assert (
+        len(lacking_in_version(settings, simulated("h200x8"), "0.26.0", "cuda")) == 2
+    )  # index and main caches
     assert lacking_in_version(settings, simulated("h200x8"), "0.32.0", "cuda") == []
     assert lacking_in_version(settings, simulated("h200x8"), "0.25.0", "cuda") == []  # not in the table
 
@@ -87,7 +104,7 @@ def test_compute_capability_10_runs_an_fp8_index_cache_on_its_msa_indexer_in_eve
 def test_the_tiny_checkpoints_cost_is_its_own_geometry(tiny_m3):
     """With the checkpoint's config.json on the host the cost is its own: 4 layers x 1,024 bytes
     of FP8 K and V, and 3 sparse layers x 128 index values."""
-    message = _refusal("h200x1", *HOPPER_ON_ONE, f"model.path={tiny_m3}")
+    message = _refusal("h200x1", V026, *HOPPER_ON_ONE, f"model.path={tiny_m3}")
     assert (
         "each rank stores 4,864 bytes a token instead of 4,480 (3 sparse layers x 128 index values)"
         in message
@@ -115,8 +132,13 @@ def test_doctor_names_what_the_imported_vllm_lacks(tiny_m3):
     assert "--set cache.indexer_dtype=bf16 serves without it" in outcome.message
     newer = EngineConfigCheck.from_json({"ok": True, "vllm": "0.32.0", "platform": "cuda", "resolved": {}})
     assert judge_capabilities(built, newer, deployment, "natively") is built
+    newer_only = judge_capabilities(built, newer, deployment, "natively")
+    assert newer_only is built  # 0.32's answers: true for the index cache, unknown for the main
     fallback = derive(_plan("h200x1", *HOPPER_ON_ONE, "cache.indexer_dtype=bf16", f"model.path={tiny_m3}"))
-    assert judge_capabilities(built, answer, fallback, "natively") is built
+    main_cache = judge_capabilities(built, answer, fallback, "natively")
+    # What the H200 showed: doctor --deep passed this plan there; it fails it now, for the main cache.
+    assert main_cache.status is CheckStatus.FAIL and "an FP8 main KV cache" in main_cache.message
+    assert "FP8 sparse-attention index cache" not in main_cache.message
 
 
 # --- verify on random weights ----------------------------------------------------------------------
@@ -297,7 +319,8 @@ def test_the_prediction_is_replayed_here_from_the_checkpoints_config(cli, tmp_pa
     (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     for case in CASES:
         kind, util = case.split("-u")
-        sets = ["engine.image=vllm/vllm-openai:v0.26.0", "parallelism.tensor=1", "cache.indexer_dtype=bf16",
+        # The recipe's own image: capacity does not depend on it, and 0.26's is now refused.
+        sets = ["parallelism.tensor=1", "cache.indexer_dtype=bf16",
                 f"serving.gpu_memory_utilization={util}", f"model.path={tmp_path}"]  # fmt: skip
         if kind == "eager":
             sets.append('engine.extra_args=["--enforce-eager"]')

@@ -727,6 +727,16 @@ def capability_uses(ctx: RuleContext) -> list[Use]:
         and (ctx.hardware.arch or "").split(".")[0] != "10"
     ):
         uses.append(Use("fp8_indexer_cache_off_sm100", "cache.indexer_dtype", s.cache.indexer_dtype))
+    # The main cache of the sparse layers, off SM10x: the Triton sparse-attention kernel
+    # (common/sparse_attention.py select_main_backend_and_impl_cls), whose FP8 path vLLM 0.26
+    # was seen crashing on on the H200.
+    if (
+        ctx.minimax_m3
+        and ctx.platform is Platform.CUDA
+        and s.cache.kv_dtype in ("fp8", "fp8_e4m3")
+        and (ctx.hardware.arch or "").split(".")[0] != "10"
+    ):
+        uses.append(Use("fp8_kv_cache_sparse_off_sm100", "cache.kv_dtype", s.cache.kv_dtype))
     if s.cache.kv_dtype == "nvfp4":
         uses.append(Use("nvfp4_kv_cache", "cache.kv_dtype", "nvfp4"))
         for key, backend in (
