@@ -524,33 +524,80 @@ def _start_up_log(vllm_py: str, p, log: Path) -> dict[int, RankLog]:  # type: ig
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
-    text = log.read_text(errors="replace")
+    return _rank_logs(log.read_text(errors="replace"), ranks)
+
+
+LAYOUTS = {"dp1": (1, False), "dp2": (2, False), "dp2-ep": (2, True)}
+MOE_CAPTURE = ROOT / "tests" / "fixtures" / "engine-truth" / "moe-dp2"
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.heavy  # scripts/test --heavy: three vLLM starts of a 0.75 GiB MoE (about 4.5 min here)
+def test_capacity_is_the_moe_layout_vllm_builds_at_dp2_with_and_without_ep(vllm_py, big_moe, tmp_path):
+    """vLLM flattens the MoE over DP x TP: at DP2 each rank holds half the experts with or
+    without --enable-expert-parallel (FusedMoEParallelConfig.make). m31ctl's weights per rank and
+    KV bytes per token are compared with what each rank of real vLLM logs; the difference a
+    rank's memory shows against DP1 is the half of the experts m31ctl says it sheds. The main
+    command replays this run's capture (test_..._replayed below); M31CTL_UPDATE_CAPTURES=1 writes
+    it again."""
+    texts = {}
+    for name, (data, expert) in LAYOUTS.items():
+        _start_up_log(vllm_py, _moe_plan(big_moe, data, expert), tmp_path / f"{name}.log")
+        texts[name] = (tmp_path / f"{name}.log").read_text(errors="replace")
+    if os.environ.get("M31CTL_UPDATE_CAPTURES") == "1":
+        _write_moe_capture(big_moe, texts)
+    _assert_moe_layout(big_moe, {name: _rank_logs(text, LAYOUTS[name][0]) for name, text in texts.items()})
+
+
+def test_capacity_is_the_moe_layout_vllm_builds_at_dp2_with_and_without_ep_replayed(tmp_path):
+    """The real run's capture (tests/fixtures/engine-truth/moe-dp2: the model's config and
+    safetensors header, each layout's start-up lines from vLLM 0.32's CPU build) against today's
+    capacity model: the same assertions, no engine."""
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text((MOE_CAPTURE / "config.json").read_text())
+    header = (MOE_CAPTURE / "safetensors-header.json").read_bytes()
+    # The header alone: m31ctl reads the tensors' offsets, never their bytes.
+    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    logs = {
+        name: _rank_logs((MOE_CAPTURE / f"{name}.log").read_text(), data)
+        for name, (data, _) in LAYOUTS.items()
+    }
+    _assert_moe_layout(model, logs)
+
+
+def _rank_logs(text: str, ranks: int) -> dict[int, RankLog]:
     consumed = {int(m["dp"] or 0): (float(m["used"]), float(m["kv"])) for m in _CONSUMED.finditer(text)}
     tokens = {int(m["dp"] or 0): int(m["tokens"].replace(",", "")) for m in _TOKENS.finditer(text)}
     assert set(consumed) == set(tokens) == set(range(ranks)), text[-3000:]
     return {r: RankLog(consumed[r][0], consumed[r][1], tokens[r]) for r in range(ranks)}
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_capacity_is_the_moe_layout_vllm_builds_at_dp2_with_and_without_ep(vllm_py, big_moe, tmp_path):
-    """vLLM flattens the MoE over DP x TP: at DP2 each rank holds half the experts with or
-    without --enable-expert-parallel (FusedMoEParallelConfig.make). m31ctl's weights per rank and
-    KV bytes per token are compared with what each rank of real vLLM logs; the difference a
-    rank's memory shows against DP1 is the half of the experts m31ctl says it sheds."""
+def _write_moe_capture(model: Path, texts: dict[str, str]) -> None:
+    """The capture the replay reads: small files only (the header, not the 0.75 GiB of weights)."""
+    MOE_CAPTURE.mkdir(parents=True, exist_ok=True)
+    (MOE_CAPTURE / "config.json").write_text((model / "config.json").read_text())
+    with (model / "model.safetensors").open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        (MOE_CAPTURE / "safetensors-header.json").write_bytes(handle.read(size))
+    for name, text in texts.items():
+        lines = [line for line in text.splitlines() if _CONSUMED.search(line) or _TOKENS.search(line)]
+        (MOE_CAPTURE / f"{name}.log").write_text("\n".join(lines) + "\n")
+
+
+def _assert_moe_layout(model: Path, logs: dict[str, dict[int, RankLog]]) -> None:
     from m31ctl.capacity.fit import plan_fit
     from m31ctl.capacity.geometry import checkpoint_weights
     from m31ctl.deployment import derive
 
     gib = 1024**3
-    dense, experts = checkpoint_weights(big_moe)
+    dense, experts = checkpoint_weights(model)
     assert experts > 0.7 * gib and dense < 0.01 * gib  # the header split: routed experts vs the rest
-    layouts = {"dp1": (1, False), "dp2": (2, False), "dp2-ep": (2, True)}
-    fits, logs = {}, {}
-    for name, (data, expert) in layouts.items():
-        p = _moe_plan(big_moe, data, expert)
-        fits[name] = plan_fit(derive(p), 2048)
-        logs[name] = _start_up_log(vllm_py, p, tmp_path / f"{name}.log")
+    fits = {
+        name: plan_fit(derive(_moe_plan(model, data, expert)), 2048)
+        for name, (data, expert) in LAYOUTS.items()
+    }
     # m31ctl: half the experts per rank at DP2, EP or not (the old model kept all of them without EP)
     shed = (fits["dp1"].weights_per_gpu_bytes - fits["dp2"].weights_per_gpu_bytes) / gib
     assert fits["dp2"].weights_per_gpu_bytes == fits["dp2-ep"].weights_per_gpu_bytes

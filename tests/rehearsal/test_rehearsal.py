@@ -86,7 +86,7 @@ def test_native_launch_smoke_verify(cpu_server, tmp_path):
     assert result["ready"] and timings["models_first_answer"] <= timings["ready"]
     assert not [k for k, v in timings.items() if timings["models_first_answer"] < v < timings["ready"]]
     print(f"native ready after {result['timings_s']['ready']:.1f} s")
-    again = run_cli(*cpu_server.launch_args, "--json", env=env)
+    again = run_cli(*cpu_server.launch_args, "--skip-deep", "--json", env=env)  # deep: at the launch
     assert last_json(again.stdout)["action"] == "unchanged"
     status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"]
     assert [r["name"] for r in status] == [name] and status[0]["health"] == 200
