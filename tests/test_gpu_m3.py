@@ -61,8 +61,13 @@ def test_the_recipes_fp8_index_cache_is_refused_on_hopper_before_vllm_032(versio
     # The fallback and what it costs MiniMax-M3.1-Flash at TP8 (models.yaml's geometry): the
     # index keys double, 23,040 -> 30,720 bytes a token on each rank.
     assert "--set cache.indexer_dtype=bf16 serves without it" in message
-    assert "each rank stores 30,720 bytes a token instead of 23,040" in message
-    assert "25% fewer KV tokens" in message
+    assert "its cost in KV tokens: m31ctl capacity --set cache.indexer_dtype=bf16" in message
+    # ... which the capacity model tells (doctor's refusal says it too): the index keys double.
+    from m31ctl.capacity.indexer_cost import indexer_cost
+
+    plan = _plan("h200x8")
+    cost = indexer_cost(plan.settings, plan.model, "bf16")
+    assert "each rank stores 30,720 bytes a token instead of 23,040" in cost and "25% fewer KV tokens" in cost
 
 
 def test_the_index_caches_fallback_meets_the_main_caches_refusal_on_026():
@@ -104,10 +109,12 @@ def test_compute_capability_10_runs_an_fp8_index_cache_on_its_msa_indexer_in_eve
 def test_the_tiny_checkpoints_cost_is_its_own_geometry(tiny_m3):
     """With the checkpoint's config.json on the host the cost is its own: 4 layers x 1,024 bytes
     of FP8 K and V, and 3 sparse layers x 128 index values."""
-    message = _refusal("h200x1", V026, *HOPPER_ON_ONE, f"model.path={tiny_m3}")
+    from m31ctl.capacity.indexer_cost import indexer_cost
+
+    plan = _plan("h200x1", *HOPPER_ON_ONE, f"model.path={tiny_m3}")
     assert (
         "each rank stores 4,864 bytes a token instead of 4,480 (3 sparse layers x 128 index values)"
-        in message
+        in indexer_cost(plan.settings, plan.model, "bf16")
     )
 
 
@@ -130,6 +137,7 @@ def test_doctor_names_what_the_imported_vllm_lacks(tiny_m3):
         "vLLM 0.26.0 natively builds the plan's configuration but its model code lacks: an FP8 sparse-attention"
     )
     assert "--set cache.indexer_dtype=bf16 serves without it" in outcome.message
+    assert "(a bf16 index cache: each rank stores 4,864 bytes a token instead of 4,480" in outcome.message
     newer = EngineConfigCheck.from_json({"ok": True, "vllm": "0.32.0", "platform": "cuda", "resolved": {}})
     assert judge_capabilities(built, newer, deployment, "natively") is built
     newer_only = judge_capabilities(built, newer, deployment, "natively")

@@ -32,6 +32,11 @@ from m31ctl import interrupt
 from tests.conftest import ROOT, run_cli
 from tests.ports import free_port
 
+# pytest-timeout bounds these tests from a thread: its default, SIGALRM, would hold the alarm that
+# m31ctl arms its grace cut on only when nobody else holds it (m31ctl/interrupt.py), and the tests
+# here that send Ctrl-C in-process would prove the cut missing.
+pytestmark = pytest.mark.timeout(1200, method="thread")
+
 LINE = f"m31ctl: error: {interrupt.INTERRUPTED_LINE}"
 # Delays after the marker line, seconds: at once, within the first poll, a few polls on, later.
 SWEEP = (0.0, 0.05, 0.2, 0.5, 1.2, 2.5)
@@ -81,9 +86,6 @@ def test_sleep_ends_when_a_signal_arrives(handling):
     assert time.monotonic() - started < 300  # it ended on the signal, not at its length
 
 
-# pytest-timeout's per-test alarm (pyproject.toml) would hold SIGALRM, and m31ctl arms its grace
-# cut only on a SIGALRM nobody else holds (m31ctl/interrupt.py): this test's bound is its own sleep.
-@pytest.mark.timeout(0)
 def test_a_blocking_step_without_a_check_is_cut_after_the_grace():
     with interrupt.handling():
         _signal_self()

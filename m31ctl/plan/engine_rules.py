@@ -60,7 +60,7 @@ class Engine(NamedTuple):
     images: tuple[str, ...]
 
 
-class Fallback(NamedTuple):
+class CapabilityFallback(NamedTuple):
     """The setting that serves without a capability an engine lacks, and why it is one."""
 
     key: str
@@ -72,7 +72,7 @@ class Capability(NamedTuple):
     id: str
     name: str
     engines: tuple[tuple[str, CapabilityAnswer], ...]  # (engine pattern, answer), first match answers
-    fallback: Fallback | None = None
+    fallback: CapabilityFallback | None = None
 
     def answer(self, engine: str) -> CapabilityAnswer | None:
         for pattern, answer in self.engines:
@@ -122,12 +122,12 @@ def _answer(data: Any, where: str) -> CapabilityAnswer:
     return CapabilityAnswer(has, " ".join(str(data["source"]).split()))
 
 
-def _fallback(data: Any, where: str) -> Fallback | None:
+def _fallback(data: Any, where: str) -> CapabilityFallback | None:
     if data is None:
         return None
     if not isinstance(data, dict) or not {"key", "value", "note"} <= set(data):
         raise InputError("a fallback needs `key`, `value` and `note`", where=where)
-    return Fallback(str(data["key"]), data["value"], " ".join(str(data["note"]).split()))
+    return CapabilityFallback(str(data["key"]), data["value"], " ".join(str(data["note"]).split()))
 
 
 def _platform(value: Any, where: str) -> Platform:
@@ -867,45 +867,14 @@ def lacking_in_version(settings: PlanSettings, hw: Hardware, version: str, platf
     return found
 
 
-def _fallback_hint(ctx: RuleContext, fallback: Fallback) -> str:
-    """`--set KEY=VALUE` with what it costs: for the index cache's dtype, the bytes a token each
-    rank stores before and after (the checkpoint's config.json, else recipes/models.yaml)."""
+def _fallback_hint(ctx: RuleContext, fallback: CapabilityFallback) -> str:
+    """`--set KEY=VALUE`, and for the index cache's dtype where its cost is told: the capacity
+    model's (m31ctl/capacity/indexer_cost.py), which the plan stage does not import (data flows
+    one way: capacity reads plans)."""
     hint = f"--set {fallback.key}={fallback.value} serves without it ({fallback.note})"
     if fallback.key != "cache.indexer_dtype":
         return hint
-    cost = indexer_cost(ctx.settings, ctx.model, str(fallback.value))
-    return f"{hint}: {cost}" if cost else hint
-
-
-def indexer_cost(settings: PlanSettings, model: ModelFacts, dtype: str) -> str:
-    """What an index cache of `dtype` costs against the plan's: each rank's bytes a token (main
-    attention plus index keys, capacity/memory.py token_bytes) and the KV tokens that leaves."""
-    # lazy: the capacity package reads the plan's catalog; a cycle at import otherwise
-    from m31ctl.capacity.geometry import config_geometry, facts_geometry
-    from m31ctl.capacity.memory import CACHE_BYTES_PER_VALUE, INDEXER_AUTO_DTYPE
-
-    directory, _looked = checkpoint_dir(settings)
-    geometry = (
-        config_geometry(directory / "config.json", model.display_name) if directory else facts_geometry(model)
-    )
-    spelled = {"auto": geometry.dtype, "fp8_e4m3": "fp8"}
-    kv = spelled.get(settings.cache.kv_dtype, settings.cache.kv_dtype)
-    now, then = (
-        {**spelled, "auto": INDEXER_AUTO_DTYPE}.get(d, d) for d in (settings.cache.indexer_dtype, dtype)
-    )
-    sizes = [CACHE_BYTES_PER_VALUE.get(d) for d in (kv, now, then)]
-    if None in sizes or not geometry.sparse_layers:
-        return ""
-    value, index_now, index_then = (float(size or 0) for size in sizes)
-    tp = settings.parallelism.tensor
-    main = geometry.layers * 2 * max(1, geometry.kv_heads // tp) * geometry.head_dim * value
-    before = main + geometry.sparse_layers * geometry.indexer_dim * index_now
-    after = main + geometry.sparse_layers * geometry.indexer_dim * index_then
-    return (
-        f"each rank stores {after:,.0f} bytes a token instead of {before:,.0f} "
-        f"({geometry.sparse_layers} sparse layers x {geometry.indexer_dim} index values), "
-        f"{100 * (1 - before / after):.0f}% fewer KV tokens in the same memory"
-    )
+    return f"{hint}; its cost in KV tokens: m31ctl capacity --set {fallback.key}={fallback.value}"
 
 
 # --- the generated reference (docs/engine-rules.md) ----------------------------------------------

@@ -146,7 +146,7 @@ def config(quant: str, text_config: dict[str, Any] | None = None) -> dict[str, A
 def nvfp4(weight: Any) -> dict[str, Any]:
     """ModelOpt NVFP4 of one [out, in] weight: packed E2M1 codes, FP8 block scales (16 inputs
     each) and the per-tensor FP32 second-level scale, so that weight ~= E2M1 x block x global."""
-    import torch
+    import torch  # the engine's Python has it; the config alone (tests) is made without
 
     out, inn = weight.shape
     w = weight.float()
@@ -169,7 +169,7 @@ def nvfp4(weight: Any) -> dict[str, Any]:
 
 def weights(quant: str, seed: int = 0, text_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every tensor vLLM's MiniMaxM3Model.load_weights reads, under the checkpoint's names."""
-    import torch
+    import torch  # the engine's Python has it; the config alone (tests) is made without
 
     c = text_config or TEXT_CONFIG
     gen = torch.Generator().manual_seed(seed)

@@ -81,6 +81,7 @@ def tokenizer(
     entries, save it with the chat template into `directory` and return it. With markers, the
     vocabulary is padded with unused entries up to vocab_size, so every id a model of that
     vocabulary can sample decodes."""
+    # the engine's Python has them; importing this module for its CONFIG needs neither
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from m31ctl.capacity.indexer_cost import indexer_cost
 from m31ctl.checks import CheckStatus
 from m31ctl.deployment import Deployment
 from m31ctl.doctor.base import CheckContext, Outcome, SkipCheck
@@ -213,9 +214,14 @@ def judge_capabilities(
     lacks = lacking_in_version(plan.settings, plan.hardware, answer.vllm, answer.platform)
     if not lacks:
         return outcome
+    # The index cache's fallback has a price in KV tokens: said here, where capacity is known.
+    cost = (
+        indexer_cost(plan.settings, plan.model, "bf16") if plan.settings.cache.indexer_dtype == "fp8" else ""
+    )
     return Outcome(
         CheckStatus.FAIL,
         f"vLLM {answer.vllm} {where} builds the plan's configuration but its model code lacks: "
-        + "; ".join(lacks),
+        + "; ".join(lacks)
+        + (f" (a bf16 index cache: {cost})" if cost else ""),
         "use the fallback named, or a vLLM that has it (recipes/engines/capabilities.yaml)",
     )
