@@ -35,10 +35,11 @@ def resolve_commit(repo: str, revision: str) -> str:
         with hub_errors(repo, revision, endpoint):
             info = HfApi(endpoint=endpoint).model_info(repo, revision=revision, timeout=20)
     except M31Error as exc:
-        # The hub's refusal in pull's words, and how to render without asking it.
+        # The hub's refusal in pull's words, its own remedy first, and how to render without asking it.
+        pin = "pin it yourself: --revision COMMIT (m31ctl pull prints it), or --locked FILE"
         raise type(exc)(
             f"cannot pin {repo}@{revision} to a commit: {exc.message}",
-            hint="pin it yourself: --revision COMMIT (m31ctl pull prints it), or --locked FILE",
+            hint=f"{exc.hint}; or {pin}" if exc.hint else pin,
         ) from None
     if not info.sha:
         raise HostPreconditionError(f"the hub's answer for {repo}@{revision} names no commit")

@@ -322,3 +322,10 @@ def hub_errors(repo: str, revision: str, endpoint: str | None, path: str | None 
             f"cannot reach {hub} for {where}: {type(exc).__name__}",
             hint="check the network, HF_ENDPOINT and proxy settings",
         ) from None
+    except OSError as exc:
+        # huggingface_hub reads its token and writes its cache under HF_HOME (by default
+        # $XDG_CACHE_HOME/huggingface): a file there, or no permission, fails before any request.
+        raise HostPreconditionError(
+            f"huggingface_hub cannot use {exc.filename or 'its files'} for {where}: {exc.strerror or exc}",
+            hint="point HF_HOME (or XDG_CACHE_HOME) at a directory this user can write",
+        ) from None
