@@ -220,6 +220,15 @@ def within_limit(deployment: Deployment, context: int, context_text: str) -> tup
     return limit, limit_source
 
 
+# capacity's context when none is asked for: the launch post's comparison point, or the plan's
+# longest sequence where that is shorter (the CPU rehearsal serves 2,048 positions).
+DEFAULT_CONTEXT = 256 * 1024
+
+
+def default_context(deployment: Deployment) -> int:
+    return min(DEFAULT_CONTEXT, context_limit(deployment)[0])
+
+
 def context_limit(deployment: Deployment) -> tuple[int, str]:
     """The longest sequence the plan can serve, and why: its serving.max_model_len, or the
     checkpoint's positions when those are more (a plan may ask capacity about a longer

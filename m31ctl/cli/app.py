@@ -227,7 +227,12 @@ def probe(json: JsonOpt = False) -> None:
 def capacity(
     plan_options: PlanOptions,
     json: JsonOpt = False,
-    context: Annotated[str, typer.Option("--context", help="Context length: 262144, 256k, 1m.")] = "256k",
+    context: Annotated[
+        str | None,
+        typer.Option(
+            "--context", help="Context length: 262144, 256k, 1m. [default: 256k, or the plan's longest]"
+        ),
+    ] = None,
     sequences: Annotated[
         int | None, typer.Option("--sequences", help="Also report the longest context for N sequences.")
     ] = None,

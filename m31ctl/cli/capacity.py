@@ -9,6 +9,7 @@ from typing import Any
 from m31ctl.capacity.fit import (
     ComparisonRow,
     comparison,
+    default_context,
     plan_fit,
     plan_layout,
     plan_longest_context,
@@ -76,10 +77,11 @@ class CapacityShown:
 
 
 def run(
-    deployment: Deployment, context_text: str, sequences: int | None, plot: Path | None, as_json: bool
+    deployment: Deployment, context_text: str | None, sequences: int | None, plot: Path | None, as_json: bool
 ) -> None:
-    context = parse_context(context_text)
-    limit, limit_source = within_limit(deployment, context, context_text)
+    # No --context: the default the plan can serve (never a refusal of a flag nobody typed).
+    context = parse_context(context_text) if context_text is not None else default_context(deployment)
+    limit, limit_source = within_limit(deployment, context, context_text or str(context))
     if plot is not None:
         check_path(plot)
     fit = plan_fit(deployment, context)

@@ -373,3 +373,15 @@ def test_a_pd_plan_states_each_roles_capacity():
     assert f"decode ({roles['decode']['layout']}): {roles['decode']['sequences']} sequences" in text
     alone = run_cli("capacity", "--hardware", "b300x8", "--json")
     assert json.loads(alone.stdout)["roles"] is None
+
+
+def test_without_context_capacity_asks_what_the_plan_can_serve(cli):
+    """No --context: 256k, or the plan's longest sequence where that is shorter. The CPU recipe's
+    2,048 positions used to be refused as '--context 256k', a flag the user never typed."""
+    shown = cli("capacity", "--recipe", "cpu", "--hardware", "cpu", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["fit"]["context"] == 2048
+    gpu = cli("capacity", "--hardware", "b300x4", "--json")
+    assert json.loads(gpu.stdout)["fit"]["context"] == 262144
+    asked = cli("capacity", "--recipe", "cpu", "--hardware", "cpu", "--context", "256k")
+    assert asked.returncode == 2 and "--context 256k (262,144 tokens) is beyond" in asked.stderr
