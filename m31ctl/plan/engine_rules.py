@@ -718,24 +718,18 @@ def capability_uses(ctx: RuleContext) -> list[Use]:
         uses.append(Use("flashinfer_ts_nvfp4_draft", "speculative.draft_attention_backend", "FLASHINFER_TS"))
     if ctx.minimax_m3 and s.cache.indexer_dtype == "nvfp4":
         uses.append(Use("nvfp4_indexer_cache", "cache.indexer_dtype", "nvfp4"))
+    # MiniMax-M3 on a CUDA GPU outside SM10x runs its Triton kernels, not SM10x's MSA ones.
+    triton_m3 = (
+        ctx.minimax_m3 and ctx.platform is Platform.CUDA and (ctx.hardware.arch or "").split(".")[0] != "10"
+    )
     # An FP8 index cache runs on SM10x's MSA indexer in every release, elsewhere on the Triton
     # indexer, which takes FP8 from vLLM 0.32 on (common/indexer.py select_indexer_impl_cls).
-    if (
-        ctx.minimax_m3
-        and ctx.platform is Platform.CUDA
-        and s.cache.indexer_dtype in ("fp8", "fp8_e4m3")
-        and (ctx.hardware.arch or "").split(".")[0] != "10"
-    ):
+    if triton_m3 and s.cache.indexer_dtype in ("fp8", "fp8_e4m3"):
         uses.append(Use("fp8_indexer_cache_off_sm100", "cache.indexer_dtype", s.cache.indexer_dtype))
     # The main cache of the sparse layers, off SM10x: the Triton sparse-attention kernel
     # (common/sparse_attention.py select_main_backend_and_impl_cls), whose FP8 path vLLM 0.26
     # was seen crashing on on the H200.
-    if (
-        ctx.minimax_m3
-        and ctx.platform is Platform.CUDA
-        and s.cache.kv_dtype in ("fp8", "fp8_e4m3")
-        and (ctx.hardware.arch or "").split(".")[0] != "10"
-    ):
+    if triton_m3 and s.cache.kv_dtype in ("fp8", "fp8_e4m3"):
         uses.append(Use("fp8_kv_cache_sparse_off_sm100", "cache.kv_dtype", s.cache.kv_dtype))
     if s.cache.kv_dtype == "nvfp4":
         uses.append(Use("nvfp4_kv_cache", "cache.kv_dtype", "nvfp4"))
