@@ -229,12 +229,21 @@ def weights(quant: str, seed: int = 0, text_config: dict[str, Any] | None = None
     return t
 
 
-def make(directory: Path, quant: str = "nvfp4", heads: int | None = None) -> dict[str, Any]:
+def make(
+    directory: Path, quant: str = "nvfp4", heads: int | None = None, kv_heads: int | None = None
+) -> dict[str, Any]:
     """Write the checkpoint; return what m31ctl-rehearsal.json says of it. `heads`: query heads
-    (8 by default; the real model's 64 keep its 16 query heads per KV head)."""
+    (8 by default; the real model's 64 keep its 16 query heads per KV head). `kv_heads`: KV heads
+    (4 by default, the real model's total; 1 is what each rank holds when the real model runs at
+    TP8, since vLLM replicates 4 KV heads over 8 ranks: one GPU then sees the Hopper recipe's
+    per-rank attention shapes)."""
     from safetensors.torch import save_file  # type: ignore[import-not-found,unused-ignore]
 
-    text_config = {**TEXT_CONFIG, "num_attention_heads": heads or TEXT_CONFIG["num_attention_heads"]}
+    text_config = {
+        **TEXT_CONFIG,
+        "num_attention_heads": heads or TEXT_CONFIG["num_attention_heads"],
+        "num_key_value_heads": kv_heads or TEXT_CONFIG["num_key_value_heads"],
+    }
 
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_model.tokenizer(directory, TEXT_CONFIG["vocab_size"], MARKERS, CHAT_TEMPLATE)
@@ -280,7 +289,8 @@ if __name__ == "__main__":
     parser.add_argument("directory", type=Path)
     parser.add_argument("--quant", choices=("nvfp4", "bf16"), default="nvfp4")
     parser.add_argument("--heads", type=int, default=None, help="query heads (default 8)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="KV heads (default 4; 1: a TP8 rank's)")
     ns = parser.parse_args()
     started = time.monotonic()
-    made = make(ns.directory, ns.quant, ns.heads)
+    made = make(ns.directory, ns.quant, ns.heads, ns.kv_heads)
     print(json.dumps({**made, "seconds": round(time.monotonic() - started, 1)}))
