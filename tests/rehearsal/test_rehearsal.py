@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import last_json, run_cli
+from tests.conftest import ROOT, last_json, run_cli
 from tests.ports import free_port
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 IMAGE = "m31ctl/vllm-cpu:0.32.0"
 
 
@@ -73,6 +72,8 @@ def assert_capacity_matches_engine(log: str, model_dir: Path, *sets: str) -> Non
     assert predicted["sequences"] == int(concurrency)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_native_launch_smoke_verify(cpu_server, tmp_path):
     """The session's shared server (tests/support/servers.py), launched natively with the deep
     preflight: ready, unchanged on a relaunch, listed, smoke and verify pass, a bare `verify` reads
@@ -131,6 +132,8 @@ def test_native_launch_smoke_verify(cpu_server, tmp_path):
     assert_capacity_matches_engine(logs.stdout, cpu_server.model)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 @pytest.mark.docker
 def test_container_launch_smoke_stop(tiny_model, rehearsal_image):
     from m31ctl.runtime.engine_api import connect
@@ -179,11 +182,15 @@ def test_container_launch_smoke_stop(tiny_model, rehearsal_image):
     assert name not in [c.name for c in client.containers.list(all=True)]
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_smoke_against_nothing_fails_cleanly():
     result = run_cli("smoke", "--url", f"http://127.0.0.1:{free_port()}")
     assert result.returncode == 6 and "does not answer" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
 @pytest.mark.docker
 def test_doctor_asks_the_image_own_vllm(tiny_model, tmp_path, rehearsal_image):
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
@@ -228,11 +235,21 @@ def test_doctor_asks_the_image_own_vllm(tiny_model, tmp_path, rehearsal_image):
     assert engine["status"] in ("fail", "warn") and "decode: the image's vLLM" in engine["message"], engine
 
 
+TP2_CAPTURE = ROOT / "tests" / "fixtures" / "rehearsal" / "tp2-one-kv-head"
+# The lines of vLLM's start-up log the proof reads: the engine's configuration (TP2) and its KV
+# cache (v1/core/kv_cache_utils.py).
+_TP2_LINES = re.compile(r"tensor_parallel_size=\d+|KV cache size: ")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.heavy  # scripts/test --heavy: a TP2 start of real vLLM (about 50 s here); replayed below
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM's CPU build binds one core to each TP rank")
 def test_capacity_predicts_tp2_with_replicated_kv_heads(vllm_py, tiny_models, tmp_path):
     """One KV head over two tensor-parallel ranks: vLLM keeps max(1, 1 // 2) = 1 head on each
     rank, so TP2 holds no more tokens than TP1. A model that spread KV over the group (the
-    launch post's accounting) would predict twice as many."""
+    launch post's accounting) would predict twice as many. The test command replays this run's
+    capture (test_..._replayed below); M31CTL_UPDATE_CAPTURES=1 writes it again."""
     model = tiny_models("--kv-heads", "1")
     env = {
         **os.environ,
@@ -261,6 +278,39 @@ def test_capacity_predicts_tp2_with_replicated_kv_heads(vllm_py, tiny_models, tm
                 os.killpg(engine.pid, signal.SIGKILL)
                 engine.wait()
     text = log.read_text(errors="replace")
+    if os.environ.get("M31CTL_UPDATE_CAPTURES") == "1":
+        _write_tp2_capture(model, text)
+    _assert_tp2_capacity(text, model)
+
+
+def test_capacity_predicts_tp2_with_replicated_kv_heads_replayed(tmp_path):
+    """The real run's capture (tests/fixtures/rehearsal/tp2-one-kv-head: the model's config and
+    safetensors header, vLLM 0.32's start-up lines at TP2) against today's capacity model: the
+    same assertions, no engine."""
+    model = tmp_path / "tiny-model-kv-heads1"
+    model.mkdir()
+    (model / "config.json").write_text((TP2_CAPTURE / "config.json").read_text())
+    header = (TP2_CAPTURE / "safetensors-header.json").read_bytes()
+    # The header alone: m31ctl reads the tensors' offsets, never their bytes.
+    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    _assert_tp2_capacity((TP2_CAPTURE / "engine.log").read_text(), model)
+
+
+def _write_tp2_capture(model: Path, text: str) -> None:
+    """The capture the replay reads: small files only (the header, not the weights)."""
+    TP2_CAPTURE.mkdir(parents=True, exist_ok=True)
+    (TP2_CAPTURE / "config.json").write_text((model / "config.json").read_text())
+    (weights,) = model.glob("*.safetensors")
+    with weights.open("rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        (TP2_CAPTURE / "safetensors-header.json").write_bytes(handle.read(size))
+    lines = [line for line in text.splitlines() if _TP2_LINES.search(line)]
+    (TP2_CAPTURE / "engine.log").write_text("\n".join(lines) + "\n")
+
+
+def _assert_tp2_capacity(text: str, model: Path) -> None:
+    assert "tensor_parallel_size=2" in text, text[-3000:]  # the engine ran at TP2
+    assert json.loads((model / "config.json").read_text())["num_key_value_heads"] == 1
     tokens, _length, _concurrency = engine_kv_line(text)
     assert tokens == 2**30 // (2 * 2 * 1 * 64 * 2)  # 1 GiB / 512 bytes a token on each rank
     assert_capacity_matches_engine(text, model, "parallelism.tensor=2")
