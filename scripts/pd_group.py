@@ -15,20 +15,20 @@ import contextlib
 import http.client
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import vllm_env  # scripts/vllm_env.py: where the tests' vLLM lives
+
+# scripts/loopback.py: ports and HTTP, shared with the tests; metrics_text for scripts/bench_pd.py
+from loopback import Answer, free_port, request
+from loopback import metrics_text as metrics_text
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVED_NAME = "tiny"
@@ -153,32 +153,6 @@ def router_argv(port: int, prefill: str, decode: str, prometheus_port: int) -> l
 
 
 # ---------------------------------------------------------------------------------------------
-# Ports: tests/ports.py's picker (a script does not import the tests). Below the kernel's
-# ephemeral range (32768-60999 by default), where no outgoing connection takes a port between
-# the pick and the server's bind (NIXL's side channel binds only after the engine has loaded),
-# and never twice by one process.
-
-_BELOW_EPHEMERAL = range(20000, 32000)
-_handed_out: set[int] = set()
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before."""
-    for _ in range(1000):
-        port = random.choice(_BELOW_EPHEMERAL)
-        if port in _handed_out:
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port in {_BELOW_EPHEMERAL.start}-{_BELOW_EPHEMERAL.stop - 1}")
-
-
-# ---------------------------------------------------------------------------------------------
 # Processes.
 
 
@@ -279,28 +253,8 @@ def router(prefill: Engine, decode: Engine, logs: Path) -> Router:
 
 
 # ---------------------------------------------------------------------------------------------
-# HTTP, with the standard library only (the test runs in .venv, the servers in vLLM's environment).
-
-
-class Answer(NamedTuple):
-    status: int  # 0: no HTTP answer at all (refused, reset)
-    body: str
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-def request(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> Answer:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} if data else {}
-    req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return Answer(resp.status, resp.read().decode("utf-8", "replace"))
-    except urllib.error.HTTPError as exc:
-        return Answer(exc.code, exc.read().decode("utf-8", "replace"))
-    except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException) as exc:
-        return Answer(0, str(exc))
+# HTTP, with the standard library only (the test runs in .venv, the servers in vLLM's environment):
+# scripts/loopback.py's request and metrics_text.
 
 
 def completion(base: str, prompt: str, max_tokens: int = 16) -> Answer:
@@ -388,13 +342,6 @@ def wait_until(
 
 def healthy(base: str) -> bool:
     return request(f"{base}/health", timeout=10).status == 200
-
-
-def metrics_text(base: str) -> str:
-    answer = request(f"{base}/metrics", timeout=30)
-    if answer.status != 200:
-        raise RuntimeError(f"{base}/metrics answered HTTP {answer.status}: {answer.body[:300]}")
-    return answer.body
 
 
 # ---------------------------------------------------------------------------------------------
