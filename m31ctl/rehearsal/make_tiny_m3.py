@@ -239,11 +239,13 @@ def make(
     per-rank attention shapes)."""
     from safetensors.torch import save_file  # type: ignore[import-not-found,unused-ignore]
 
-    text_config = {
-        **TEXT_CONFIG,
-        "num_attention_heads": heads or TEXT_CONFIG["num_attention_heads"],
-        "num_key_value_heads": kv_heads or TEXT_CONFIG["num_key_value_heads"],
-    }
+    text_config = {**TEXT_CONFIG, "num_attention_heads": heads or TEXT_CONFIG["num_attention_heads"]}
+    if kv_heads:
+        # The index heads follow: vLLM fuses index_q into the QKV projection and shards it like
+        # the KV heads (0.26 model_executor/layers/linear.py MinimaxM3QKVParallelLinearWithIndexer
+        # asserts total_num_index_heads == total_num_kv_heads; at TP >= 4 a rank holds one of each).
+        sparse = {**TEXT_CONFIG["sparse_attention_config"], "sparse_num_index_heads": kv_heads}
+        text_config.update(num_key_value_heads=kv_heads, sparse_attention_config=sparse)
 
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tiny_model.tokenizer(directory, TEXT_CONFIG["vocab_size"], MARKERS, CHAT_TEMPLATE)
