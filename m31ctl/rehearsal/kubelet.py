@@ -16,6 +16,7 @@ from typing import Any
 
 from m31ctl import interrupt
 from m31ctl.labels import Label
+from m31ctl.rehearsal import docker_verbs
 from m31ctl.rehearsal.pods import NAMESPACE, PodRun, Probe, Volume
 from m31ctl.runtime import engine_api
 from m31ctl.units import quantity_bytes
@@ -60,7 +61,7 @@ def field_values(pod: PodRun, address: str) -> list[tuple[str, str]]:
 
 
 def run_args(pod: PodRun, session: str, network: str, address: str = "") -> dict[str, Any]:
-    """engine_api.run_detached's arguments for one pod's container: what the kubelet would hand
+    """docker_verbs.run_detached's arguments for one pod's container: what the kubelet would hand
     the runtime. Environment values here are the plan's (settings refuse secrets in them); the
     secrets' values are added by Kubelet.start, into the API request only (never any argv)."""
     host: dict[str, Any] = {"mounts": [_mount(volume, session) for volume in pod.volumes]}
@@ -134,7 +135,7 @@ def http_probe(ip: str, probe: Probe, timeout: float) -> tuple[bool, str]:
 
 
 def exec_probe(client: Any, container: str, probe: Probe) -> tuple[bool, str]:
-    done = engine_api.exec_in(client, container, probe.command, timeout=probe.timeout_s)
+    done = docker_verbs.exec_in(client, container, probe.command, timeout=probe.timeout_s)
     return done.ok, f"exit {done.code}" + (f": {done.err.strip()[-200:]}" if done.err.strip() else "")
 
 
@@ -160,7 +161,7 @@ class Kubelet:
         address = "" if pod.init else self.addresses.get(pod.pod, "")
         create = run_args(pod, self.session, self.network, address)
         create["environment"] += [f"{name}={secrets[name]}" for name, _ in pod.secrets if name in secrets]
-        done = engine_api.run_detached(self.client, **create)
+        done = docker_verbs.run_detached(self.client, **create)
         state = PodState(pod, container_name(self.session, pod), self.clock())
         if not done.ok:
             state.status, state.exit_code = "not started", done.code
@@ -184,7 +185,7 @@ class Kubelet:
         if state.status != "running":
             return state
         if meanwhile is None:
-            code = engine_api.wait_exit(self.client, state.name, timeout)
+            code = docker_verbs.wait_exit(self.client, state.name, timeout)
             state.exit_code = -1 if code is None else code
             state.status = "exited"
             return state
@@ -192,7 +193,7 @@ class Kubelet:
         while state.status == "running":
             self.refresh(state)
             if state.status == "running" and self.clock() > deadline:
-                engine_api.kill(self.client, state.name)
+                docker_verbs.kill(self.client, state.name)
                 state.status, state.exit_code = "exited", -1
             elif state.status == "running":
                 meanwhile()

@@ -5,8 +5,8 @@ The steps: the plan's rehearsal twin (twin.py) rendered by the normal render cod
 read into pods (pods.py) with the environment the LWS controller and the kubelet give them; the
 pods started and probed (kubelet.py); completions and smoke sent through the leader; each node's
 log read for its ranks, addresses and, on failure, its own error line (logs.py). Side effects go
-through the program's one Docker client (m31ctl/runtime/engine_api.py) and HTTP to the
-containers' private addresses.
+through the rehearsal's Docker verbs (docker_verbs.py) over the program's one Docker client
+(m31ctl/runtime/engine_api.py), and HTTP to the containers' private addresses.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from m31ctl.errors import HostPreconditionError, InputError, M31Error
 from m31ctl.labels import Label
 from m31ctl.plan import Plan
 from m31ctl.redact import API_KEY_ENV
-from m31ctl.rehearsal import pairing
+from m31ctl.rehearsal import docker_verbs, pairing
 from m31ctl.rehearsal.kubelet import Kubelet, PodState, claim_volume
 from m31ctl.rehearsal.logs import failure_cause, read_log, root_cause
 from m31ctl.rehearsal.pods import Manifest, PodRun, ServiceRun, Volume, read_manifest, secret_mark
@@ -249,7 +249,7 @@ def ensure_image(client: Any, base: str) -> str:
         )
     shim = shim_image(base)
     if engine_api.local_image(client, shim) is None:
-        failed = engine_api.build_image(client, shim, shim_dockerfile(base), BUILD_TIMEOUT_S)
+        failed = docker_verbs.build_image(client, shim, shim_dockerfile(base), BUILD_TIMEOUT_S)
         if failed is not None:
             raise HostPreconditionError(f"building {shim} failed: {failed.strip()[-500:]}")
     return shim
@@ -269,7 +269,7 @@ def ensure_model(client: Any, base: str, model_dir: Path, moe: bool, session: st
         {"Type": "bind", "Source": str(model_dir.parent), "Target": "/out", "ReadOnly": False},
     ]
     try:
-        done = engine_api.run_to_end(
+        done = docker_verbs.run_to_end(
             client,
             MODEL_TIMEOUT_S,
             host={"mounts": mounts, "network_mode": "none"},
@@ -391,7 +391,7 @@ def serving_state(states: list[PodState], api_pod: str = "") -> PodState:
 def fatal_in_log(client: Any, state: PodState) -> str | None:
     """A node whose vLLM printed a fatal traceback but whose container lives on (a failing API
     server child leaves the parent `vllm serve` waiting): its final exception line."""
-    text = "".join(engine_api.logs_by_stream(client, state.name, tail=400))
+    text = "".join(docker_verbs.logs_by_stream(client, state.name, tail=400))
     if "Traceback (most recent call last)" not in text:
         return None
     return read_log(text).error_line
@@ -499,7 +499,9 @@ def node_outcomes(client: Any, states: list[PodState], run_failed: bool) -> tupl
     out = []
     for state in states:
         # stdout, then stderr: as the `docker logs` CLI's two streams were read back to back
-        text = "".join(engine_api.logs_by_stream(client, state.name)) if state.status != "not started" else ""
+        text = (
+            "".join(docker_verbs.logs_by_stream(client, state.name)) if state.status != "not started" else ""
+        )
         log = read_log(text)
         ended_badly = state.exit_code not in (None, 0)
         line = log.error_line if (ended_badly or run_failed) else None
@@ -616,7 +618,7 @@ def _network(client: Any, prepared: Prepared, session: str) -> tuple[str, dict[s
     """The rehearsal's network (with a subnet of its own when pods need fixed addresses), its
     volumes, and the addresses; or why the network could not be made."""
     network, labels = f"m31ctl-rh-{session}", {Label.REHEARSAL: session}
-    subnet = engine_api.free_subnet(client, network, labels) if prepared.addressed else None
+    subnet = docker_verbs.free_subnet(client, network, labels) if prepared.addressed else None
     if prepared.addressed and subnet is None:
         return network, {}, "no free subnet for the rehearsal network (docker network create failed)"
     refused = engine_api.create_network(client, network, labels, subnet)
@@ -624,7 +626,7 @@ def _network(client: Any, prepared: Prepared, session: str) -> tuple[str, dict[s
         return network, {}, f"docker network create failed: {refused.strip()[-300:]}"
     for claim in (*prepared.manifest.claims, *prepared.reference_claims):
         # Not checked here: a volume the engine refused shows as the pod's own start error.
-        engine_api.create_volume(client, claim_volume(session, claim), labels)
+        docker_verbs.create_volume(client, claim_volume(session, claim), labels)
     return network, (pod_addresses(subnet, prepared) if subnet else {}), None
 
 
@@ -704,7 +706,7 @@ def _prove_pair(
         progress("stopping prefill and decode; starting the aggregated reference server (the same twin, "
                  "disaggregation off)")  # fmt: skip
         for role in (prefill, decode_state):
-            engine_api.kill(kubelet.client, role.name)
+            docker_verbs.kill(kubelet.client, role.name)
         state = kubelet.start(reference, keys)
         started.append(state)
         why = watch(kubelet, [state], kubelet.clock() + budget_s, progress)
@@ -714,8 +716,8 @@ def _prove_pair(
     pair = pairing.Pair(
         router=run.served.endpoint,
         decode=decode,
-        kill_prefill=lambda: engine_api.kill(kubelet.client, prefill.name),
-        start_prefill=lambda: engine_api.start_again(kubelet.client, prefill.name),
+        kill_prefill=lambda: docker_verbs.kill(kubelet.client, prefill.name),
+        start_prefill=lambda: docker_verbs.start_again(kubelet.client, prefill.name),
         start_reference=start_reference,
         model=prepared.twin.plan.settings.model.served_name,
     )
@@ -771,7 +773,7 @@ def _rehearse_session(
         leftovers: list[str] = []
         if not options.keep:
             with no_interrupts():
-                problems = engine_api.remove_labelled(client, Label.REHEARSAL, session)
+                problems = docker_verbs.remove_labelled(client, Label.REHEARSAL, session)
                 leftovers = engine_api.labelled(client, Label.REHEARSAL, session) + problems
     timings["total_s"] = round(time.monotonic() - started, 1)
     return assemble(prepared, run, nodes, timings, tuple(leftovers), options.keep)._replace(session=session)

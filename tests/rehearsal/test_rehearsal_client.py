@@ -1,5 +1,5 @@
-"""The rehearsal's calls of the one Docker client (m31ctl/runtime/engine_api.py) against the real
-Engine, with the stand-in engine image (busybox, seconds): each answers as the `docker` CLI it
+"""The rehearsal's Docker verbs (m31ctl/rehearsal/docker_verbs.py) and the calls of the one Docker
+client (m31ctl/runtime/engine_api.py) they stand on, against the real Engine, with the stand-in engine image (busybox, seconds): each answers as the `docker` CLI it
 replaced did, checked against the CLI itself where the CLI is the reference (exit codes, which
 stream a log line is on, what a label filter lists)."""
 
@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from m31ctl.labels import Label
+from m31ctl.rehearsal import docker_verbs
 from m31ctl.runtime import engine_api
 
 pytestmark = pytest.mark.docker
@@ -34,7 +35,7 @@ def client() -> Any:
 def session(client: Any) -> Iterator[str]:
     name = f"t{uuid.uuid4().hex[:8]}"
     yield name
-    assert engine_api.remove_labelled(client, Label.REHEARSAL, name) == []
+    assert docker_verbs.remove_labelled(client, Label.REHEARSAL, name) == []
     assert engine_api.labelled(client, Label.REHEARSAL, name) == []
 
 
@@ -42,8 +43,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=120, check=False)
 
 
-def _shell(client: Any, session: str, name: str, script: str, **extra: Any) -> engine_api.Ran:
-    return engine_api.run_detached(
+def _shell(client: Any, session: str, name: str, script: str, **extra: Any) -> docker_verbs.Ran:
+    return docker_verbs.run_detached(
         client,
         name=name,
         image=IMAGE,
@@ -63,7 +64,7 @@ def test_a_pod_on_its_network_answers_exec_and_state(client, session):
     status, code, ip = engine_api.container_state(client, f"{network}-a")
     assert status == "running" and ip and code == 0
     # The alias resolves on the network, as `--network-alias` made it.
-    peer = engine_api.run_to_end(
+    peer = docker_verbs.run_to_end(
         client,
         120,
         host={"network_mode": network},
@@ -72,20 +73,20 @@ def test_a_pod_on_its_network_answers_exec_and_state(client, session):
         entrypoint=["/bin/sh"],
         command=["-c", "ping -c 1 -W 5 pod-a >/dev/null && echo reached"],
     )
-    assert peer == engine_api.Ran(0, "reached\n", ""), peer
-    done = engine_api.exec_in(
+    assert peer == docker_verbs.Ran(0, "reached\n", ""), peer
+    done = docker_verbs.exec_in(
         client, f"{network}-a", ["/bin/sh", "-c", "echo out; echo err >&2; exit 3"], 120
     )
-    assert done == engine_api.Ran(3, "out\n", "err\n")
+    assert done == docker_verbs.Ran(3, "out\n", "err\n")
     # A probe that outlives its timeout: 124, as a timed-out `docker exec` was reported.
-    late = engine_api.exec_in(client, f"{network}-a", ["sleep", "600"], 1)
-    assert late == engine_api.Ran(124, "", "docker exec timed out after 1 s")
+    late = docker_verbs.exec_in(client, f"{network}-a", ["sleep", "600"], 1)
+    assert late == docker_verbs.Ran(124, "", "docker exec timed out after 1 s")
     assert engine_api.container_state(client, "m31ctl-rh-no-such-container") == ("", -1, "")
 
 
 def test_logs_come_back_by_stream_as_the_cli_gives_them(client, session):
     name = f"m31ctl-rh-{session}-logs"
-    done = engine_api.run_to_end(
+    done = docker_verbs.run_to_end(
         client,
         120,
         host={},
@@ -95,21 +96,21 @@ def test_logs_come_back_by_stream_as_the_cli_gives_them(client, session):
         entrypoint=["/bin/sh"],
         command=["-c", "echo o1; echo e1 >&2; echo o2; echo e2 >&2; exit 4"],
     )
-    assert done == engine_api.Ran(4, "o1\no2\n", "e1\ne2\n")
+    assert done == docker_verbs.Ran(4, "o1\no2\n", "e1\ne2\n")
     kept = _shell(client, session, name, "echo o1; echo e1 >&2; echo o2; echo e2 >&2")
     assert kept.ok
-    assert engine_api.wait_exit(client, name, 120) == 0
+    assert docker_verbs.wait_exit(client, name, 120) == 0
     for tail in (None, 1, 3):
         cli = _cli("logs", "--timestamps", *(["--tail", str(tail)] if tail else []), name)
-        assert engine_api.logs_by_stream(client, name, tail) == (cli.stdout, cli.stderr)
-    out, err = engine_api.logs_by_stream(client, name)
+        assert docker_verbs.logs_by_stream(client, name, tail) == (cli.stdout, cli.stderr)
+    out, err = docker_verbs.logs_by_stream(client, name)
     assert out.count("Z o") == 2 and err.count("Z e") == 2
-    assert engine_api.logs_by_stream(client, "m31ctl-rh-no-such-container") == ("", "")
+    assert docker_verbs.logs_by_stream(client, "m31ctl-rh-no-such-container") == ("", "")
 
 
 def test_a_start_the_engine_refuses_gets_the_clis_exit_code(client, session):
     assert _shell(client, session, f"m31ctl-rh-{session}-x", "true", host={}).ok
-    refused = engine_api.run_detached(
+    refused = docker_verbs.run_detached(
         client,
         name=f"m31ctl-rh-{session}-nope",
         image=IMAGE,
@@ -129,7 +130,7 @@ def test_a_start_the_engine_refuses_gets_the_clis_exit_code(client, session):
 def test_cleanup_by_label_removes_what_the_cli_lists(client, session):
     labels = {Label.REHEARSAL: session}
     assert engine_api.create_network(client, f"m31ctl-rh-{session}", labels) is None
-    assert engine_api.create_volume(client, f"m31ctl-rh-{session}-claim", labels) is None
+    assert docker_verbs.create_volume(client, f"m31ctl-rh-{session}-claim", labels) is None
     claim = {"Type": "volume", "Source": f"m31ctl-rh-{session}-claim", "Target": "/claim", "ReadOnly": True}
     assert _shell(client, session, f"m31ctl-rh-{session}-a", "exec sleep 600", host={"mounts": [claim]},
                   network=f"m31ctl-rh-{session}").ok  # fmt: skip
@@ -140,16 +141,16 @@ def test_cleanup_by_label_removes_what_the_cli_lists(client, session):
         for word in _cli(*listing, "--filter", label).stdout.split()
     ]
     assert engine_api.labelled(client, Label.REHEARSAL, session) == listed and len(listed) == 3
-    assert engine_api.remove_labelled(client, Label.REHEARSAL, session) == []
+    assert docker_verbs.remove_labelled(client, Label.REHEARSAL, session) == []
     assert engine_api.labelled(client, Label.REHEARSAL, session) == []
 
 
 def test_an_image_is_built_from_a_dockerfile_alone(client, session):
     tag = f"m31ctl-test/rehearsal-build:{session}"
     try:
-        failed = engine_api.build_image(client, tag, f"FROM {IMAGE}\nRUN exit 7\n", 300)
+        failed = docker_verbs.build_image(client, tag, f"FROM {IMAGE}\nRUN exit 7\n", 300)
         assert failed is not None and "returned a non-zero code: 7" in failed
-        built = engine_api.build_image(
+        built = docker_verbs.build_image(
             client, tag, f'FROM {IMAGE}\nLABEL {Label.REHEARSAL_BASE}="{IMAGE}"\n', 300
         )
         assert built is None
