@@ -84,6 +84,13 @@ def _host_render_gid() -> tuple[str, ...]:
         return ()
 
 
+def groups_on_this_host(deployment: Deployment) -> tuple[str, ...]:
+    """The groups a container started on this host joins: the vendor's, and, for GPUs given as
+    device nodes (AMD), this host's render GID."""
+    vendor = deployment.vendor
+    return vendor.group_add + (_host_render_gid() if vendor.device_nodes else ())
+
+
 def container_spec(deployment: Deployment, on_this_host: bool = True) -> ContainerSpec:
     """The container a deployment runs in, for launch (on_this_host: groups of this host) and for
     the render targets (started elsewhere: group names only)."""
@@ -114,8 +121,7 @@ def container_spec(deployment: Deployment, on_this_host: bool = True) -> Contain
         gpu_count=d.layout.gpus_per_node,
         gpu_device_ids=d.gpus.uuids,
         devices=devices,
-        # GPUs by device node (AMD), started on this host: add this host's render GID.
-        group_add=vendor.group_add + (_host_render_gid() if vendor.device_nodes and on_this_host else ()),
+        group_add=groups_on_this_host(d) if on_this_host else vendor.group_add,
         security_opt=("seccomp=unconfined",) if runtime.seccomp_unconfined else (),
         cap_add=vendor.cap_add,
         ipc_host=runtime.ipc_host,
@@ -129,3 +135,33 @@ def container_spec(deployment: Deployment, on_this_host: bool = True) -> Contain
         stop_timeout=d.timeline.stop_s,
         startup_timeout=d.timeline.ready_s,
     )
+
+
+# vLLM copies HIP_VISIBLE_DEVICES into CUDA_VISIBLE_DEVICES (vllm/platforms/rocm.py
+# _sync_hip_cuda_env_vars), and Ray sets HIP_VISIBLE_DEVICES per actor and refuses a
+# CUDA_VISIBLE_DEVICES that differs from it (ray/_private/accelerators/amd_gpu.py): the CUDA
+# spelling of a device-node vendor's visibility is left to them.
+_DERIVED_VISIBILITY = "CUDA_VISIBLE_DEVICES"
+
+
+def render_spec(deployment: Deployment, *, in_pod: bool = False) -> ContainerSpec:
+    """The container for a host other than this one (group names only, no host GIDs).
+
+    GPUs given as device nodes (AMD) are every GPU of the host unless the plan names its render
+    nodes (a probed host): the container then gets visibility variables for the plan's count, so
+    vLLM uses GPUs 0..N-1 of what it sees rather than all of them. A pod sees only what the device
+    plugin allocated; it gets the same variables, so every target reads alike."""
+    spec = container_spec(deployment, on_this_host=False)
+    vendor = deployment.vendor
+    if not vendor.device_nodes or (deployment.gpus.render_nodes and not in_pod):
+        return spec
+    planned = dict(spec.env)
+    # A P/D role on a host it shares with its peer takes the host's GPUs it was given
+    # (Deployment.gpus.indices); a pod sees only its own allocation, numbered from 0.
+    indices = deployment.gpus.indices if not in_pod else ()
+    gpus = ",".join(str(i) for i in indices or range(deployment.layout.gpus_per_node))
+    # A visibility variable the plan's runtime.env sets is the user's choice: none is added.
+    if any(name in planned for name in vendor.visibility_vars):
+        return spec
+    added = {name: gpus for name in vendor.visibility_vars if name != _DERIVED_VISIBILITY}
+    return spec._replace(env=tuple(sorted({**planned, **added}.items())))

@@ -246,9 +246,10 @@ class Disaggregated(NamedTuple):
         return router_timeline([role.timeline for role in self.roles])
 
     @property
-    def one_host(self) -> bool:
+    def fits_one_host(self) -> bool:
         """Both roles on one node of the host: Compose, a script, systemd or launch can run the
-        pair; otherwise only Kubernetes places the roles on their own nodes."""
+        pair (m31ctl/pair.py refuses it otherwise); only Kubernetes places the roles on nodes of
+        their own."""
         return all(not role.layout.spans_nodes for role in self.roles) and (
             not self.prefill.vendor.gpus or self.gpus <= self.prefill.layout.gpus_per_host
         )
@@ -324,7 +325,7 @@ class Deployment(NamedTuple):
     def serving_nodes(self) -> int:
         """The nodes those GPUs are on: a P/D pair on one host is one node, else each role's own
         (Kubernetes places the roles on nodes of their own); what a node-hour price multiplies."""
-        if self.disaggregated is not None and self.disaggregated.one_host:
+        if self.disaggregated is not None and self.disaggregated.fits_one_host:
             return 1
         return sum(engine.layout.nodes for engine in self.engines)
 
@@ -424,7 +425,7 @@ def require_fit(deployment: Deployment) -> None:
     doctor reports it). A layout wider than one host is a choice (parallelism.nodes), never implied."""
     if deployment.disaggregated is not None:
         # Each role is an engine that must fit its nodes; whether both share one host is the
-        # single-host targets' question (Disaggregated.one_host), not the plan's.
+        # single-host targets' question (Disaggregated.fits_one_host), not the plan's.
         for role in deployment.disaggregated.roles:
             require_fit(role)
         return

@@ -1,4 +1,5 @@
-"""`docker run` argv for a ContainerSpec (script and systemd targets share it)."""
+"""`docker run` argv for a ContainerSpec: the script and systemd targets run it, and launch's dry
+run shows it for the containers it creates through the Engine API."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import ipaddress
 from typing import Literal, NamedTuple
 
 from m31ctl.container import ContainerSpec, Mount
-from m31ctl.redact import HF_TOKEN_ENV
-from m31ctl.render.download import DownloadStep
 
 Mode = Literal["detached", "foreground"]
 
@@ -114,21 +113,3 @@ def docker_run_argv(
     argv.append(spec.image)
     argv += list(spec.args)
     return argv
-
-
-def docker_download_argv(spec: ContainerSpec, step: DownloadStep, token_by_name: bool = True) -> list[str]:
-    """Everything after `docker` for the checkpoint download (render/download.py): the engine
-    image with the Hugging Face cache mounted and the step's environment (the engine's, less its
-    GPU visibility and what only the engine reads), removed when done. `token_by_name`: pass
-    HF_TOKEN by name (systemd, whose EnvironmentFile= set it); the script adds its own secret
-    arguments instead."""
-    command = step.command
-    argv = ["run", "--rm", "--name", f"{spec.name}-download", "--entrypoint", command[0]]
-    for mount in spec.mounts:
-        if not mount.read_only:  # the cache; a local checkpoint has nothing to download
-            argv += ["--mount", mount_spec(mount)]
-    for key, value in step.env:
-        argv += ["--env", f"{key}={value}"]
-    if token_by_name:
-        argv += ["--env", HF_TOKEN_ENV]  # by name: docker copies it from its own environment, if set
-    return [*argv, spec.image, *command[1:]]

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from m31ctl.cli.output import console, table, text_view
 from m31ctl.engine.adapter import build_invocation
-from m31ctl.engine.router import one_host_router
 from m31ctl.engine.validate import GroupValidation, PlanValidation
 from m31ctl.hardware import Hardware
+from m31ctl.pair import loopback_router_invocation
 from m31ctl.plan.catalog import match_recipe
 from m31ctl.plan.runtime_shapes import MOE_SOURCE
 
@@ -197,12 +197,12 @@ def _engine_json(engine: Deployment) -> dict[str, Any]:
 
 
 def disaggregation_json(group: Disaggregated) -> dict[str, Any]:
-    router = one_host_router(group)
+    router = loopback_router_invocation(group)
     return {
         "prefill": _engine_json(group.prefill),
         "decode": _engine_json(group.decode),
         "router": {"name": group.router.name, "image": router.image, "argv": list(router.argv)},
-        "one_host": group.one_host,
+        "one_host": group.fits_one_host,
     }
 
 
@@ -217,7 +217,7 @@ def _print_commands(deployment: Deployment, out: Any) -> None:
         out.print(Text(f"Command ({role}image {inv.image}):"))
         out.print(Text(command), soft_wrap=True)
     if group:
-        router = one_host_router(group)
+        router = loopback_router_invocation(group)
         out.print(Text(f"Command (router, image {router.image}):"))
         out.print(Text(shlex.join(router.argv)), soft_wrap=True)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT, Disaggregated, Router
+from m31ctl.deployment import Router
 
 # The router's console script (its wheel installs it; the CPU rehearsal image has it on PATH).
 ROUTER_EXECUTABLE = "vllm-router"
@@ -55,15 +55,3 @@ def router_invocation(
         "--prometheus-port", str(metrics_port),
     )  # fmt: skip
     return RouterInvocation(router.image, argv)
-
-
-def one_host_router(
-    group: Disaggregated, metrics_port: int = RENDERED_ROUTER_METRICS_PORT
-) -> RouterInvocation:
-    """The router of a pair on one host, natively: the roles on their loopback ports, the router
-    on the plan's bind and port."""
-    upstreams = Upstreams(group.prefill.network.local_url, group.decode.network.local_url)
-    network = group.router.network
-    return router_invocation(
-        group.router, upstreams, host=network.bind, port=network.port, metrics_port=metrics_port
-    )

@@ -1,5 +1,4 @@
-"""What every render target shares: the container as rendered for another host, the header,
-the health check, and the text templates."""
+"""What every render target shares: the header, the health check, and the text templates."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from m31ctl import __version__
-from m31ctl.container import ContainerSpec, container_spec
+from m31ctl.container import ContainerSpec
 from m31ctl.deployment import Deployment
 from m31ctl.redact import API_KEY_ENV
 from m31ctl.render.escape import shell_word, systemd_word
@@ -15,35 +14,6 @@ from m31ctl.resources import templates_dir
 
 if TYPE_CHECKING:
     import jinja2
-
-# vLLM copies HIP_VISIBLE_DEVICES into CUDA_VISIBLE_DEVICES (vllm/platforms/rocm.py
-# _sync_hip_cuda_env_vars), and Ray sets HIP_VISIBLE_DEVICES per actor and refuses a
-# CUDA_VISIBLE_DEVICES that differs from it (ray/_private/accelerators/amd_gpu.py): the CUDA
-# spelling of a device-node vendor's visibility is left to them.
-_DERIVED_VISIBILITY = "CUDA_VISIBLE_DEVICES"
-
-
-def render_spec(deployment: Deployment, *, in_pod: bool = False) -> ContainerSpec:
-    """The container for a host other than this one (group names only, no host GIDs).
-
-    GPUs given as device nodes (AMD) are every GPU of the host unless the plan names its render
-    nodes (a probed host): the container then gets visibility variables for the plan's count, so
-    vLLM uses GPUs 0..N-1 of what it sees rather than all of them. A pod sees only what the device
-    plugin allocated; it gets the same variables, so every target reads alike."""
-    spec = container_spec(deployment, on_this_host=False)
-    vendor = deployment.vendor
-    if not vendor.device_nodes or (deployment.gpus.render_nodes and not in_pod):
-        return spec
-    planned = dict(spec.env)
-    # A P/D role on a host it shares with its peer takes the host's GPUs it was given
-    # (Deployment.gpus.indices); a pod sees only its own allocation, numbered from 0.
-    indices = deployment.gpus.indices if not in_pod else ()
-    gpus = ",".join(str(i) for i in indices or range(deployment.layout.gpus_per_node))
-    # A visibility variable the plan's runtime.env sets is the user's choice: none is added.
-    if any(name in planned for name in vendor.visibility_vars):
-        return spec
-    added = {name: gpus for name in vendor.visibility_vars if name != _DERIVED_VISIBILITY}
-    return spec._replace(env=tuple(sorted({**planned, **added}.items())))
 
 
 def in_comment(value: str, instead: str) -> str:

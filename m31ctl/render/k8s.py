@@ -12,7 +12,7 @@ import shlex
 import textwrap
 from typing import Any, NamedTuple
 
-from m31ctl.container import ContainerSpec
+from m31ctl.container import ContainerSpec, render_spec
 from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment, Layout
 from m31ctl.engine.adapter import DP_RPC_PORT, SIDE_CHANNEL_HOST_ENV, NodeRole, build_invocation
 from m31ctl.errors import InputError
@@ -20,7 +20,7 @@ from m31ctl.hardware import k8s_product_selector
 from m31ctl.labels import Label
 from m31ctl.plan.settings import KubernetesSettings
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
-from m31ctl.render.common import health_command, in_comment, render_spec, render_template
+from m31ctl.render.common import health_command, in_comment, render_template
 from m31ctl.render.download import download_step, wait_command
 from m31ctl.render.kubelet_expansion import literal
 from m31ctl.timeline import ENGINE_READY_ENV, VLLM_HANDSHAKE_S

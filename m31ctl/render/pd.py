@@ -2,29 +2,37 @@
 
 Each role is a full engine Deployment (deployment.Disaggregated), so each renders as the
 aggregated server does, through the same builders (targets.compose_engine_service, the k8s
-target's documents), with what P/D adds: the address the role advertises to its peer for NIXL's
-side channel (ZMQ binds an address, not a name), the router's command line from
-engine/router.py with the roles' URLs as the target names them, and the order (the router starts
-once both roles answer /health). Everything is data, serialized once; docs/decisions.md
+target's documents), with what P/D adds: on one host (Compose) the pair as m31ctl/pair.py places
+it (its network, the address each role advertises to its peer for NIXL's side channel, the
+router's command line), in Kubernetes each role behind its Service with the router's command
+line naming them, and the order (the router starts once both roles answer /health). Everything is data, serialized once; docs/decisions.md
 ("P/D: rendered targets (issue 36)") cites the sources.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import shlex
 import textwrap
 from typing import Any
 
-from m31ctl.container import ContainerSpec, labels_for
+from m31ctl.container import ContainerSpec, labels_for, render_spec
 from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment, Disaggregated
-from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, build_invocation, kv_transfer_env
+from m31ctl.docker_run import publish_address
+from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, kv_transfer_env
 from m31ctl.engine.router import RouterInvocation, Upstreams, router_invocation
-from m31ctl.errors import HostPreconditionError, InputError
+from m31ctl.errors import InputError
+from m31ctl.pair import (
+    PAIR_NETWORK,
+    PAIR_SUBNET,
+    ROUTER_API_KEY_ENV,
+    ROUTER_LISTEN,
+    DockerPair,
+    docker_pair,
+    role_key,
+)
 from m31ctl.redact import API_KEY_ENV
 from m31ctl.render.artifact import Artifact
-from m31ctl.render.common import header, health_command_on, in_comment, render_spec
-from m31ctl.render.docker_run import publish_address
+from m31ctl.render.common import header, health_command_on, in_comment
 from m31ctl.render.escape import Interpolation, compose_escape, yaml_file
 from m31ctl.render.k8s import (
     API_SERVICE_SUFFIX,
@@ -44,19 +52,6 @@ from m31ctl.render.targets import (
     writable_sources,
 )
 
-# The Compose network of a pair. A role advertises its address to its peer for NIXL's side
-# channel and ZMQ binds it, so it must be an address the container holds: a fixed subnet with a
-# fixed address per role (Compose's ipv4_address). Outside Docker's default address pools
-# (172.17.0.0/12 and 192.168.0.0/16 in /20s) and Podman's (10.88.0.0/16, 10.89.0.0/16), so it
-# does not take a range Docker hands other networks; `docker compose up` names an overlap.
-COMPOSE_NETWORK = "pd"
-COMPOSE_SUBNET = "10.231.36.0/24"
-_ROLE_HOST_OFFSET = 10  # prefill .10, decode .11
-# The router as Compose and Kubernetes run it: on every address of its container.
-ROUTER_LISTEN = "0.0.0.0"
-# vllm-router forwards this variable's value to the roles as `Authorization: Bearer`
-# (vllm-project/router, the P/D router's worker requests); it is the roles' VLLM_API_KEY.
-ROUTER_API_KEY_ENV = "OPENAI_API_KEY"
 # The router pod's share of a node: a Rust proxy, no GPU.
 ROUTER_CPU = "1"
 ROUTER_MEMORY = "1Gi"
@@ -90,25 +85,8 @@ def refuse_pd(target: str, rendered: tuple[str, ...]) -> None:
     )
 
 
-def role_key(role: Deployment) -> str:
-    """The role's name within the group (its Compose service)."""
-    assert role.kv_transfer is not None  # a role of a Disaggregated group
-    return role.kv_transfer.role.value
-
-
 # ---------------------------------------------------------------------------------------------
 # Compose
-
-
-def role_address(index: int) -> str:
-    """The fixed address of the group's `index`th role (prefill 0, decode 1) on the pair's network:
-    Compose's ipv4_address, the script's and the units' `docker run --ip`."""
-    return str(ipaddress.ip_network(COMPOSE_SUBNET)[_ROLE_HOST_OFFSET + index])
-
-
-def role_specs(group: Disaggregated) -> list[ContainerSpec]:
-    """Each role's container on the pair's network, advertising its fixed address."""
-    return [_role_spec(role, role_address(i)) for i, role in enumerate(group.roles)]
 
 
 def download_spec(role: Deployment, spec: ContainerSpec) -> ContainerSpec:
@@ -117,56 +95,6 @@ def download_spec(role: Deployment, spec: ContainerSpec) -> ContainerSpec:
     assert role.kv_transfer is not None
     transfer_only = set(kv_transfer_env(role.kv_transfer, ""))
     return spec._replace(env=tuple((k, v) for k, v in spec.env if k not in transfer_only))
-
-
-def pair_upstreams(group: Disaggregated) -> Upstreams:
-    """The roles on the pair's Docker network (Compose, the script, the units): by their service
-    name (a Compose service, a `docker run --network-alias`) and container port."""
-    return Upstreams(*(f"http://{role_key(role)}:{role.network.container_port}" for role in group.roles))
-
-
-def pair_router_invocation(group: Disaggregated) -> RouterInvocation:
-    """The router on the pair's Docker network, on every address of its container."""
-    return router_invocation(
-        group.router,
-        pair_upstreams(group),
-        host=ROUTER_LISTEN,
-        port=CONTAINER_PORT,
-        metrics_port=RENDERED_ROUTER_METRICS_PORT,
-    )
-
-
-def _role_spec(role: Deployment, side_channel_host: str) -> ContainerSpec:
-    """The role's container for another host, advertising `side_channel_host`, with its own GPUs
-    of the shared host (device_ids by index where the plan has no UUIDs)."""
-    spec = render_spec(role)
-    invocation = build_invocation(role, side_channel_host=side_channel_host)
-    env = {**dict(spec.env), **dict(invocation.env)}
-    spec = spec._replace(args=invocation.args, env=tuple(sorted(env.items())))
-    if spec.device_request and not spec.gpu_device_ids and role.gpus.indices:
-        spec = spec._replace(gpu_device_ids=tuple(str(i) for i in role.gpus.indices))
-    return spec
-
-
-def one_host(deployment: Deployment, target: str) -> Disaggregated:
-    """The group, refused (exit 6) where it does not fit one host: `target` runs on one."""
-    group = deployment.disaggregated
-    assert group is not None
-    if not group.one_host:
-        hw = deployment.hardware
-        wide = [role for role in group.roles if role.layout.spans_nodes]
-        if wide:
-            raise HostPreconditionError(
-                f"the {role_key(wide[0])} role spans {wide[0].layout.nodes} nodes: a {target} runs on one host",
-                hint="use --target k8s (a LeaderWorkerSet per role spans nodes)",
-            )
-        raise HostPreconditionError(
-            f"the prefill/decode pair needs {group.gpus} GPUs ({group.prefill.layout.gpus} prefill, "
-            f"{group.decode.layout.gpus} decode) on one host and a {hw.product} host has {hw.count}: "
-            f"a {target} runs on one host",
-            hint="use --target k8s (each role on its own nodes), or smaller disaggregation.prefill/.decode layouts",
-        )
-    return group
 
 
 def _router_environment(deployment: Deployment) -> list[str]:
@@ -179,10 +107,11 @@ def _router_environment(deployment: Deployment) -> list[str]:
     ]
 
 
-def _compose_router(deployment: Deployment, group: Disaggregated, spec: ContainerSpec) -> dict[str, Any]:
+def _compose_router(pair: DockerPair) -> dict[str, Any]:
+    deployment, group, invocation = pair.deployment, pair.group, pair.router
+    spec = pair.roles[0].spec  # the roles' restart policy and log rotation
     router = group.router
     clocks = group.router_timeline
-    invocation = pair_router_invocation(group)
     bind = router.network.bind
     service: dict[str, Any] = {
         "image": invocation.image,
@@ -195,9 +124,9 @@ def _compose_router(deployment: Deployment, group: Disaggregated, spec: Containe
             publish_address(bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT),
         ],
         "environment": _router_environment(deployment),
-        "networks": [COMPOSE_NETWORK],
+        "networks": [PAIR_NETWORK],
         # Compose 1.29+ and v2: the router starts once both roles' healthchecks pass.
-        "depends_on": {role_key(role): {"condition": "service_healthy"} for role in group.roles},
+        "depends_on": {role.key: {"condition": "service_healthy"} for role in pair.roles},
         "logging": {
             "driver": "json-file",
             "options": {"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)},
@@ -216,26 +145,26 @@ def _compose_router(deployment: Deployment, group: Disaggregated, spec: Containe
 
 
 def compose_pd_document(deployment: Deployment) -> dict[str, Any]:
-    group = one_host(deployment, "compose")
+    pair = docker_pair(deployment, "compose")
     services: dict[str, Any] = {}
-    specs = role_specs(group)
+    prefill = pair.roles[0]
     # One download for both roles: the same checkpoint at the same commit into the same cache.
     download = compose_download(
-        group.prefill,
-        download_spec(group.prefill, specs[0])._replace(
+        prefill.engine,
+        download_spec(prefill.engine, prefill.spec)._replace(
             name=deployment.name, labels=labels_for(deployment.plan)
         ),
     )
     if download is not None:
         services["download"] = download
-    for index, (role, spec) in enumerate(zip(group.roles, specs, strict=True)):
-        service = compose_engine_service(role, spec)
-        service["networks"] = {COMPOSE_NETWORK: {"ipv4_address": role_address(index)}}
+    for role in pair.roles:
+        service = compose_engine_service(role.engine, role.spec)
+        service["networks"] = {PAIR_NETWORK: {"ipv4_address": role.address}}
         if download is not None:
             service["depends_on"] = {"download": {"condition": "service_completed_successfully"}}
-        services[role_key(role)] = service
-    services["router"] = _compose_router(deployment, group, specs[0])
-    networks = {COMPOSE_NETWORK: {"ipam": {"config": [{"subnet": COMPOSE_SUBNET}]}}}
+        services[role.key] = service
+    services["router"] = _compose_router(pair)
+    networks = {PAIR_NETWORK: {"ipam": {"config": [{"subnet": PAIR_SUBNET}]}}}
     document: dict[str, Any] = compose_escape({"services": services, "networks": networks})
     return document
 
@@ -254,7 +183,7 @@ def render_compose_pd(deployment: Deployment) -> list[Artifact]:
         f"Prefill/decode: services prefill and decode (vLLM, NIXL KV transfer) and router (vllm-router) on "
         f"{in_comment(router.network.local_url, '<runtime.bind>:<runtime.port>')}; the router starts once both "
         f"roles are healthy, and its metrics are on port {RENDERED_ROUTER_METRICS_PORT}.",
-        f"Network: the roles advertise their fixed addresses on network {COMPOSE_NETWORK} ({COMPOSE_SUBNET}) "
+        f"Network: the roles advertise their fixed addresses on network {PAIR_NETWORK} ({PAIR_SUBNET}) "
         "for NIXL's side channel (ZMQ binds an address, not a service name); `docker compose up` "
         "refuses the file if another network of this host holds that subnet.",
         f"Clocks (m31ctl/timeline.py): {clocks} (healthcheck start_period and stop_grace_period).",

@@ -2,46 +2,36 @@
 
 Each role runs as the aggregated server's container does (targets.py: the same `docker run`
 argv, download, secrets and readiness wait), on the pair's own Docker network with the fixed
-address it advertises to its peer for NIXL's side channel, exactly as the Compose target places
-them (pd.py: COMPOSE_SUBNET, role_address, role_specs, pair_router_invocation are the one
-definition both read). vllm-router starts once both roles answer /health: it gives up on
-workers after its own startup timeout. The script runs the three containers in that order and
-removes what it started when it fails; systemd gets one unit per role and the router's, ordered
-by After=/Requires=. docs/decisions.md ("P/D: script and systemd targets") cites the sources.
+address it advertises to its peer for NIXL's side channel, exactly as the Compose target and
+launch place them (m31ctl/pair.py: the pair on one host, the one definition all of them read).
+vllm-router starts once both roles answer /health: it gives up on workers after its own startup
+timeout. The script runs the three containers in that order and removes what it started when it
+fails; systemd gets one unit per role and the router's, ordered by After=/Requires=.
+docs/decisions.md ("P/D: script and systemd targets") cites the sources.
 """
 
 from __future__ import annotations
 
 import shlex
-from typing import Any, NamedTuple
+from typing import Any
 
-from m31ctl.container import ContainerSpec, labels_for
-from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment, Disaggregated
+from m31ctl.container import labels_for
+from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment
+from m31ctl.docker_run import docker_run_argv
 from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV
+from m31ctl.pair import (
+    PAIR_SUBNET,
+    ROUTER_API_KEY_ENV,
+    DockerPair,
+    PairRole,
+    docker_pair,
+    pair_upstreams,
+    router_run_argv,
+)
 from m31ctl.redact import API_KEY_ENV
 from m31ctl.render.artifact import Artifact
 from m31ctl.render.common import header, health_command, health_command_on, render_template
-from m31ctl.render.docker_run import (
-    Attachment,
-    Mode,
-    docker_run_argv,
-    lifecycle_args,
-    log_args,
-    network_args,
-    publish_address,
-)
-from m31ctl.render.pd import (
-    COMPOSE_NETWORK,
-    COMPOSE_SUBNET,
-    ROUTER_API_KEY_ENV,
-    download_spec,
-    one_host,
-    pair_router_invocation,
-    pair_upstreams,
-    role_address,
-    role_key,
-    role_specs,
-)
+from m31ctl.render.pd import download_spec
 from m31ctl.render.targets import (
     ENV_FILE,
     ENV_FILE_FORMAT,
@@ -62,121 +52,79 @@ from m31ctl.render.targets import (
     writable_sources,
 )
 
-# The router's name on the pair's network (the roles' are their keys, as Compose's services).
-ROUTER_ALIAS = "router"
 # The script's exit code when the pair's network exists with another subnet (as for a container
 # that exists already: something of this host is in the way).
 IN_THE_WAY = 4
 
 
-def network_name(deployment: Deployment) -> str:
-    """The pair's Docker network on the host: one per deployment (Compose's is <project>_pd)."""
-    return f"{deployment.name}-{COMPOSE_NETWORK}"
-
-
 def network_ensure(docker: str, network: str, code: int, created: str) -> str:
-    """A sh snippet: the pair's network exists with COMPOSE_SUBNET, else exit `code`. `created`:
+    """A sh snippet: the pair's network exists with PAIR_SUBNET, else exit `code`. `created`:
     a statement run when this snippet created it. Both role units run it at once, so a create that
     fails because the peer's unit created it first is no failure."""
-    net, subnet = shlex.quote(network), shlex.quote(COMPOSE_SUBNET)
+    net, subnet = shlex.quote(network), shlex.quote(PAIR_SUBNET)
     fmt = shlex.quote("{{range .IPAM.Config}}{{.Subnet}} {{end}}")
     return (
         f"if ! {docker} network inspect {net} >/dev/null 2>&1; then\n"
         f"  if {docker} network create --driver bridge --subnet {subnet} {net} >/dev/null; then\n"
         f"    {created}\n"
         f"  elif ! {docker} network inspect {net} >/dev/null 2>&1; then\n"
-        f'    echo "m31ctl: could not create network" {net} "({COMPOSE_SUBNET})" >&2\n'
+        f'    echo "m31ctl: could not create network" {net} "({PAIR_SUBNET})" >&2\n'
         f"    exit {code}\n"
         "  fi\n"
         "fi\n"
         f"subnets=$({docker} network inspect --format {fmt} {net})\n"
         'case " $subnets " in\n'
-        f'  *" {COMPOSE_SUBNET} "*) ;;\n'
-        f'  *) echo "m31ctl: network" {net} "has subnet(s) $subnets, not {COMPOSE_SUBNET}: remove it (docker network rm"'
+        f'  *" {PAIR_SUBNET} "*) ;;\n'
+        f'  *) echo "m31ctl: network" {net} "has subnet(s) $subnets, not {PAIR_SUBNET}: remove it (docker network rm"'
         f' {net}")" >&2\n'
         f"     exit {code} ;;\n"
         "esac"
     )
 
 
-class RunArgv(NamedTuple):
-    """A `docker run` argv split where the target adds its secret arguments: before the image."""
-
-    options: list[str]
-    command: list[str]  # the image and what follows it
-
-
-def router_run_argv(deployment: Deployment, group: Disaggregated, spec: ContainerSpec, mode: Mode) -> RunArgv:
-    """vllm-router's container on the pair's network, as the Compose target's router service:
-    the roles by their aliases, its API and metrics ports published on runtime.bind. `spec`: a
-    role's, for the restart policy and log rotation the group shares."""
-    router = group.router
-    invocation = pair_router_invocation(group)
-    bind = router.network.bind
-    argv = ["run", *lifecycle_args(mode, spec.restart), "--name", router.name]
-    for key, value in labels_for(deployment.plan):
-        argv += ["--label", f"{key}={value}"]
-    argv += log_args(spec.log_max_size, spec.log_max_files)
-    argv += ["--stop-timeout", str(group.router_timeline.stop_s)]
-    argv += network_args(Attachment(network_name(deployment), None, ROUTER_ALIAS))
-    argv += ["--publish", publish_address(bind, router.network.port, CONTAINER_PORT)]
-    argv += ["--publish", publish_address(bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT)]
-    argv += ["--entrypoint", invocation.argv[0]]
-    return RunArgv(argv, [invocation.image, *invocation.argv[1:]])
-
-
-def _attachment(deployment: Deployment, role: Deployment, index: int) -> Attachment:
-    return Attachment(network_name(deployment), role_address(index), role_key(role))
-
-
 # ---------------------------------------------------------------------------------------------
 # script
 
 
-def _script_role(deployment: Deployment, role: Deployment, spec: ContainerSpec, index: int) -> dict[str, Any]:
-    argv = docker_run_argv(
-        spec._replace(secret_env=()), "detached", attachment=_attachment(deployment, role, index)
-    )
+def _script_role(pair: DockerPair, role: PairRole) -> dict[str, Any]:
+    spec = role.spec
+    argv = docker_run_argv(spec._replace(secret_env=()), "detached", attachment=role.attachment)
     split = argv.index(spec.image)
     return {
-        "var": role_key(role).upper(),
-        "key": role_key(role),
+        "var": role.key.upper(),
+        "key": role.key,
         "name": spec.name,
-        "address": role_address(index),
+        "address": role.address,
         "run_lines": paired(argv[:split]),
         "engine_lines": paired(argv[split:]),
         "ready_s": spec.startup_timeout,
-        "load_s": role.timeline.load_s,
+        "load_s": role.engine.timeline.load_s,
         "health_argv": health_command(spec, "/health"),
     }
 
 
 def render_script_pd(deployment: Deployment) -> list[Artifact]:
-    group = one_host(deployment, "script")
-    specs = role_specs(group)
-    roles = [
-        _script_role(deployment, role, spec, i)
-        for i, (role, spec) in enumerate(zip(group.roles, specs, strict=True))
-    ]
+    pair = docker_pair(deployment, "script")
+    group, prefill = pair.group, pair.roles[0]
+    specs = [role.spec for role in pair.roles]
     # One download for both roles, as Compose's download service: the group's name and labels.
-    fetch = download_spec(group.prefill, specs[0])._replace(
+    fetch = download_spec(prefill.engine, prefill.spec)._replace(
         name=deployment.name, labels=labels_for(deployment.plan)
     )
-    download = download_argv(group.prefill, fetch, token_by_name=False)
+    download = download_argv(prefill.engine, fetch, token_by_name=False)
     at = download.index(fetch.image) if download else 0
-    router = router_run_argv(deployment, group, specs[0], "detached")
-    network = network_name(deployment)
+    router = router_run_argv(pair, "detached")
     content = render_template(
         "script-pd.sh.j2",
         header_comment=header(deployment, "script"),
         env_file=ENV_FILE,
         env_format=ENV_FILE_FORMAT,
         env_check=env_file_check('"$ENV_FILE"', "$ENV_FILE", 2),
-        network=network,
-        subnet=COMPOSE_SUBNET,
-        network_ensure=network_ensure("docker", network, IN_THE_WAY, "created_network=1"),
+        network=pair.network,
+        subnet=PAIR_SUBNET,
+        network_ensure=network_ensure("docker", pair.network, IN_THE_WAY, "created_network=1"),
         side_channel_env=SIDE_CHANNEL_HOST_ENV,
-        roles=roles,
+        roles=[_script_role(pair, role) for role in pair.roles],
         router_name=group.router.name,
         router_run_lines=paired(router.options),
         router_lines=paired(router.command),
@@ -185,10 +133,10 @@ def render_script_pd(deployment: Deployment) -> list[Artifact]:
         router_key=deployment.secrets.api_key is not None,
         router_key_env=ROUTER_API_KEY_ENV,
         api_key_env=API_KEY_ENV,
-        restart=specs[0].restart,
+        restart=prefill.spec.restart,
         poll_s=READY_POLL_S,
-        secret_names=list(specs[0].secret_env),
-        engine_secret_names=list(engine_secret_env(specs[0])),
+        secret_names=list(prefill.spec.secret_env),
+        engine_secret_names=list(engine_secret_env(prefill.spec)),
         required_names=list(deployment.secrets.required),
         host_dirs=sorted({d for spec in specs for d in writable_sources(spec)}),
         token_file=HF_TOKEN_FILE,
@@ -207,30 +155,28 @@ def render_script_pd(deployment: Deployment) -> list[Artifact]:
 # systemd
 
 
-def _role_unit(deployment: Deployment, role: Deployment, spec: ContainerSpec, index: int) -> Artifact:
+def _role_unit(pair: DockerPair, role: PairRole) -> Artifact:
     """The aggregated unit for the role (targets.systemd_unit): its own clocks, download and
     readiness wait, on the pair's network, which it creates if its peer's unit has not."""
-    network = network_name(deployment)
-    key = role_key(role)
     ensure = (
-        f"The pair's network {network} ({COMPOSE_SUBNET}), where this role advertises {role_address(index)}.",
-        network_ensure(SYSTEMD_DOCKER, network, 1, ":"),
+        f"The pair's network {pair.network} ({PAIR_SUBNET}), where this role advertises {role.address}.",
+        network_ensure(SYSTEMD_DOCKER, pair.network, 1, ":"),
     )
     extras = UnitExtras(
-        description=f"{SERVED} {key} engine of a prefill/decode pair, served by vLLM",
+        description=f"{SERVED} {role.key} engine of a prefill/decode pair, served by vLLM",
         pre_start=(ensure,),
-        attachment=_attachment(deployment, role, index),
-        download=download_spec(role, spec),
-        group=deployment,
+        attachment=role.attachment,
+        download=download_spec(role.engine, role.spec),
+        group=pair.deployment,
     )
-    return systemd_unit(role, spec, extras)
+    return systemd_unit(role.engine, role.spec, extras)
 
 
-def _router_start(deployment: Deployment, group: Disaggregated, spec: ContainerSpec) -> dict[str, Any]:
+def _router_start(pair: DockerPair) -> dict[str, Any]:
     """ExecStart: `docker run` itself, or, where the roles take an API key, through sh, which
     hands the key to the router's environment by name (systemd cannot copy one variable to another)."""
-    router = router_run_argv(deployment, group, spec, "foreground")
-    if deployment.secrets.api_key is None:
+    router = router_run_argv(pair, "foreground")
+    if pair.deployment.secrets.api_key is None:
         return {"run_argv": [*router.options, *router.command], "run_script": ""}
     words = [SYSTEMD_DOCKER, *router.options, "--env", ROUTER_API_KEY_ENV, *router.command]
     script = (
@@ -241,7 +187,8 @@ def _router_start(deployment: Deployment, group: Disaggregated, spec: ContainerS
     return {"run_argv": [], "run_script": script}
 
 
-def _router_unit(deployment: Deployment, group: Disaggregated, spec: ContainerSpec) -> Artifact:
+def _router_unit(pair: DockerPair) -> Artifact:
+    deployment, group = pair.deployment, pair.group
     router = group.router
     clocks = group.router_timeline
     unit = f"{router.name}.service"
@@ -253,7 +200,7 @@ def _router_unit(deployment: Deployment, group: Disaggregated, spec: ContainerSp
         plan_hash=deployment.plan.hash,
         role_units=[f"{role.name}.service" for role in group.roles],
         upstreams=list(pair_upstreams(group)),
-        network=network_name(deployment),
+        network=pair.network,
         url=router.network.local_url,
         metrics_port=RENDERED_ROUTER_METRICS_PORT,
         router_key=deployment.secrets.api_key is not None,
@@ -264,7 +211,7 @@ def _router_unit(deployment: Deployment, group: Disaggregated, spec: ContainerSp
         required_names=list(deployment.secrets.required),
         name=router.name,
         docker=SYSTEMD_DOCKER,
-        **_router_start(deployment, group, spec),
+        **_router_start(pair),
         ready_wait=readiness_wait_on(
             router.name, health_command_on(CONTAINER_PORT, "/health"), clocks.start_s
         ),
@@ -277,10 +224,5 @@ def _router_unit(deployment: Deployment, group: Disaggregated, spec: ContainerSp
 
 
 def render_systemd_pd(deployment: Deployment) -> list[Artifact]:
-    group = one_host(deployment, "systemd")
-    specs = role_specs(group)
-    units = [
-        _role_unit(deployment, role, spec, i)
-        for i, (role, spec) in enumerate(zip(group.roles, specs, strict=True))
-    ]
-    return [*units, _router_unit(deployment, group, specs[0])]
+    pair = docker_pair(deployment, "systemd")
+    return [*(_role_unit(pair, role) for role in pair.roles), _router_unit(pair)]

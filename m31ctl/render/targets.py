@@ -7,14 +7,14 @@ import shlex
 import textwrap
 from typing import Any, NamedTuple
 
-from m31ctl.container import ContainerSpec
+from m31ctl.container import ContainerSpec, render_spec
 from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment
+from m31ctl.docker_run import Attachment, docker_run_argv, mount_spec, publish_spec
 from m31ctl.errors import InputError
 from m31ctl.hardware import vendor_facts
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
 from m31ctl.render.artifact import Artifact as Artifact  # re-exported: files.py and render/ import it here
-from m31ctl.render.common import header, health_command, in_comment, render_spec, render_template
-from m31ctl.render.docker_run import Attachment, docker_download_argv, docker_run_argv, publish_spec
+from m31ctl.render.common import header, health_command, in_comment, render_template
 from m31ctl.render.download import download_step
 from m31ctl.render.escape import Interpolation, compose_escape, yaml_file
 from m31ctl.render.k8s import k8s_comments, k8s_documents
@@ -58,11 +58,24 @@ def env_file_check(path: str, shown: str, code: int) -> str:
 
 
 def download_argv(deployment: Deployment, spec: ContainerSpec, token_by_name: bool) -> list[str]:
-    """The checkpoint download before the engine (render/download.py), or [] for a local one."""
+    """Everything after `docker` for the checkpoint download before the engine (render/download.py),
+    or [] for a local one: the engine image with the Hugging Face cache mounted and the step's
+    environment (the engine's, less its GPU visibility and what only the engine reads), removed
+    when done. `token_by_name`: pass HF_TOKEN by name (systemd, whose EnvironmentFile= set it); the
+    script adds its own secret arguments instead."""
     step = download_step(deployment, spec.env)
     if step is None:
         return []
-    return docker_download_argv(spec, step, token_by_name)
+    command = step.command
+    argv = ["run", "--rm", "--name", f"{spec.name}-download", "--entrypoint", command[0]]
+    for mount in spec.mounts:
+        if not mount.read_only:  # the cache; a local checkpoint has nothing to download
+            argv += ["--mount", mount_spec(mount)]
+    for key, value in step.env:
+        argv += ["--env", f"{key}={value}"]
+    if token_by_name:
+        argv += ["--env", HF_TOKEN_ENV]  # by name: docker copies it from its own environment, if set
+    return [*argv, spec.image, *command[1:]]
 
 
 def engine_secret_env(spec: ContainerSpec) -> tuple[str, ...]:

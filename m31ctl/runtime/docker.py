@@ -20,10 +20,10 @@ from typing import Any
 from m31ctl import interrupt
 from m31ctl.container import ContainerSpec, container_spec
 from m31ctl.deployment import CONTAINER_PORT, Deployment
+from m31ctl.docker_run import Attachment, docker_run_argv
 from m31ctl.errors import ConflictError, HostPreconditionError, M31Error, ServerDied
 from m31ctl.labels import OWNER, Label
 from m31ctl.netaddr import local_url
-from m31ctl.render.docker_run import Attachment, docker_run_argv
 from m31ctl.runtime import docker_group, engine_api
 from m31ctl.runtime.converge import Decision, ExistingServer
 from m31ctl.runtime.docker_group import ContainerRun

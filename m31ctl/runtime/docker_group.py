@@ -1,10 +1,10 @@
 """A prefill/decode (P/D) group on the docker runtime (issue 36), run as one deployment.
 
-The containers are the rendered targets' (render/pd.py, render/pd_host.py): each role is its
-engine's container on the pair's own network (`NAME-pd`, COMPOSE_SUBNET) at the fixed address it
-advertises for NIXL's side channel (role_address: ZMQ binds that address, so it must be one the
-container holds), reached by its peers under its role's alias; vllm-router runs the pair's
-command line (pair_router_invocation) on that network and publishes the plan's API port.
+The containers are the ones the rendered targets run, as m31ctl/pair.py places the pair on one
+host (docker_pair): each role is its engine's container on the pair's own network (`NAME-pd`,
+PAIR_SUBNET) at the fixed address it advertises for NIXL's side channel (ZMQ binds that address,
+so it must be one the container holds), reached by its peers under its role's alias; vllm-router
+runs the pair's command line on that network and publishes the plan's API port.
 
 Launch follows native_group.py's shape: each role is converged exactly as an aggregated
 container is (runtime/flow.py with docker.py's primitives; its own labels, plan record and
@@ -23,21 +23,18 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from m31ctl.container import ContainerSpec, container_spec, labels_for
-from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment, Disaggregated
+from m31ctl.container import ContainerSpec, container_spec, groups_on_this_host, labels_for
+from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment
+from m31ctl.docker_run import Attachment, docker_run_argv
 from m31ctl.errors import ConflictError, HostPreconditionError, M31Error
 from m31ctl.labels import OWNER, Label
-from m31ctl.render.docker_run import Attachment, docker_run_argv
-from m31ctl.render.pd import (
-    COMPOSE_SUBNET,
+from m31ctl.pair import (
+    PAIR_SUBNET,
     ROUTER_API_KEY_ENV,
-    one_host,
-    pair_router_invocation,
-    role_address,
-    role_key,
-    role_specs,
+    DockerPair,
+    docker_pair,
+    router_run_argv,
 )
-from m31ctl.render.pd_host import ROUTER_ALIAS, network_name, router_run_argv
 from m31ctl.runtime import engine_api
 from m31ctl.runtime.flow import Backend, converge
 from m31ctl.runtime.planrecord import record_of
@@ -78,38 +75,29 @@ def single(deployment: Deployment, cwd: str) -> ContainerRun:
     )
 
 
-def _group(deployment: Deployment) -> Disaggregated:
-    group = deployment.disaggregated
-    assert group is not None, "a P/D group's deployment"
-    return group
-
-
-def role_parts(deployment: Deployment, cwd: str) -> list[ContainerRun]:
-    """Each role's container as the rendered targets run it (role_specs: its engine's container
-    advertising its fixed address), attached to the pair's network at that address under its
-    role's alias, labelled with its group."""
-    group = _group(deployment)
-    network = network_name(deployment)
+def role_parts(pair: DockerPair, cwd: str) -> list[ContainerRun]:
+    """Each role's container as the rendered targets run it (its engine's container advertising
+    its fixed address), attached to the pair's network at that address under its role's alias,
+    labelled with its group."""
     parts = []
-    for index, (role, spec) in enumerate(zip(group.roles, role_specs(group), strict=True)):
-        # role_specs are for any host; started here, the GPUs' groups are this host's GIDs.
-        spec = spec._replace(group_add=container_spec(role).group_add)
-        labels = {**spec.label_dict, Label.PLAN: record_of(role, cwd).to_json(), Label.GROUP: deployment.name}
-        parts.append(
-            ContainerRun(role, spec, labels, Attachment(network, role_address(index), role_key(role)))
-        )
+    for role in pair.roles:
+        # The pair's containers are for any host; started here, the GPUs' groups are this host's GIDs.
+        spec = role.spec._replace(group_add=groups_on_this_host(role.engine))
+        record = record_of(role.engine, cwd).to_json()
+        labels = {**spec.label_dict, Label.PLAN: record, Label.GROUP: pair.deployment.name}
+        parts.append(ContainerRun(role.engine, spec, labels, role.attachment))
     return parts
 
 
-def router_part(deployment: Deployment, cwd: str, role: ContainerSpec) -> ContainerRun:
+def router_part(pair: DockerPair, cwd: str) -> ContainerRun:
     """vllm-router under the group's name (its one endpoint, as the native group's router record
     is), on the pair's network with the rendered targets' command line; its API on the plan's
-    bind and port, its metrics on disaggregation.router.metrics_port (0: a port Docker picks).
-    `role`: a role's spec, for the restart policy and log rotation the group shares. The roles'
-    API key reaches it as vllm-router reads it (ROUTER_API_KEY_ENV), through the Engine API."""
-    group = _group(deployment)
+    bind and port, its metrics on disaggregation.router.metrics_port (0: a port Docker picks),
+    with the restart policy and log rotation of the roles' containers. The roles' API key
+    reaches it as vllm-router reads it (ROUTER_API_KEY_ENV), through the Engine API."""
+    deployment, group, invocation = pair.deployment, pair.group, pair.router
+    role = pair.roles[0].spec
     router = group.router
-    invocation = pair_router_invocation(group)
     clocks = group.router_timeline
     key = deployment.secrets.api_key
     spec = ContainerSpec(
@@ -149,7 +137,7 @@ def router_part(deployment: Deployment, cwd: str, role: ContainerSpec) -> Contai
         deployment,
         spec,
         labels,
-        Attachment(network_name(deployment), None, ROUTER_ALIAS),
+        pair.router_attachment,
         entrypoint=invocation.argv[:1],
         published=((RENDERED_ROUTER_METRICS_PORT, router.metrics_port or None),),
         secrets_from=((ROUTER_API_KEY_ENV, key),) if key else (),
@@ -169,23 +157,23 @@ def _pair_network(client: Any, name: str) -> Any | None:
     return next((n for n in client.networks.list(names=[name]) if n.name == name), None)
 
 
-def ensure_network(client: Any, deployment: Deployment) -> None:
-    """The pair's network with COMPOSE_SUBNET (the roles' fixed addresses are in it): ours when
+def ensure_network(client: Any, pair: DockerPair) -> None:
+    """The pair's network with PAIR_SUBNET (the roles' fixed addresses are in it): ours when
     it exists, else made now. Another network holding the subnet (another P/D group's, a
     rendered Compose file's) is named by the engine's refusal."""
-    name = network_name(deployment)
+    name, deployment = pair.network, pair.deployment
     for attempt in range(2):
         network = _pair_network(client, name)
         if network is not None:
             _check_network(network, name, deployment.name)
             return
-        refused = engine_api.create_network(client, name, _network_labels(deployment), COMPOSE_SUBNET)
+        refused = engine_api.create_network(client, name, _network_labels(deployment), PAIR_SUBNET)
         if refused is None:
             return
         if attempt == 0 and _pair_network(client, name) is not None:
             continue  # a concurrent launch of this group made it first
         raise HostPreconditionError(
-            f"Docker could not make the P/D pair's network {name} ({COMPOSE_SUBNET}, where the roles "
+            f"Docker could not make the P/D pair's network {name} ({PAIR_SUBNET}, where the roles "
             f"advertise fixed addresses for NIXL): {refused[:200]}",
             hint="another network of this host may hold that subnet (docker network ls): stop the "
             "P/D group or Compose project using it first",
@@ -201,9 +189,9 @@ def _check_network(network: Any, name: str, group: str) -> None:
             hint="remove it (docker network rm), or launch under another --name",
         )
     subnets = [str(c.get("Subnet")) for c in (attrs.get("IPAM") or {}).get("Config") or []]
-    if COMPOSE_SUBNET not in subnets:
+    if PAIR_SUBNET not in subnets:
         raise HostPreconditionError(
-            f"network {name} has subnet(s) {', '.join(subnets) or 'none'}, not {COMPOSE_SUBNET}",
+            f"network {name} has subnet(s) {', '.join(subnets) or 'none'}, not {PAIR_SUBNET}",
             hint=f"m31ctl stop --name {group} removes the group and its network",
         )
 
@@ -242,25 +230,25 @@ def launch_group(
     then the router, waited for on the group's router clock unless --timeout says otherwise. A
     part that fails once this launch created something stops every part of the group before the
     error goes on, naming the group and what was stopped."""
-    group = one_host(deployment, "launch")
+    pair = docker_pair(deployment, "launch")
     cwd = os.getcwd()
-    ensure_network(client, deployment)
-    roles = role_parts(deployment, cwd)
+    ensure_network(client, pair)
+    roles = role_parts(pair, cwd)
     role_options = dataclasses.replace(options, detach=False)
     router_options = options
     if options.timeout is None:
-        router_options = dataclasses.replace(options, timeout=float(group.router_timeline.start_s))
+        router_options = dataclasses.replace(options, timeout=float(pair.group.router_timeline.start_s))
     launches: list[PartLaunch] = []
     try:
         for part in roles:
             launches.append(backend_for(part, role_options))
             converge(RUNTIME, launches[-1], part.deployment, role_options)
-        launches.append(backend_for(router_part(deployment, cwd, roles[0].spec), router_options))
+        launches.append(backend_for(router_part(pair, cwd), router_options))
         return converge(RUNTIME, launches[-1], deployment, router_options)
     except M31Error as exc:
         if not any(launch.created for launch in launches):
             raise  # refused before this launch created anything: what ran before is untouched
-        stopped = halt(client, deployment, options.report)
+        stopped = halt(client, pair, options.report)
         exc.message = f"P/D group {deployment.name}: {exc.message}; stopped the group" + (
             f" ({', '.join(stopped)}: each keeps its log for `m31ctl logs --name PART`; "
             "`m31ctl launch` replaces them, `m31ctl stop` removes them)"
@@ -270,10 +258,10 @@ def launch_group(
         raise
 
 
-def halt(client: Any, deployment: Deployment, report: Reporter) -> list[str]:
+def halt(client: Any, pair: DockerPair, report: Reporter) -> list[str]:
     """Stop every part of the group that exists, router first, for good (no restart policy), each
     kept with its log; the names stopped."""
-    group = _group(deployment)
+    deployment, group = pair.deployment, pair.group
     stopped = []
     for name in (deployment.name, *(role.name for role in group.roles)):
         container = engine_api.find_container(client, name)
@@ -394,19 +382,16 @@ def stop_group(client: Any, router: Any, timeout: int | None, keep: bool, report
 def dry_run_group(deployment: Deployment) -> DryRun:
     """The three `docker run` command lines and the pair's network. The router runs under the
     group's name (the rendered script names its container NAME-router)."""
-    group = _group(deployment)
-    roles = role_parts(deployment, os.getcwd())
-    router = router_run_argv(deployment, group, roles[0].spec, "detached")
+    pair = docker_pair(deployment, "launch")
+    router = router_run_argv(pair, "detached")
     router_argv = [*router.options, *router.command]
     router_argv[router_argv.index("--name") + 1] = deployment.name
+    roles = role_parts(pair, os.getcwd())
     detail: dict[str, Any] = {
-        "network": {"name": network_name(deployment), "subnet": COMPOSE_SUBNET},
+        "network": {"name": pair.network, "subnet": PAIR_SUBNET},
         **{
-            role_key(part.deployment): [
-                "docker",
-                *docker_run_argv(part.spec, "detached", None, part.attachment),
-            ]
-            for part in roles
+            role.key: ["docker", *docker_run_argv(part.spec, "detached", None, part.attachment)]
+            for role, part in zip(pair.roles, roles, strict=True)
         },
         "router": ["docker", *router_argv],
     }

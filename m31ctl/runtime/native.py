@@ -60,7 +60,19 @@ KILL_GRACE_S = 30.0
 # How long an engine we started but could not record gets to leave on SIGTERM before SIGKILL.
 ABANDON_GRACE_S = 5.0
 
-__all__ = ["NativeRuntime", "NativeServer", "process_identity", "run_script", "stop_server"]
+# What the native P/D group (runtime/native_group.py) and the rest of m31ctl build on.
+__all__ = [
+    "NativeRuntime",
+    "NativeServer",
+    "ProcessHandle",
+    "ProcessLaunch",
+    "command",
+    "process_identity",
+    "run_script",
+    "server_named",
+    "server_status",
+    "stop_server",
+]
 
 
 class ProcessHandle:
@@ -108,8 +120,10 @@ def _existing(server: NativeServer, served: str, api_key: str | None) -> Existin
     )
 
 
-class _ProcessLaunch:
-    """The native runtime's launch primitives (runtime/flow.py runs the flow)."""
+class ProcessLaunch:
+    """The native runtime's launch primitives for one process (runtime/flow.py runs the flow): an
+    engine, or a P/D role of `group`. A launch of another process (the P/D router) subclasses it
+    and overrides what differs: argv, own_env, record_extra, settle, remove."""
 
     def __init__(self, deployment: Deployment, options: LaunchOptions, group: str | None = None) -> None:
         self.deployment = deployment
@@ -173,6 +187,7 @@ class _ProcessLaunch:
                 hint="check runtime.native_python, and that M31CTL_STATE_DIR is writable",
             ) from None
         try:
+            self.settle(child)
             server = self._record(child, argv, str(log_path))
         except BaseException as exc:
             _abandon(child)
@@ -209,7 +224,11 @@ class _ProcessLaunch:
         save(server)
         return server
 
+    def settle(self, child: subprocess.Popen[bytes]) -> None:
+        """Before the record is written: wait until what it records of the process is final."""
+
     def record_extra(self) -> dict[str, Any]:
+        """Fields of the record beyond an engine's."""
         return {}
 
     def handle(self, server: NativeServer) -> ProcessHandle:
@@ -257,16 +276,16 @@ class NativeRuntime:
                 "the native runtime runs on this host's own hardware",
                 hint="drop --hardware (or use --hardware cpu for the rehearsal)",
             )
-        return converge(self.name, _ProcessLaunch(deployment, options), deployment, options)
+        return converge(self.name, ProcessLaunch(deployment, options), deployment, options)
 
     def servers(self) -> list[ServerStatus]:
-        return [_status(s) for s in recorded()]
+        return [server_status(s) for s in recorded()]
 
     def foreign(self, name: str) -> bool:
         return False  # every record was written by m31ctl
 
     def logs(self, name: str, follow: bool, tail: int, write: Callable[[str], None]) -> None:
-        server = _named(name)
+        server = server_named(name)
         self._write_tail(server, tail, write)
         if follow:
             with open(server.log, "rb") as log:
@@ -279,7 +298,7 @@ class NativeRuntime:
                         interrupt.sleep(0.3)  # Ctrl-C ends the follow here
 
     def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
-        server = _named(name)
+        server = server_named(name)
         stop_server(server, timeout if timeout is not None else server.stop_timeout, report)
 
     def _write_tail(self, server: NativeServer, tail: int, write: Callable[[str], None]) -> None:
@@ -300,7 +319,8 @@ class NativeRuntime:
         return run_script(deployment, script, args, timeout, env)
 
 
-def _status(s: NativeServer) -> ServerStatus:
+def server_status(s: NativeServer) -> ServerStatus:
+    """A record as `status` shows it."""
     liveness = s.liveness()
     alive = liveness is Liveness.RUNNING
     return ServerStatus(
@@ -319,7 +339,8 @@ def _status(s: NativeServer) -> ServerStatus:
     )
 
 
-def _named(name: str) -> NativeServer:
+def server_named(name: str) -> NativeServer:
+    """The record of server `name`, refused (exit 6) where there is none."""
     server = load(name)
     if server is None:
         raise HostPreconditionError(f"no native m31ctl server named {name}", hint="see `m31ctl status`")

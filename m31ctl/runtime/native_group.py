@@ -2,8 +2,8 @@
 
 Launch converges each role engine exactly as an aggregated native engine is converged (its own
 record, log, environment and readiness wait: runtime/native.py's launch primitives), prefill
-then decode, and only once both answer starts vllm-router in front of them (engine/router.py's
-command line) and waits for the served model to answer through it. The router's record is the
+then decode, and only once both answer starts vllm-router in front of them (the pair's command
+line natively, m31ctl/pair.py: the roles on their loopback ports) and waits for the served model to answer through it. The router's record is the
 group's: it carries the group's name, plan, endpoint, and the names of the role records
 (`parts`); each role's record names its group. So `status` shows the group and each part,
 `stop` stops the router (no new requests reach the roles) and then the roles, and a part that
@@ -26,16 +26,17 @@ from typing import Any
 
 from m31ctl import interrupt
 from m31ctl.deployment import Deployment, Disaggregated
-from m31ctl.engine.router import ROUTER_EXECUTABLE, one_host_router
+from m31ctl.engine.router import ROUTER_EXECUTABLE
 from m31ctl.errors import HostPreconditionError, M31Error
+from m31ctl.pair import loopback_router_invocation, on_one_host
 from m31ctl.runtime.flow import converge
 from m31ctl.runtime.native import (
     NativeRuntime,
     ProcessHandle,
-    _named,
-    _ProcessLaunch,
-    _status,
+    ProcessLaunch,
     command,
+    server_named,
+    server_status,
     stop_server,
 )
 from m31ctl.runtime.native_state import NativeServer, claim, load, process_identity, recorded, save
@@ -73,7 +74,7 @@ def _group(deployment: Deployment) -> Disaggregated:
     return group
 
 
-class _RouterLaunch(_ProcessLaunch):
+class _RouterLaunch(ProcessLaunch):
     """The router as a supervised process under the group's name: the same primitives as an
     engine's, with the router's command line and no engine environment."""
 
@@ -85,7 +86,7 @@ class _RouterLaunch(_ProcessLaunch):
         self.metrics_port = metrics_port
 
     def argv(self) -> list[str]:
-        invocation = one_host_router(_group(self.deployment), self.metrics_port)
+        invocation = loopback_router_invocation(_group(self.deployment), self.metrics_port)
         return [self.executable, *invocation.argv[1:]]
 
     def own_env(self) -> Mapping[str, str]:
@@ -94,9 +95,8 @@ class _RouterLaunch(_ProcessLaunch):
     def record_extra(self) -> dict[str, Any]:
         return {"parts": tuple(role.name for role in _group(self.deployment).roles)}
 
-    def _record(self, child: subprocess.Popen[bytes], argv: list[str], log: str) -> NativeServer:
+    def settle(self, child: subprocess.Popen[bytes]) -> None:
         _await_retitle(child)
-        return super()._record(child, argv, log)
 
     def remove(self, server: NativeServer) -> None:
         # A router of another plan: only it goes; the roles were converged on this plan already.
@@ -115,7 +115,7 @@ def _await_retitle(child: subprocess.Popen[bytes]) -> None:
         interrupt.sleep(0.1)
 
 
-def _refresh_identity(launch: _ProcessLaunch) -> None:
+def _refresh_identity(launch: ProcessLaunch) -> None:
     """A router that renamed itself later than _await_retitle waited: once it answers, and while
     it is still our own child (so the pid is certain), its record takes the identity it has now."""
     child = launch.child
@@ -129,7 +129,7 @@ def _refresh_identity(launch: _ProcessLaunch) -> None:
 
 
 def launch_group(deployment: Deployment, options: LaunchOptions) -> LaunchResult:
-    group = _group(deployment)
+    group = on_one_host(deployment, "launch")
     python = deployment.plan.settings.runtime.native_python or sys.executable
     executable = router_executable(python)
     if executable is None:
@@ -138,19 +138,14 @@ def launch_group(deployment: Deployment, options: LaunchOptions) -> LaunchResult
             "the P/D group needs it in front of its roles",
             hint=f"install it into that Python's environment: {Path(python).parent / 'pip'} install vllm-router",
         )
-    if not group.one_host:
-        raise HostPreconditionError(
-            f"{deployment.name}: the P/D roles need more GPUs than one host has; launch runs one host",
-            hint="render it for Kubernetes (m31ctl render --target kubernetes), which places each role",
-        )
     router = group.router
     metrics_port = router.metrics_port or _free_port(router.network.bind)
     # The router needs both roles answering: each role is waited for even when launch is detached.
     role_options = dataclasses.replace(options, detach=False)
-    launches: list[_ProcessLaunch] = []
+    launches: list[ProcessLaunch] = []
     try:
         for role in group.roles:
-            launches.append(_ProcessLaunch(role, role_options, group=deployment.name))
+            launches.append(ProcessLaunch(role, role_options, group=deployment.name))
             converge(RUNTIME, launches[-1], role, role_options)
         launches.append(_RouterLaunch(deployment, options, executable, metrics_port))
         result = converge(RUNTIME, launches[-1], deployment, options)
@@ -209,7 +204,7 @@ def statuses(records: Sequence[NativeServer]) -> list[ServerStatus]:
     for record in records:
         if record.name in in_groups:
             continue
-        row = _status(record)
+        row = server_status(record)
         parts = [(part, by_name.get(part)) for part in record.parts]
         down = [part for part, role in parts if role is None or not role.alive()]
         if record.parts and row.running and down:
@@ -221,7 +216,7 @@ def statuses(records: Sequence[NativeServer]) -> list[ServerStatus]:
                     ServerStatus(part, RUNTIME, "missing", None, None, None, None, None, group=record.name)
                 )
             else:
-                rows.append(dataclasses.replace(_status(role), group=record.name))
+                rows.append(dataclasses.replace(server_status(role), group=record.name))
     return rows
 
 
@@ -239,10 +234,10 @@ def write_logs(server: NativeServer, tail: int, write: Callable[[str], None]) ->
 def dry_run_group(deployment: Deployment) -> DryRun:
     """The three command lines: each role's (as an engine's) and the router's (its metrics port
     0 where launch picks a free one)."""
-    group = _group(deployment)
+    group = on_one_host(deployment, "launch")
     python = deployment.plan.settings.runtime.native_python or sys.executable
     executable = router_executable(python) or ROUTER_EXECUTABLE
-    router_argv = [executable, *one_host_router(group, group.router.metrics_port).argv[1:]]
+    router_argv = [executable, *loopback_router_invocation(group, group.router.metrics_port).argv[1:]]
     detail = {
         "prefill": command(group.prefill),
         "decode": command(group.decode),
@@ -277,7 +272,7 @@ class NativeGroupRuntime(NativeRuntime):
             super()._write_tail(server, tail, write)
 
     def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
-        server = _named(name)
+        server = server_named(name)
         if server.parts:
             stop_group(server, timeout, report)
         else:

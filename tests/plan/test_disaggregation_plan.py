@@ -10,9 +10,9 @@ import pytest
 
 from m31ctl.deployment import derive, require_fit
 from m31ctl.engine.adapter import build_invocation
-from m31ctl.engine.router import one_host_router
 from m31ctl.errors import ExitCode, HostPreconditionError, InputError
 from m31ctl.hardware import simulated
+from m31ctl.pair import loopback_router_invocation
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.disaggregation import CONNECTORS, Role
 from tests.conftest import run_cli
@@ -30,7 +30,7 @@ def _kv_config(args: tuple[str, ...]) -> dict:  # type: ignore[type-arg]
 
 def test_each_role_is_an_engine_with_its_side_of_the_transfer():
     group = derive(plan_for("b300x8")).disaggregated
-    assert group is not None and group.one_host
+    assert group is not None and group.fits_one_host
     prefill, decode = (build_invocation(role) for role in group.roles)
     assert _kv_config(prefill.args) == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
     assert _kv_config(decode.args) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
@@ -47,7 +47,7 @@ def test_the_router_is_the_plans_endpoint_and_pairs_the_roles():
     deployment = derive(plan_for("b300x8", "runtime.port=9000"))
     group = deployment.disaggregated
     assert group is not None and deployment.network.port == 9000
-    argv = one_host_router(group).argv
+    argv = loopback_router_invocation(group).argv
     assert argv[0] == "vllm-router" and "--vllm-pd-disaggregation" in argv
     assert argv[argv.index("--prefill") + 1] == "http://127.0.0.1:8100"
     assert argv[argv.index("--decode") + 1] == "http://127.0.0.1:8200"
@@ -77,7 +77,7 @@ def test_roles_take_their_own_layout():
 
 def test_a_pair_wider_than_the_host_is_not_one_host():
     group = derive(plan_for("b300x4")).disaggregated
-    assert group is not None and not group.one_host  # 4 + 4 GPUs on a 4-GPU host: Kubernetes only
+    assert group is not None and not group.fits_one_host  # 4 + 4 GPUs on a 4-GPU host: Kubernetes only
 
 
 @pytest.mark.parametrize(

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from m31ctl.container import container_spec
+from m31ctl.container import container_spec, render_spec
 from m31ctl.deployment import derive
+from m31ctl.docker_run import docker_run_argv
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.render import Artifact, get_target
-from m31ctl.render.common import render_spec
-from m31ctl.render.docker_run import docker_run_argv
 from m31ctl.render.kubelet_expansion import expand, mapping_for
 from m31ctl.render.targets import TARGETS
 from tests.conftest import PINNED_COMMIT

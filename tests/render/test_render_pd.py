@@ -23,9 +23,10 @@ from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT
 from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, build_invocation
 from m31ctl.engine.router import Upstreams, router_invocation
 from m31ctl.errors import InputError
+from m31ctl.pair import PAIR_SUBNET, ROUTER_LISTEN
 from m31ctl.render import PD_RENDERERS, get_target
 from m31ctl.render.kubelet_expansion import expand, mapping_for
-from m31ctl.render.pd import COMPOSE_SUBNET, ROUTER_LISTEN, refuse_pd
+from m31ctl.render.pd import refuse_pd
 from m31ctl.render.targets import TARGETS
 from tests.conftest import PINNED_COMMIT, run_cli
 from tests.support.rehearsal import needs_image
@@ -106,7 +107,7 @@ def test_compose_runs_each_role_as_planned_and_the_router_after_them(key, tmp_pa
     raw = yaml.safe_load(artifact.content)["services"]  # as written (`config` rewrites durations)
     group = deployment.disaggregated
     assert group is not None
-    subnet = ipaddress.ip_network(COMPOSE_SUBNET)
+    subnet = ipaddress.ip_network(PAIR_SUBNET)
     addresses = []
     for name, role in (("prefill", group.prefill), ("decode", group.decode)):
         service = services[name]

@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 
+from m31ctl.pair import PAIR_SUBNET, network_name, pair_upstreams, role_address
 from m31ctl.render import PD_RENDERERS, Artifact
-from m31ctl.render.pd import COMPOSE_SUBNET, pair_upstreams, role_address
-from m31ctl.render.pd_host import network_name
 from tests.support.render import HOSTILE, PLANS, REFERENCE, pd_deployment, render, shlex_split_systemd, tool
 
 STUB_DOCKER = Path(__file__).parent.parent / "stub_docker.py"
@@ -175,7 +174,7 @@ def test_script_downloads_then_runs_the_roles_then_the_router_once_both_answer(k
         assert order.index(f"exec {role}") < router_at
     # The network is made (with the Compose target's subnet) before any role joins it.
     create = next(i for i, c in enumerate(calls) if c["argv"][:2] == ["network", "create"])
-    assert value_of(calls[create]["argv"], "--subnet") == COMPOSE_SUBNET
+    assert value_of(calls[create]["argv"], "--subnet") == PAIR_SUBNET
     assert create < next(i for i, c in enumerate(calls) if c["argv"][:1] == ["run"] and roles[0] in c["argv"])
     # Every secret went by name: in no argv, and the router got the key as OPENAI_API_KEY.
     for call in calls:
@@ -201,7 +200,7 @@ def test_side_channel_addresses_are_the_roles_addresses_on_the_network(key, tmp_
     done, calls = run_script(script_for(key, extra), tmp_path, {"STUB_READY_AFTER": "1"})
     assert done.returncode == 0, done.stderr
     by_name = {value_of(a, "--name"): a for a in runs(calls)}
-    subnet = ipaddress.ip_network(COMPOSE_SUBNET)
+    subnet = ipaddress.ip_network(PAIR_SUBNET)
     records = {r["name"]: r for r in map(json.loads, (tmp_path / "runs.jsonl").read_text().splitlines())}
     for index, role in enumerate(group.roles):
         argv = by_name[role.name]
@@ -314,7 +313,7 @@ def test_role_units_create_the_network_and_join_it_at_the_side_channel_address(t
         ).replace("/usr/bin/docker", str(bin_dir / "docker"))
         env = {"STUB_LOG": str(tmp_path / "log"), "STUB_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
         assert subprocess.run(["/bin/sh", "-c", ensure], env=env).returncode == 0
-        assert (tmp_path / "network").read_text() == COMPOSE_SUBNET
+        assert (tmp_path / "network").read_text() == PAIR_SUBNET
     (tmp_path / "network").write_text("172.30.0.0/16")  # someone else's network of that name
     assert subprocess.run(["/bin/sh", "-c", ensure], env=env, capture_output=True).returncode == 1
 

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 import yaml
 
+from m31ctl.container import render_spec
 from m31ctl.deployment import derive
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.render import get_target
-from m31ctl.render.common import render_spec
 from m31ctl.render.kubelet_expansion import expand, literal, mapping_for
 from tests.conftest import PINNED_COMMIT
 from tests.support.render import HOSTILE, shlex_split_systemd, tool

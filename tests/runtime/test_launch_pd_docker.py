@@ -22,10 +22,16 @@ from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV
 from m31ctl.errors import ServerDied
 from m31ctl.hardware import simulated
 from m31ctl.labels import OWNER, Label
+from m31ctl.pair import (
+    PAIR_SUBNET,
+    ROUTER_API_KEY_ENV,
+    docker_pair,
+    network_name,
+    pair_router_invocation,
+    role_address,
+)
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.redact import API_KEY_ENV
-from m31ctl.render.pd import COMPOSE_SUBNET, ROUTER_API_KEY_ENV, pair_router_invocation, role_address
-from m31ctl.render.pd_host import network_name
 from m31ctl.runtime import docker_group
 from m31ctl.runtime.converge import ExistingServer
 from m31ctl.runtime.docker import create_container
@@ -52,7 +58,7 @@ def test_each_role_runs_on_the_pairs_network_at_the_address_it_advertises():
     d = _group()
     group = d.disaggregated
     assert group is not None
-    roles = docker_group.role_parts(d, "/launch/dir")
+    roles = docker_group.role_parts(docker_pair(d, "launch"), "/launch/dir")
     assert [p.spec.name for p in roles] == [role.name for role in group.roles]
     for index, part in enumerate(roles):
         address = role_address(index)
@@ -68,8 +74,7 @@ def test_the_router_is_the_groups_one_name_with_the_rendered_command_and_the_gro
     d = _group()
     group = d.disaggregated
     assert group is not None
-    roles = docker_group.role_parts(d, "/x")
-    router = docker_group.router_part(d, "/x", roles[0].spec)
+    router = docker_group.router_part(docker_pair(d, "launch"), "/x")
     invocation = pair_router_invocation(group)
     assert router.spec.name == d.name and router.deployment is d
     assert (*router.entrypoint, *router.spec.args) == invocation.argv
@@ -133,8 +138,9 @@ def _created(part: docker_group.ContainerRun, environ: dict[str, str]) -> dict[s
 def test_the_api_key_reaches_roles_and_router_only_through_the_container_environment():
     d = _group("runtime.api_key=true")
     environ = {API_KEY_ENV: SECRET, "HF_TOKEN": "hf_x", "UNRELATED": "1"}
-    roles = docker_group.role_parts(d, "/x")
-    router = docker_group.router_part(d, "/x", roles[0].spec)
+    pair = docker_pair(d, "launch")
+    roles = docker_group.role_parts(pair, "/x")
+    router = docker_group.router_part(pair, "/x")
     for index, part in enumerate(roles):
         made = _created(part, environ)
         assert made["environment"][API_KEY_ENV] == SECRET and "UNRELATED" not in made["environment"]
@@ -160,7 +166,7 @@ def test_dry_run_shows_the_three_containers_and_the_network():
     )
     assert shown.returncode == 0, shown.stderr
     detail = json.loads(shown.stdout)
-    assert detail["network"]["subnet"] == COMPOSE_SUBNET
+    assert detail["network"]["subnet"] == PAIR_SUBNET
     assert ["--ip", role_address(0)] == detail["prefill"][detail["prefill"].index("--ip") :][:2]
     assert ["--ip", role_address(1)] == detail["decode"][detail["decode"].index("--ip") :][:2]
     router = detail["router"]
@@ -306,7 +312,7 @@ def test_a_role_that_dies_while_the_group_starts_is_named_and_the_group_is_stopp
         docker_group.launch_group(
             d, options, engine, lambda part, o: _FakeLaunch(part, o, seen, next(serving))
         )
-    assert engine.made == [(network_name(d), COMPOSE_SUBNET)]
+    assert engine.made == [(network_name(d), PAIR_SUBNET)]
     message = died.value.message
     assert message.startswith(f"P/D group {d.name}: {d.name}-decode exited (code 1) while starting")
     assert "stopped the group" in message
@@ -376,7 +382,7 @@ def test_pd_group_in_docker_serves_through_the_router_and_stops_as_one(
 
     client = engine_api.connect()
     if _pair_subnet_taken(client):
-        pytest.skip(f"another network of this host holds {COMPOSE_SUBNET} (a P/D group's or Compose's)")
+        pytest.skip(f"another network of this host holds {PAIR_SUBNET} (a P/D group's or Compose's)")
     name = f"m31ctl-pdd-{uuid.uuid4().hex[:6]}"
     api, prefill, decode = free_ports(3)
     (tmp_path / "hf").mkdir()
@@ -423,7 +429,7 @@ def _pair_subnet_taken(client: Any) -> bool:
     for network in client.networks.list():
         network.reload()
         configs = (network.attrs.get("IPAM") or {}).get("Config") or []
-        if any(c.get("Subnet") == COMPOSE_SUBNET for c in configs):
+        if any(c.get("Subnet") == PAIR_SUBNET for c in configs):
             return True
     return False
 

@@ -1,0 +1,209 @@
+"""A prefill/decode (P/D) pair run on one host: where its parts are and how they reach each other.
+
+The Deployment derives the group (deployment.Disaggregated: two role engines and the router);
+this module places it on one host, once, for everything that runs it there: the Compose, script
+and systemd targets (render/) and launch (runtime/). Render and runtime read the same facts, so
+the file a user renders and the pair launch starts cannot place the roles differently.
+
+On Docker (Compose, the script, the units, the docker runtime) the pair has a network of its
+own with a fixed subnet: each role sits at a fixed address, which it advertises to its peer for
+NIXL's side channel (ZMQ binds an address, not a name, so it must be one the container holds),
+and is reached under its role's name; vllm-router reaches the roles by those names and listens
+on every address of its container. Natively (the native runtime) the roles answer on this
+host's loopback ports and the router on the plan's bind and port.
+
+A pair that does not fit one host is refused here, in one message (PairWiderThanHost, exit 6):
+Kubernetes (render/pd.py) places each role on nodes of its own.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import NamedTuple
+
+from m31ctl.container import ContainerSpec, labels_for, render_spec
+from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment, Disaggregated
+from m31ctl.docker_run import Attachment, Mode, lifecycle_args, log_args, network_args, publish_address
+from m31ctl.engine.adapter import build_invocation
+from m31ctl.engine.router import RouterInvocation, Upstreams, router_invocation
+from m31ctl.errors import HostPreconditionError
+
+# The pair's Docker network: Compose's network key (the project's `<project>_pd`), else the host's
+# `NAME-pd`. Its subnet lies outside Docker's default address pools (172.17.0.0/12 and
+# 192.168.0.0/16 in /20s) and Podman's (10.88.0.0/16, 10.89.0.0/16), so it does not take a range
+# Docker hands other networks; `docker compose up` and `docker network create` name an overlap.
+PAIR_NETWORK = "pd"
+PAIR_SUBNET = "10.231.36.0/24"
+_ROLE_HOST_OFFSET = 10  # prefill .10, decode .11
+# The router's name on the pair's network (the roles' are their keys, as Compose's services).
+ROUTER_ALIAS = "router"
+# The router in a container (Compose, Kubernetes, the script, the units): on every address of it.
+ROUTER_LISTEN = "0.0.0.0"
+# vllm-router forwards this variable's value to the roles as `Authorization: Bearer`
+# (vllm-project/router, the P/D router's worker requests); it is the roles' VLLM_API_KEY.
+ROUTER_API_KEY_ENV = "OPENAI_API_KEY"
+
+
+class PairWiderThanHost(HostPreconditionError):
+    """A P/D pair that one host cannot hold (a role spans nodes, or the two roles need more GPUs
+    than the host has), asked of a target or a runtime that runs the pair on one host."""
+
+
+def on_one_host(deployment: Deployment, target: str) -> Disaggregated:
+    """The group, refused where it does not fit one host (Disaggregated.fits_one_host): `target`,
+    a render target or launch, runs the pair on one."""
+    group = deployment.disaggregated
+    assert group is not None, "a P/D group's deployment"
+    if group.fits_one_host:
+        return group
+    wide = [role for role in group.roles if role.layout.spans_nodes]
+    if wide:
+        raise PairWiderThanHost(
+            f"the {role_key(wide[0])} role spans {wide[0].layout.nodes} nodes: a {target} runs on one host",
+            hint="render it with --target k8s (a LeaderWorkerSet per role spans nodes)",
+        )
+    hw = deployment.hardware
+    raise PairWiderThanHost(
+        f"the prefill/decode pair needs {group.gpus} GPUs ({group.prefill.layout.gpus} prefill, "
+        f"{group.decode.layout.gpus} decode) on one host and a {hw.product} host has {hw.count}: "
+        f"a {target} runs on one host",
+        hint="render it with --target k8s (each role on its own nodes), or use smaller "
+        "disaggregation.prefill/.decode layouts",
+    )
+
+
+def role_key(role: Deployment) -> str:
+    """The role's name within the group: its Compose service, its alias on the pair's network."""
+    assert role.kv_transfer is not None  # a role of a Disaggregated group
+    return role.kv_transfer.role.value
+
+
+# ---------------------------------------------------------------------------------------------
+# natively
+
+
+def loopback_router_invocation(
+    group: Disaggregated, metrics_port: int = RENDERED_ROUTER_METRICS_PORT
+) -> RouterInvocation:
+    """The router of the pair run natively: the roles on their loopback ports, the router on the
+    plan's bind and port."""
+    upstreams = Upstreams(group.prefill.network.local_url, group.decode.network.local_url)
+    network = group.router.network
+    return router_invocation(
+        group.router, upstreams, host=network.bind, port=network.port, metrics_port=metrics_port
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# on Docker
+
+
+class PairRole(NamedTuple):
+    """A role engine on the pair's network: its container, rendered for any host and advertising
+    its fixed address, and how it is attached there (that address; its key as its alias)."""
+
+    engine: Deployment
+    spec: ContainerSpec
+    attachment: Attachment
+
+    @property
+    def key(self) -> str:
+        """Its Compose service, its alias on the network (role_key)."""
+        return self.attachment.alias
+
+    @property
+    def address(self) -> str:
+        """The fixed address it advertises to its peer for NIXL's side channel (role_address)."""
+        return str(self.attachment.address)
+
+
+class DockerPair(NamedTuple):
+    """The pair on its Docker network: the roles, prefill then decode, and the router."""
+
+    deployment: Deployment  # the group's
+    group: Disaggregated
+    network: str  # on the host (`NAME-pd`)
+    roles: tuple[PairRole, PairRole]
+    router: RouterInvocation
+
+    @property
+    def router_attachment(self) -> Attachment:
+        return Attachment(self.network, None, ROUTER_ALIAS)
+
+
+def docker_pair(deployment: Deployment, target: str) -> DockerPair:
+    """The pair on its own Docker network, refused where it does not fit one host (`target`:
+    what runs it there)."""
+    group = on_one_host(deployment, target)
+    network = network_name(deployment)
+    prefill, decode = (_pair_role(role, index, network) for index, role in enumerate(group.roles))
+    return DockerPair(deployment, group, network, (prefill, decode), pair_router_invocation(group))
+
+
+def network_name(deployment: Deployment) -> str:
+    """The pair's Docker network on the host: one per deployment (Compose's is <project>_pd)."""
+    return f"{deployment.name}-{PAIR_NETWORK}"
+
+
+def role_address(index: int) -> str:
+    """The fixed address of the group's `index`th role (prefill 0, decode 1) on the pair's network:
+    Compose's ipv4_address, `docker run --ip`, the Engine API's IPAM config."""
+    return str(ipaddress.ip_network(PAIR_SUBNET)[_ROLE_HOST_OFFSET + index])
+
+
+def pair_upstreams(group: Disaggregated) -> Upstreams:
+    """The roles on the pair's network: by their key (a Compose service, a network alias) and
+    container port."""
+    return Upstreams(*(f"http://{role_key(role)}:{role.network.container_port}" for role in group.roles))
+
+
+def pair_router_invocation(group: Disaggregated) -> RouterInvocation:
+    """The router on the pair's network, on every address of its container."""
+    upstreams = pair_upstreams(group)
+    return router_invocation(
+        group.router,
+        upstreams,
+        host=ROUTER_LISTEN,
+        port=CONTAINER_PORT,
+        metrics_port=RENDERED_ROUTER_METRICS_PORT,
+    )
+
+
+def _pair_role(role: Deployment, index: int, network: str) -> PairRole:
+    """The `index`th role at its fixed address on `network`, its container rendered for any host
+    advertising that address, with its own GPUs of the shared host (device_ids by index where the
+    plan has no UUIDs)."""
+    address = role_address(index)
+    spec = render_spec(role)
+    invocation = build_invocation(role, side_channel_host=address)
+    env = {**dict(spec.env), **dict(invocation.env)}
+    spec = spec._replace(args=invocation.args, env=tuple(sorted(env.items())))
+    if spec.device_request and not spec.gpu_device_ids and role.gpus.indices:
+        spec = spec._replace(gpu_device_ids=tuple(str(i) for i in role.gpus.indices))
+    return PairRole(role, spec, Attachment(network, address, role_key(role)))
+
+
+class RunArgv(NamedTuple):
+    """A `docker run` argv split where the target adds its secret arguments: before the image."""
+
+    options: list[str]
+    command: list[str]  # the image and what follows it
+
+
+def router_run_argv(pair: DockerPair, mode: Mode) -> RunArgv:
+    """vllm-router's `docker run` on the pair's network, as Compose's router service: the roles by
+    their aliases, its API and metrics ports published on runtime.bind, the restart policy and
+    log rotation of the roles' containers."""
+    router = pair.group.router
+    spec = pair.roles[0].spec
+    bind = router.network.bind
+    argv = ["run", *lifecycle_args(mode, spec.restart), "--name", router.name]
+    for key, value in labels_for(pair.deployment.plan):
+        argv += ["--label", f"{key}={value}"]
+    argv += log_args(spec.log_max_size, spec.log_max_files)
+    argv += ["--stop-timeout", str(pair.group.router_timeline.stop_s)]
+    argv += network_args(pair.router_attachment)
+    argv += ["--publish", publish_address(bind, router.network.port, CONTAINER_PORT)]
+    argv += ["--publish", publish_address(bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT)]
+    argv += ["--entrypoint", pair.router.argv[0]]
+    return RunArgv(argv, [pair.router.image, *pair.router.argv[1:]])
