@@ -198,8 +198,15 @@ FORBIDDEN = {
     ),
     "m31ctl.capacity": ("m31ctl.render", "m31ctl.runtime", "m31ctl.doctor", "m31ctl.cli"),
     "m31ctl.engine": ("m31ctl.render", "m31ctl.runtime", "m31ctl.doctor", "m31ctl.cli"),
+    # render/ and runtime/ are siblings (issue 52): each reads the Deployment and what is derived
+    # beside it for both, the container (container.py, its `docker run` argv in docker_run.py) and
+    # the P/D pair on one host (pair.py); neither imports the other, and those modules neither.
+    **dict.fromkeys(
+        ("m31ctl.container", "m31ctl.docker_run", "m31ctl.pair"),
+        ("m31ctl.render", "m31ctl.runtime", "m31ctl.doctor", "m31ctl.cli", "m31ctl.deploy"),
+    ),
     "m31ctl.render": ("m31ctl.runtime", "m31ctl.doctor", "m31ctl.cli"),
-    "m31ctl.runtime": ("m31ctl.doctor", "m31ctl.cli", "m31ctl.deploy", "m31ctl.served"),
+    "m31ctl.runtime": ("m31ctl.render", "m31ctl.doctor", "m31ctl.cli", "m31ctl.deploy", "m31ctl.served"),
     "m31ctl.doctor": ("m31ctl.cli", "m31ctl.deploy", "m31ctl.served"),
     # pull reads the plan and writes the cache; the runtime, doctor and CLI may call it, not the reverse
     "m31ctl.pull": ("m31ctl.runtime", "m31ctl.doctor", "m31ctl.render", "m31ctl.cli", "m31ctl.deploy"),
@@ -247,6 +254,10 @@ DERIVED_ONCE = {
     # vLLM's engine-ready limit is raised in one place (the adapter, from the timeline).
     "VLLM_ENGINE_READY_TIMEOUT_S": {"m31ctl.timeline"},
     '"VLLM_API_KEY"': {"m31ctl.redact"},
+    # Whether a P/D pair fits one host is asked where it is refused, m31ctl/pair.py (one message,
+    # one error type for every target and runtime); the Deployment counts nodes by it and the
+    # plan's JSON shows it.
+    ".fits_one_host": {"m31ctl.deployment", "m31ctl.pair", "m31ctl.cli.views"},
     # Runtimes are dispatched through their registry (m31ctl.runtime.get_runtime), never by name.
     'runtime == "': set(),
     'deep == "': set(),
