@@ -882,7 +882,7 @@ def rehearse(
     Docker containers as nodes), send completions and smoke through the leader, remove it all."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli.rehearsing import run_rehearse
-    from m31ctl.rehearsal.runner import Options
+    from m31ctl.rehearsal.session import Options
 
     if timeout <= 0:
         raise InputError(f"--timeout {timeout} is not a positive number of seconds")

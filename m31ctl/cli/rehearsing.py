@@ -13,7 +13,8 @@ from m31ctl.errors import ExitCode
 from m31ctl.labels import Label
 from m31ctl.rehearsal.pairing import PairingOutcome
 from m31ctl.rehearsal.result import RehearsalResult
-from m31ctl.rehearsal.runner import Options, rehearse
+from m31ctl.rehearsal.runner import rehearse
+from m31ctl.rehearsal.session import Options
 
 if TYPE_CHECKING:
     from m31ctl.plan import Plan

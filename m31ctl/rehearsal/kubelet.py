@@ -54,7 +54,7 @@ def claim_volume(session: str, claim: str) -> str:
 
 
 # The downward API's fields the rehearsal fills (Kubernetes: pods/fieldRef); the pod's address
-# is the one the runner assigned it on the rehearsal network.
+# is the one the cluster assigned it on the rehearsal network (cluster.pod_addresses).
 def field_values(pod: PodRun, address: str) -> list[tuple[str, str]]:
     known = {"status.podIP": address, "metadata.name": pod.pod, "metadata.namespace": NAMESPACE}
     return [(name, known.get(path, "")) for name, path in pod.fields]
@@ -140,8 +140,8 @@ def exec_probe(client: Any, container: str, probe: Probe) -> tuple[bool, str]:
 
 
 class Kubelet:
-    """Starts pods and probes them through the Docker client (engine_api.connect); `clock` is
-    injectable for tests."""
+    """Starts pods, probes them, reads their logs and kills or restarts their containers, through
+    the Docker client (engine_api.connect); `clock` is injectable for tests."""
 
     def __init__(
         self,
@@ -150,17 +150,23 @@ class Kubelet:
         network: str,
         clock: Callable[[], float] = time.monotonic,
         addresses: Mapping[str, str] | None = None,
+        secrets: Mapping[str, str] | None = None,
     ):
         self.client, self.session, self.network, self.clock = client, session, network, clock
         # pod name -> its fixed address (a manifest that reads status.podIP needs one known
         # before the pod starts); an init container runs without one (it ends before the pod's
         # containers start, and two containers cannot hold one address on one network).
         self.addresses = dict(addresses or {})
+        # variable -> the value of the Secret key it reads (secretKeyRef), as the kubelet reads
+        # the cluster's Secrets; a pod gets those it names, into the API request only.
+        self.secrets = dict(secrets or {})
 
-    def start(self, pod: PodRun, secrets: dict[str, str]) -> PodState:
+    def start(self, pod: PodRun) -> PodState:
         address = "" if pod.init else self.addresses.get(pod.pod, "")
         create = run_args(pod, self.session, self.network, address)
-        create["environment"] += [f"{name}={secrets[name]}" for name, _ in pod.secrets if name in secrets]
+        create["environment"] += [
+            f"{name}={self.secrets[name]}" for name, _ in pod.secrets if name in self.secrets
+        ]
         done = docker_verbs.run_detached(self.client, **create)
         state = PodState(pod, container_name(self.session, pod), self.clock())
         if not done.ok:
@@ -172,16 +178,12 @@ class Kubelet:
         return state
 
     def run_to_completion(
-        self,
-        pod: PodRun,
-        secrets: dict[str, str],
-        timeout: float,
-        meanwhile: Callable[[], None] | None = None,
+        self, pod: PodRun, timeout: float, meanwhile: Callable[[], None] | None = None
     ) -> PodState:
         """An init container: it must exit 0 before the pod's containers start. `meanwhile`
         runs between looks (the kubelet probes the other pods while this one initializes: a P/D
         router's init waits on the roles, whose own probes go on)."""
-        state = self.start(pod, secrets)
+        state = self.start(pod)
         if state.status != "running":
             return state
         if meanwhile is None:
@@ -193,12 +195,26 @@ class Kubelet:
         while state.status == "running":
             self.refresh(state)
             if state.status == "running" and self.clock() > deadline:
-                docker_verbs.kill(self.client, state.name)
+                self.kill(state)
                 state.status, state.exit_code = "exited", -1
             elif state.status == "running":
                 meanwhile()
                 interrupt.sleep(PROBE_PERIOD_S)  # Ctrl-C and SIGTERM end the wait here
         return state
+
+    def kill(self, state: PodState) -> str | None:
+        """SIGKILL, as a node lost or an OOM kill ends a process; None when done, else why not."""
+        return docker_verbs.kill(self.client, state.name)
+
+    def start_again(self, state: PodState) -> str | None:
+        """The same container started again (its name, address and environment), as the kubelet
+        restarts a pod's container in place; None when started, else why not."""
+        return docker_verbs.start_again(self.client, state.name)
+
+    def log(self, state: PodState, tail: int | None = None) -> str:
+        """The container's log (`kubectl logs`), stdout then stderr, each line with its time: as
+        the `docker logs` CLI's two streams were read back to back."""
+        return "".join(docker_verbs.logs_by_stream(self.client, state.name, tail))
 
     def refresh(self, state: PodState) -> None:
         status, code, ip = engine_api.container_state(self.client, state.name)

@@ -9,7 +9,7 @@
 
 The tiny model (plain Llama) has no sliding or sparse window, so "long" means many KV blocks
 (the CPU backend's block is 128 tokens): the longest prompt spans 13. Side effects on
-containers come through `Pair` (the runner's); HTTP through httpx and served/http_answers'
+containers come through `Pair` (proofs.py's); HTTP through httpx and served/http_answers'
 defensive reading. Waits are bounded and condition-driven: nothing is judged by speed.
 """
 
@@ -36,7 +36,7 @@ POLL_S = 2.0
 
 
 class Pair(NamedTuple):
-    """The runner's handles on the pair's containers and addresses."""
+    """proofs.py's handles on the pair's containers and addresses."""
 
     router: str  # base URLs on the rehearsal network
     decode: str
@@ -82,8 +82,11 @@ def _client(base: str, timeout: float) -> httpx.Client:
     return httpx.Client(base_url=base, headers=smoke.auth_headers(), timeout=timeout)
 
 
-def completion(base: str, model: str, prompt: str, timeout: float) -> http_answers.Answer:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+def completion(
+    base: str, model: str, prompt: str, timeout: float, max_tokens: int = MAX_TOKENS
+) -> http_answers.Answer:
+    """One greedy completion, its answer read defensively (served/http_answers.py)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     with _client(base, timeout) as client:
         return http_answers.fetch(client, "POST", "/v1/completions", body, limit_s=timeout)
 

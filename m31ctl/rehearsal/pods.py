@@ -1,7 +1,7 @@
 """What Kubernetes would run from a rendered manifest, as plain data: one PodRun per pod of the
 LeaderWorkerSet (or the Deployment's one pod), with the environment the LWS controller and the
 kubelet give each container, and command, args and probes as the kubelet resolves them. Pure:
-the YAML documents in, the pods out; running them is the runner's business (runner.py).
+the YAML documents in, the pods out; running them is the cluster's business (cluster.py).
 
 Sources: the LWS pod webhook (sigs.k8s.io/lws pkg/utils/pod: LWS_LEADER_ADDRESS is
 `<lws>-<group>.<lws>.<namespace>`, the headless Service named after the LWS; LWS_GROUP_SIZE; the
@@ -69,7 +69,7 @@ class PodRun(NamedTuple):
     ipc_host: bool
     init: bool = False  # an init container: runs to completion before the pod's containers
     # (name, fieldPath) of each downward-API variable: the kubelet fills them once the pod has
-    # its address (status.podIP), which the runner assigns (Kubelet.start).
+    # its address (status.podIP), which the cluster assigns (cluster.pod_addresses).
     fields: tuple[tuple[str, str], ...] = ()
     labels: tuple[tuple[str, str], ...] = ()  # the pod template's labels (what Services select)
     # (variable, "secret/key") of each secret variable: two variables that read one key (the
@@ -80,7 +80,7 @@ class PodRun(NamedTuple):
 class ServiceRun(NamedTuple):
     """A ClusterIP Service as the rehearsal gives it: its DNS names, and for each port the
     target port on the pod it selects. Ports equal to their targets need only the names (an
-    alias of the pod); mapped ports need a forwarder, kube-proxy's job (runner.py)."""
+    alias of the pod); mapped ports need a forwarder, kube-proxy's job (cluster.forwarder_pod)."""
 
     name: str
     pod: str  # the selected serving pod (the first the selector matches)
@@ -92,7 +92,7 @@ class ServiceRun(NamedTuple):
 
     @property
     def forwarder_pod(self) -> str:
-        """The name of the forwarder that stands for this Service (runner.forwarder_pod)."""
+        """The name of the forwarder that stands for this Service (cluster.forwarder_pod)."""
         return f"svc-{self.name}"
 
     @property
@@ -151,7 +151,7 @@ def service_links(services: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 def secret_mark(name: str) -> str:
     """What a `$(SECRET)` reference expands to here: the kubelet would put the secret's value
-    there (into argv, visible in ps and logs); the runner refuses a command that holds this."""
+    there (into argv, visible in ps and logs); prepared.py refuses a command that holds this."""
     return f"<secret {name}>"
 
 

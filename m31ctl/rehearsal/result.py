@@ -1,11 +1,48 @@
-"""What a rehearsal found, as typed data (`rehearse --json` prints `to_json()`, one object)."""
+"""What a rehearsal found, as typed data (`rehearse --json` prints `to_json()`, one object), and
+how it is assembled from what happened: the run, the nodes as they ended, the cleanup."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from m31ctl.rehearsal.kubelet import PodState
+from m31ctl.rehearsal.logs import root_cause
 from m31ctl.rehearsal.pairing import PairingOutcome
+from m31ctl.rehearsal.prepared import Prepared
 from m31ctl.rehearsal.twin import Change
+
+NOT_EMULATED = {
+    "NetworkPolicy": "NetworkPolicy (not enforced: one private Docker network)",
+    "PersistentVolumeClaim": "",
+    "Service": "",
+    "LeaderWorkerSet": "",
+    "Deployment": "",
+}
+# Never emulated: every pod runs on this one host.
+SCHEDULING = "scheduling (nodeSelector, tolerations, GPU/RDMA resources, cpu and memory requests)"
+
+
+class Served(NamedTuple):
+    """The serving proof: completions sent through the serving pod, how many were answered, and
+    smoke's report (served/smoke.py) as data."""
+
+    endpoint: str
+    sent: int
+    answered: int
+    smoke: dict[str, Any]
+
+    @property
+    def ok(self) -> bool:
+        return self.answered == self.sent and bool(self.smoke.get("ok"))
+
+
+class Run(NamedTuple):
+    """What happened between the first container and the cleanup."""
+
+    states: list[PodState]
+    why: str | None  # why it did not serve; None when it served
+    served: Served | None
+    pairing: PairingOutcome | None = None  # a P/D plan's proof (pairing.py)
 
 
 class ProbeOutcome(NamedTuple):
@@ -72,3 +109,67 @@ class RehearsalResult(NamedTuple):
         data["probes_passed"] = sum(1 for p in self.probes if p.passed)
         data["pairing"] = self.pairing.to_json() if self.pairing else None
         return data
+
+
+def probe_outcomes(states: list[PodState]) -> tuple[ProbeOutcome, ...]:
+    return tuple(
+        ProbeOutcome(
+            s.pod.pod,
+            p.probe.describe(),
+            p.attempts,
+            bool(p.passes) and not p.failures_in_row,
+            p.first_pass_s,
+            p.last_error,
+        )
+        for s in states
+        for p in s.probes
+    )
+
+
+def failing_node(nodes: tuple[NodeOutcome, ...]) -> NodeOutcome | None:
+    """The node to blame: one that ended badly, else one whose error line names a cause of its
+    own (a worker's NotImplementedError rather than the leader's "Worker failed, see above"),
+    else the first with an error line."""
+    ended = [n for n in nodes if n.exit_code not in (None, 0)]
+    rooted = [n for n in nodes if root_cause(n.error_line)]
+    ranked = [n for n in ended if root_cause(n.error_line)] + ended + rooted
+    return next(iter(ranked), next((n for n in nodes if n.error_line), None))
+
+
+def assemble(
+    prepared: Prepared,
+    run: Run,
+    nodes: tuple[NodeOutcome, ...],
+    timings: dict[str, float],
+    leftovers: tuple[str, ...],
+    kept: bool,
+    session: str,
+) -> RehearsalResult:
+    blamed = failing_node(nodes) if run.why is not None else None
+    not_emulated = (
+        *sorted({NOT_EMULATED.get(k, f"{k} (not emulated)") for k in prepared.manifest.kinds} - {""}),
+        SCHEDULING,
+    )
+    return RehearsalResult(
+        served=run.why is None,
+        plan_hash=prepared.twin.original.hash,
+        twin_hash=prepared.twin.plan.hash,
+        layout=prepared.layout,
+        changes=prepared.twin.changes,
+        nodes=nodes,
+        probes=probe_outcomes(run.states),
+        endpoint=run.served.endpoint if run.served else "",
+        completions=run.served.answered if run.served else 0,
+        smoke=run.served.smoke if run.served else None,
+        failure=run.why,
+        failing_node=blamed.pod if blamed else None,
+        error_line=blamed.error_line if blamed else None,
+        cause=blamed.cause if blamed else None,
+        not_emulated=not_emulated,
+        timings_s=timings,
+        cleaned=not kept and not leftovers,
+        leftovers=leftovers,
+        kept=kept,
+        session=session,
+        pairing=run.pairing,
+    )

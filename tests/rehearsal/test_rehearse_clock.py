@@ -14,7 +14,8 @@ import pytest
 
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
-from m31ctl.rehearsal.runner import Options, prepare
+from m31ctl.rehearsal.prepared import prepare
+from m31ctl.rehearsal.session import Options
 from m31ctl.rehearsal.twin import HANDSHAKE_ENV, LOAD_DELAY_ENV
 from m31ctl.timeline import VLLM_DEFAULT_ENGINE_READY_S, VLLM_HANDSHAKE_S
 from tests.conftest import ROOT

@@ -19,7 +19,8 @@ from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.rehearsal import logs
 from m31ctl.rehearsal.pods import read_manifest, service_links
-from m31ctl.rehearsal.runner import Options, prepare, refuse_secret_expansion
+from m31ctl.rehearsal.prepared import prepare, refuse_secret_expansion
+from m31ctl.rehearsal.session import Options
 from m31ctl.render.kubelet_expansion import literal
 from tests.conftest import ROOT
 from tests.support.readme import readme_command, run_as_written

@@ -17,9 +17,11 @@ import pytest
 
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
+from m31ctl.rehearsal.cluster import forwarder_pod, pod_addresses
 from m31ctl.rehearsal.kubelet import field_values, run_args
 from m31ctl.rehearsal.pods import read_manifest
-from m31ctl.rehearsal.runner import Options, forwarder_pod, pod_addresses, prepare
+from m31ctl.rehearsal.prepared import prepare
+from m31ctl.rehearsal.session import Options
 from m31ctl.rehearsal.twin import PD_ROLE_CORES
 from tests.conftest import ROOT
 from tests.ports import free_port

@@ -7,7 +7,7 @@ sleep that long before it loads the weights, inside the engine core process, exa
 multi-node handshake then meet a load as long as the real one, scaled down. With
 M31CTL_REHEARSAL_HANDSHAKE_S set, vLLM's headless-worker handshake limit (HANDSHAKE_TIMEOUT_MINS,
 five minutes, no setting of its own in 0.32) is scaled the same way. Unset, it does nothing.
-Installed in the rehearsal image only (m31ctl/rehearsal/runner.py).
+Installed in the rehearsal image only (m31ctl/rehearsal/provision.py).
 """
 
 from __future__ import annotations
