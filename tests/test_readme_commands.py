@@ -36,6 +36,8 @@ RUN_ELSEWHERE = {
     "m31ctl rehearse --hardware b300x4 --set parallelism.nodes=2": (
         "tests/rehearsal/test_rehearse_layouts.py::test_two_node_dp_rehearsal_serves"
     ),
+    # On the server that test launched with the same plan: one vLLM start in Docker for both.
+    "scripts/rehearse --docker": "tests/rehearsal/test_rehearsal.py::test_container_launch_smoke_stop",
 }
 # Slow ones: the suite's markers (pyproject.toml), as the tests that run the same things carry.
 # Each is bounded by run_as_written's 1,800 s, and pytest-timeout's mark lets it get there; those

@@ -10,13 +10,13 @@ import re
 import signal
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT, last_json, run_cli
 from tests.ports import free_port
+from tests.support.readme import readme_command, run_as_written
 
 IMAGE = "m31ctl/vllm-cpu:0.32.0"
 
@@ -132,10 +132,23 @@ def test_native_launch_smoke_verify(cpu_server, tmp_path):
     assert_capacity_matches_engine(logs.stdout, cpu_server.model)
 
 
+# README's rehearsal in a container, run as written by the test below on the server it launched
+# (tests/test_readme_commands.py RUN_ELSEWHERE): one vLLM start in Docker for both.
+README_DOCKER_REHEARSAL = "scripts/rehearse --docker"
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.docker
-def test_container_launch_smoke_stop(tiny_model, rehearsal_image):
+@pytest.mark.timeout(1900)  # the launch's own 900 s, then README's command (bounded at 900 s)
+def test_container_launch_smoke_stop(tiny_model, rehearsal_image, tmp_path):
+    """The rehearsal image launched by m31ctl in Docker with the plan README's `scripts/rehearse
+    --docker` launches (its model and port through the script's M31CTL_REHEARSAL_MODEL and
+    M31CTL_PORT, its default name): smoke, verify with the image's own `vllm bench serve`, the
+    KV figures m31ctl predicts in the container's log. Then README's command as written, on this
+    server: its launch runs the deep preflight in the image (this launch skips it: one deep
+    preflight per start) and finds the plan already served, its smoke passes, and its exit stops
+    the container, nothing left. One vLLM start in Docker proves both."""
     from m31ctl.runtime.engine_api import connect
 
     client = connect()
@@ -145,41 +158,38 @@ def test_container_launch_smoke_stop(tiny_model, rehearsal_image):
         pytest.fail(
             f"{IMAGE} is missing: scripts/build-rehearsal-image builds it (scripts/test runs it as root)"
         )
-    name = f"m31ctl-rehearsal-{uuid.uuid4().hex[:6]}"
     port = free_port()
+    plan = ("--hardware", "cpu", "--set", f"model.path={tiny_model}")  # scripts/rehearse's, with --port
+    name = None
     try:
-        launched = run_cli(
-            "launch",
-            "--hardware",
-            "cpu",
-            "--name",
-            name,
-            "--port",
-            str(port),
-            "--set",
-            f"model.path={tiny_model}",
-            "--timeout",
-            "900",
-            "--json",
-        )
+        launched = run_cli("launch", *plan, "--port", str(port), "--runtime", "docker", "--skip-deep",
+                           "--timeout", "900", "--json")  # fmt: skip
         assert launched.returncode == 0, launched.stderr[-3000:]
         result = last_json(launched.stdout)
+        name = result["server"]
+        assert result["action"] == "created" and result["runtime"] == "docker", result
         print(f"container ready after {result['timings_s']['ready']:.1f} s")
         smoke = run_cli("smoke", "--name", name, "--json")
         report = json.loads(smoke.stdout)
         assert smoke.returncode == 0 and report["ok"], report
         print(f"container smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
-        verified = run_cli("verify", "--hardware", "cpu", "--set", f"runtime.container_name={name}",
-                           "--set", f"runtime.port={port}", "--set", f"model.path={tiny_model}", "--json")  # fmt: skip
+        verified = run_cli("verify", *plan, "--set", f"runtime.port={port}", "--json")
         result = json.loads(verified.stdout)
         assert verified.returncode == 0 and result["ok"], result
         assert result["bench"]["completed"] == 4  # vllm bench serve from the image's own vLLM
         print(f"container verify: p99 TTFT {result['bench']['p99_ttft_ms']:.1f} ms")
         assert_capacity_matches_engine(run_cli("logs", "--name", name, "--tail", "5000").stdout, tiny_model)
+        env = {"M31CTL_REHEARSAL_MODEL": str(tiny_model), "M31CTL_PORT": str(port)}
+        done = run_as_written(readme_command(README_DOCKER_REHEARSAL), tmp_path, env, timeout=900)
+        assert done.returncode == 0, (
+            f"{README_DOCKER_REHEARSAL}: exit {done.returncode}\n{done.stderr[-3000:]}"
+        )
+        assert "already serving this plan" in done.stdout + done.stderr  # this launch's server
+        assert "ok   chat:" in done.stdout  # its smoke
     finally:
-        stopped = run_cli("stop", "--name", name)
-    assert stopped.returncode == 0
-    assert name not in [c.name for c in client.containers.list(all=True)]
+        if name is not None and name in [c.name for c in client.containers.list(all=True)]:
+            run_cli("stop", "--name", name)  # README's command failed before its own stop
+    assert name not in [c.name for c in client.containers.list(all=True)]  # README's command stopped it
 
 
 @pytest.mark.vllm
