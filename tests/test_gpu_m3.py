@@ -229,10 +229,10 @@ def _log(name: str):
     return read_startup_log(_text(f"engine-{name}.log"))
 
 
-def _exits(name: str = "exits.txt") -> dict[str, int]:
+def _exits(name: str = "exits.txt", capture: Path = CAPTURE) -> dict[str, int]:
     import re
 
-    found = re.findall(r"^(\S+) (\S+) exit=(\d+)", _text(name), re.M)
+    found = re.findall(r"^(\S+) (\S+) exit=(\d+)", (capture / name).read_text(), re.M)
     return {f"{step} {case}": int(code) for step, case, code in found}
 
 
@@ -450,3 +450,42 @@ def test_verify_now_reads_the_tiny_checkpoints_answers_so(tmp_path):
         judged.checks[-1].status is CheckStatus.SKIP
         and "not sent: the checkpoint is text-only" in judged.checks[-1].message
     )
+
+
+# --- the same recipe on a TP8 rank's shapes: one KV head, one index head (the second capture) -----
+
+RANK = CAPTURE.parent / "h200-m3-kv1-vllm026"
+
+
+def test_a_tp8_ranks_attention_shapes_crash_vllm_026_the_same_way():
+    """The real model runs the Hopper recipe at TP8, where vLLM replicates its 4 KV heads (and the
+    index heads fused with them) to one per rank: a checkpoint with 1 KV head and 1 index head on
+    one GPU has that rank's attention shapes. m31ctl launched it (FP8 main cache, bf16 index keys,
+    graphs) and the short checks served; verify's 8,192-token prompts hit the same illegal memory
+    access, so the 0.26 refusal covers the real layout, not only the tiny 4-head one."""
+    text = json.loads((RANK / "model-config.json").read_text())["text_config"]
+    assert text["num_key_value_heads"] == text["sparse_attention_config"]["sparse_num_index_heads"] == 1
+    exits = _exits("exits.txt", RANK)
+    assert exits["launch hopper-u0.92"] == 0 and exits["verify hopper-u0.92"] == 1
+    assert exits["bench hopper-u0.92"] == 6  # no server left
+    log = (RANK / "engine-hopper-u0.92.log").read_text()
+    assert "selected Triton (kv_cache_dtype=fp8, topk_blocks=16)" in log
+    assert "an illegal memory access was encountered" in log
+    verify = json.loads((RANK / "verify-hopper-u0.92.json").read_text())
+    assert {c["id"]: c["status"] for c in verify["checks"]}["chat"] == "ok"
+
+
+def test_kv_tokens_on_a_tp8_ranks_geometry_within_0_3_percent():
+    """A second geometry for the bytes-a-token arithmetic: 4 layers x 256 (FP8 K and V of one KV
+    head of 128) plus 3 sparse layers x 256 (the one bf16 index key) = 1,792, exactly what vLLM's
+    available memory over its tokens gives; m31ctl's printed tokens 0.28% above vLLM's."""
+    from m31ctl.capacity.reserve import GIB
+    from m31ctl.engine.startup_log import read_startup_log
+
+    printed = json.loads((RANK / "capacity-hopper-u0.92.json").read_text())["fit"]
+    logged = read_startup_log((RANK / "engine-hopper-u0.92.log").read_text())
+    assert printed["kv_bytes_per_token"]["total"] == 1792.0
+    assert abs(logged.available_kv_gib * GIB / logged.kv_cache_tokens - 1792) < 1
+    error = (printed["kv_cache_tokens"] - logged.kv_cache_tokens) / logged.kv_cache_tokens
+    assert 0 < error < 0.004, (printed["kv_cache_tokens"], logged.kv_cache_tokens)
+
