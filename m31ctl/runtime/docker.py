@@ -398,6 +398,16 @@ class DockerRuntime:
     ) -> ScriptRun:
         return run_script(deployment, script, args, timeout, env)
 
+    def engine_identity(self, deployment: Deployment) -> str | None:
+        """The engine image's ID: a tag moved to another build is another engine."""
+        image = container_spec(deployment).image
+        try:
+            with engine_api.engine_boundary(f"reading the ID of {image}"):
+                found = engine_api.local_image(engine_api.connect(), image)
+        except M31Error:
+            return None  # the preflight's own Docker checks say why
+        return f"{image} {found.id}" if found is not None else None
+
 
 def _our_containers(client: Any) -> list[Any]:
     return list(client.containers.list(all=True, filters={"label": f"{Label.OWNER}={OWNER}"}))

@@ -201,6 +201,12 @@ class Runtime(Protocol):
         benchmark reads (a generated dataset), at the same path wherever it runs."""
         ...
 
+    def engine_identity(self, deployment: Deployment) -> str | None:
+        """What names the engine this runtime would run, cheaply (no vLLM import): the image's
+        ID, or the native Python with its vLLM's version and place. A deep-check pass is
+        remembered under it (m31ctl/doctor/remembered.py); None when it cannot be told."""
+        ...
+
     def run_engine_script(
         self,
         deployment: Deployment,

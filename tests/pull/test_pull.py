@@ -406,6 +406,9 @@ def test_launch_pulls_first_and_then_runs_the_engine_offline(hub, tmp_path, monk
             started.append(dict(options.environ))
             return "started"
 
+        def engine_identity(self, deployment: Any) -> None:
+            return None  # not named: the (stubbed) deep checks would run every time
+
     monkeypatch.setattr(deploy, "get_runtime", lambda name: Runtime())
     monkeypatch.setattr(deploy, "preflight", lambda *args, **kwargs: [])
     monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)

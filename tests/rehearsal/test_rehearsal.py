@@ -87,8 +87,11 @@ def test_native_launch_smoke_verify(cpu_server, tmp_path):
     assert result["ready"] and timings["models_first_answer"] <= timings["ready"]
     assert not [k for k, v in timings.items() if timings["models_first_answer"] < v < timings["ready"]]
     print(f"native ready after {result['timings_s']['ready']:.1f} s")
-    again = run_cli(*cpu_server.launch_args, "--skip-deep", "--json", env=env)  # deep: at the launch
+    # The relaunch of the same plan, engine and host: the deep checks that passed at the launch
+    # are remembered (m31ctl/doctor/remembered.py), not run again (issue 53: launch adds nothing).
+    again = run_cli(*cpu_server.launch_args, "--json", env=env)
     assert last_json(again.stdout)["action"] == "unchanged"
+    assert "deep checks passed at " in again.stderr and "for this plan, engine and host" in again.stderr
     status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"]
     assert [r["name"] for r in status] == [name] and status[0]["health"] == 200
     smoke = run_cli("smoke", "--runtime", "native", "--json", env=env)

@@ -1,0 +1,137 @@
+"""Deep checks remembered for the plan, engine and host they passed on (issue 53: launch adds
+nothing measurable to the engine's own start). The key and the record are pure data and one
+directory; the launch's gate is tested at the preflight seam, whose results here are shaped as
+the real deep checks report them (the real path: tests/rehearsal/test_rehearsal.py's relaunch of
+the shared server, whose launch ran the real deep checks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from m31ctl import deploy
+from m31ctl.checks import CheckStatus
+from m31ctl.deployment import derive
+from m31ctl.doctor.base import CheckResult
+from m31ctl.doctor.remembered import pass_key, recall, remember
+from m31ctl.hardware import GPU, simulated
+from m31ctl.plan import PlanRequest, resolve
+from m31ctl.probe import ProbeReport
+from m31ctl.runtime.protocol import LaunchOptions
+
+ENGINE = "/opt/venv/bin/python3; vllm: vllm 0.32.0 at /opt/venv/lib/vllm/__init__.py"
+PASSED = [
+    CheckResult("engine-image", "engine", CheckStatus.OK, "torch 2.11.0, vLLM 0.32.0 (CPU)"),
+    CheckResult(
+        "engine-config", "engine config", CheckStatus.OK, "vLLM 0.32.0 builds the plan's configuration"
+    ),
+    CheckResult("collective", "all-reduce", CheckStatus.OK, "gloo all-reduce over 2 ranks"),
+]
+
+
+@pytest.fixture(autouse=True)
+def state(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("M31CTL_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+def _deployment(*sets: str):
+    return derive(resolve(PlanRequest(hardware=simulated("cpu"), sets=sets)))
+
+
+def test_the_key_is_what_the_deep_checks_judged():
+    d, hw = _deployment(), simulated("h200x8")
+    key = pass_key(d, "native", ENGINE, hw, {"PWD": "/a"})
+    assert key == pass_key(d, "native", ENGINE, hw, {"PWD": "/b", "TERM": "xterm"})  # not the engine's
+    others = [
+        pass_key(_deployment("serving.max_model_len=1024"), "native", ENGINE, hw, {}),  # another argv
+        pass_key(d, "docker", ENGINE, hw, {}),
+        pass_key(d, "native", ENGINE.replace("0.32.0", "0.33.0"), hw, {}),  # another vLLM
+        pass_key(d, "native", ENGINE, simulated("h200x4"), {}),  # other GPUs
+        pass_key(d, "native", ENGINE, hw.model_copy(update={"driver_version": "999.1"}), {}),
+        pass_key(d, "native", ENGINE, hw, {"NCCL_P2P_DISABLE": "1"}),  # the collective's transport
+        pass_key(d, "native", ENGINE, hw, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}),
+    ]
+    assert len({key, *others}) == len(others) + 1
+
+
+def test_a_gpu_swapped_under_the_same_name_is_another_host():
+    d, hw = _deployment(), simulated("h200x1")
+    gpu = hw.gpus[0]
+    one = hw.model_copy(update={"gpus": (GPU(**{**gpu.model_dump(), "uuid": "GPU-aaaa"}),)})
+    two = hw.model_copy(update={"gpus": (GPU(**{**gpu.model_dump(), "uuid": "GPU-bbbb"}),)})
+    assert pass_key(d, "native", ENGINE, one, {}) != pass_key(d, "native", ENGINE, two, {})
+
+
+def test_only_an_outright_pass_is_remembered(state):
+    assert remember("k1", PASSED) is not None and recall("k1") is not None
+    assert [c.split(":")[0] for c in recall("k1").said] == ["engine-image", "engine-config", "collective"]
+    skipped = [*PASSED[:2], CheckResult("collective", "all-reduce", CheckStatus.SKIP, "no config.json yet")]
+    assert remember("k2", skipped) is None and recall("k2") is None  # the first launch before a download
+    failed = [*PASSED[:2], CheckResult("collective", "all-reduce", CheckStatus.FAIL, "hung past 30 s")]
+    assert remember("k3", failed) is None and recall("k3") is None
+    assert remember("k4", []) is None
+    (state / "deep-passes" / "k5.json").write_text("{not json")
+    assert recall("k5") is None  # an unreadable record is no pass: the checks run
+
+
+def test_a_state_root_that_cannot_be_written_only_loses_the_shortcut(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("M31CTL_STATE_DIR", str(blocker / "state"))
+    assert remember("k", PASSED) is None
+
+
+class _Runtime:
+    """The launch gate's view of a runtime: its name, gates and engine identity."""
+
+    name = "native"
+    gates = ()
+
+    def __init__(self, identity: str | None) -> None:
+        self.identity = identity
+
+    def engine_identity(self, deployment):
+        return self.identity
+
+
+def _gate(monkeypatch, runtime: _Runtime, results=PASSED):
+    """deploy._gate with the preflight seam recording whether the deep checks were asked for."""
+    asked: list[str | None] = []
+
+    def preflight(engine, gates, env, probe=None, deep=None):
+        asked.append(deep)
+        return list(results) if deep else []
+
+    monkeypatch.setattr(deploy, "preflight", preflight)
+    said: list[str] = []
+    options = LaunchOptions(report=said.append, confirm=lambda _q: False, environ={})
+    probe = ProbeReport(hardware=simulated("h200x1"), attempts=())
+    deploy._gate(_deployment(), runtime, "native", options, probe, deep=True)
+    return asked, said
+
+
+def test_the_second_launch_skips_the_deep_checks_and_says_why(monkeypatch):
+    runtime = _Runtime(ENGINE)
+    asked, said = _gate(monkeypatch, runtime)
+    assert asked == ["native"] and said == []
+    asked, said = _gate(monkeypatch, runtime)
+    assert asked == [None]
+    assert len(said) == 1 and "deep checks passed at " in said[0] and "m31ctl doctor --deep" in said[0]
+    runtime.identity = ENGINE.replace("0.32.0", "0.32.1")  # vLLM upgraded in place: asked again
+    assert _gate(monkeypatch, runtime)[0] == ["native"]
+
+
+def test_an_engine_that_cannot_be_named_is_checked_every_time(monkeypatch):
+    runtime = _Runtime(None)
+    assert _gate(monkeypatch, runtime)[0] == ["native"]
+    assert _gate(monkeypatch, runtime)[0] == ["native"]
+
+
+def test_a_failed_or_skipped_deep_check_is_asked_again(monkeypatch):
+    skipped = [*PASSED[:1], CheckResult("engine-config", "engine config", CheckStatus.SKIP, "no config.json")]
+    runtime = _Runtime(ENGINE)
+    assert _gate(monkeypatch, runtime, skipped)[0] == ["native"]
+    assert _gate(monkeypatch, runtime)[0] == ["native"]  # checked again, and now remembered
+    assert _gate(monkeypatch, runtime)[0] == [None]
