@@ -101,6 +101,16 @@ def _docker_reachable() -> bool:
         return False
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's own state root unless the caller set one: what m31ctl keeps between runs
+    (native records, triage bundles, remembered deep-check passes) never comes from the user's
+    home or an earlier run, where a remembered pass would skip the deep checks a test runs."""
+    if "M31CTL_STATE_DIR" not in os.environ:
+        import tempfile
+
+        os.environ["M31CTL_STATE_DIR"] = tempfile.mkdtemp(prefix="m31ctl-test-state-")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip GPU tests without a GPU. Docker tests skip without an engine, except in CI,
     where .ci/run starts one: there a missing engine is a failure, not a silent skip. Then the
