@@ -26,6 +26,7 @@ from m31ctl.render import observability as obs
 from tests.conftest import PINNED_COMMIT, run_cli, vllm_python
 from tests.ports import free_port
 from tests.support.prometheus import PROMETHEUS, PROMTOOL, all_queries, get, stop, until
+from tests.support.prometheus import start as start_prometheus
 
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="no promtool (scripts/setup-host installs prometheus)"
@@ -208,12 +209,7 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
             lambda: urllib.request.urlopen(f"{base}/health", timeout=5).status == 200 or server.poll(),
         )
         assert server.poll() is None, (tmp_path / "vllm.log").read_text()[-3000:]
-        with (tmp_path / "prometheus.log").open("wb") as log:
-            prometheus = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={out / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{web}"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+        prometheus = start_prometheus(out, tmp_path, web)  # the rendered files, scraped every second
         api = f"http://127.0.0.1:{web}/api/v1"
 
         def query(expr: str) -> list[dict[str, Any]]:

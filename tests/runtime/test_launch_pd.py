@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import urllib.parse
 import uuid
@@ -31,6 +30,7 @@ from tests.ports import free_ports
 from tests.support.http import metrics_text, request
 from tests.support.native import STANDIN
 from tests.support.prometheus import PROMETHEUS, all_queries, get, stop, until
+from tests.support.prometheus import start as start_prometheus
 
 SERVED = "m31ctl-rehearsal"  # the cpu recipe's model.served_name
 # Two vLLM starts one after the other on two shared cores: minutes; a busy machine gets more.
@@ -192,12 +192,7 @@ def _nixl_queries_answer_from_a_real_prometheus(launch_args: list[str], name: st
     nixl = [(what, expr) for what, expr in all_queries(d) if "vllm:nixl_" in expr]
     assert len(nixl) == 2, nixl  # the dashboard panel and the alert
     (web,) = free_ports(1)
-    with (tmp_path / "prometheus.log").open("wb") as log:
-        prometheus = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={out / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{web}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+    prometheus = start_prometheus(out, tmp_path, web)  # the rendered files, scraped every second
     try:
         api = f"http://127.0.0.1:{web}/api/v1/query?"
         for what, expr in nixl:
