@@ -149,9 +149,10 @@ def test_container_launch_smoke_stop(tiny_model, rehearsal_image, tmp_path):
     --docker` launches (its model and port through the script's M31CTL_REHEARSAL_MODEL and
     M31CTL_PORT, its default name): smoke, verify with the image's own `vllm bench serve`, the
     KV figures m31ctl predicts in the container's log. Then README's command as written, on this
-    server: its launch runs the deep preflight in the image (this launch skips it: one deep
-    preflight per start) and finds the plan already served, its smoke passes, and its exit stops
-    the container, nothing left. One vLLM start in Docker proves both."""
+    server: its launch passes its preflight (the deep checks in the image, which this launch
+    skips: the shared native server's launch proves them inside launch, doctor's tests each one)
+    and finds the plan already served, its smoke passes, and its exit stops the container,
+    nothing left. One vLLM start in Docker proves both."""
     from m31ctl.runtime.engine_api import connect
 
     client = connect()
