@@ -80,10 +80,15 @@ class ProcessHandle:
 
     kind = "process"
 
-    def __init__(self, server: NativeServer, child: subprocess.Popen[bytes] | None = None) -> None:
+    def __init__(
+        self, server: NativeServer, child: subprocess.Popen[bytes] | None = None, since: int = 0
+    ) -> None:
         self.server = server
         self.child = child
         self.name = server.name
+        # Where this start's lines begin in the log (one log per name, appended start after
+        # start): readiness must not read the last start's "serving" as this one's phase.
+        self.since = since
 
     def state(self) -> ProcessState:
         if self.child is not None:
@@ -97,7 +102,7 @@ class ProcessHandle:
             with open(self.server.log, "rb") as handle:
                 handle.seek(0, os.SEEK_END)
                 size = handle.tell()
-                handle.seek(max(0, size - 64 * 1024))
+                handle.seek(max(self.since if self.since <= size else 0, size - 64 * 1024))
                 text = handle.read().decode("utf-8", "replace")
         except OSError:
             return ""
@@ -131,6 +136,7 @@ class ProcessLaunch:
         self.name = deployment.name
         self.group = group  # the P/D group this engine is a role of (its record says so)
         self.child: subprocess.Popen[bytes] | None = None
+        self.log_start = 0  # the engine log's size when this launch started its engine
 
     def argv(self) -> list[str]:
         return command(self.deployment)
@@ -164,6 +170,7 @@ class ProcessLaunch:
         d = self.deployment
         argv = self.argv()
         log_path = state_dir() / f"{self.name}.log"
+        self.log_start = log_path.stat().st_size if log_path.is_file() else 0
         # What launch itself sets for this start (LAUNCH_ENV: offline mode, the engine-ready
         # limit of an engine that downloads) wins over the plan's, as the container runtime's does.
         launch_set = {
@@ -233,7 +240,7 @@ class ProcessLaunch:
 
     def handle(self, server: NativeServer) -> ProcessHandle:
         own = self.child if self.child is not None and self.child.pid == server.pid else None
-        return ProcessHandle(server, own)
+        return ProcessHandle(server, own, since=self.log_start if own is not None else 0)
 
     def endpoint(self, server: NativeServer) -> str:
         return server.base
