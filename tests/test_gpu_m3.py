@@ -488,4 +488,3 @@ def test_kv_tokens_on_a_tp8_ranks_geometry_within_0_3_percent():
     assert abs(logged.available_kv_gib * GIB / logged.kv_cache_tokens - 1792) < 1
     error = (printed["kv_cache_tokens"] - logged.kv_cache_tokens) / logged.kv_cache_tokens
     assert 0 < error < 0.004, (printed["kv_cache_tokens"], logged.kv_cache_tokens)
-
