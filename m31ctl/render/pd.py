@@ -33,7 +33,7 @@ from m31ctl.pair import (
 from m31ctl.redact import API_KEY_ENV
 from m31ctl.render.artifact import Artifact
 from m31ctl.render.common import header, health_command_on, in_comment
-from m31ctl.render.escape import Interpolation, compose_escape, yaml_file
+from m31ctl.render.escape import compose_escape, yaml_file
 from m31ctl.render.k8s import (
     API_SERVICE_SUFFIX,
     PART_OF_LABEL,
@@ -47,8 +47,14 @@ from m31ctl.render.k8s import (
     kubelet_literal,
 )
 from m31ctl.render.targets import (
+    COMPOSE_API_KEY_SECRET,
+    api_key_entrypoint,
     compose_download,
     compose_engine_service,
+    compose_secret_notes,
+    compose_secrets,
+    engine_secret_env,
+    token_from_file,
     writable_sources,
 )
 
@@ -97,33 +103,29 @@ def download_spec(role: Deployment, spec: ContainerSpec) -> ContainerSpec:
     return spec._replace(env=tuple((k, v) for k, v in spec.env if k not in transfer_only))
 
 
-def _router_environment(deployment: Deployment) -> list[str]:
-    if deployment.secrets.api_key is None:
-        return []
-    return [
-        Interpolation(
-            f"{ROUTER_API_KEY_ENV}=${{{API_KEY_ENV}:?the plan requires {API_KEY_ENV}: export it before docker compose up}}"
-        )
-    ]
-
-
 def _compose_router(pair: DockerPair) -> dict[str, Any]:
     deployment, group, invocation = pair.deployment, pair.group, pair.router
     spec = pair.roles[0].spec  # the roles' restart policy and log rotation
     router = group.router
     clocks = group.router_timeline
     bind = router.network.bind
+    entrypoint = [invocation.argv[0]]
+    secrets: dict[str, Any] = {}
+    if deployment.secrets.api_key is not None:  # forwarded to the roles, read from the roles' file
+        entrypoint = api_key_entrypoint(ROUTER_API_KEY_ENV, (invocation.argv[0],))
+        secrets = {"secrets": [COMPOSE_API_KEY_SECRET]}
     service: dict[str, Any] = {
         "image": invocation.image,
         "container_name": router.name,
-        "entrypoint": [invocation.argv[0]],
+        "entrypoint": entrypoint,
+        **secrets,
         "command": list(invocation.argv[1:]),
         "labels": dict(labels_for(deployment.plan)),
         "ports": [
             publish_address(bind, router.network.port, CONTAINER_PORT),
             publish_address(bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT),
         ],
-        "environment": _router_environment(deployment),
+        "environment": [],
         "networks": [PAIR_NETWORK],
         # Compose 1.29+ and v2: the router starts once both roles' healthchecks pass.
         "depends_on": {role.key: {"condition": "service_healthy"} for role in pair.roles},
@@ -156,16 +158,21 @@ def compose_pd_document(deployment: Deployment) -> dict[str, Any]:
         ),
     )
     if download is not None:
-        services["download"] = download
+        services["download"] = token_from_file(download)
     for role in pair.roles:
-        service = compose_engine_service(role.engine, role.spec)
+        spec = role.spec._replace(secret_env=engine_secret_env(role.spec))  # no HF_TOKEN: the download's
+        service = compose_engine_service(role.engine, spec)
         service["networks"] = {PAIR_NETWORK: {"ipv4_address": role.address}}
         if download is not None:
             service["depends_on"] = {"download": {"condition": "service_completed_successfully"}}
         services[role.key] = service
     services["router"] = _compose_router(pair)
     networks = {PAIR_NETWORK: {"ipam": {"config": [{"subnet": PAIR_SUBNET}]}}}
-    document: dict[str, Any] = compose_escape({"services": services, "networks": networks})
+    raw: dict[str, Any] = {"services": services, "networks": networks}
+    secrets = compose_secrets(token=download is not None, api_key=deployment.secrets.api_key is not None)
+    if secrets:
+        raw["secrets"] = secrets
+    document: dict[str, Any] = compose_escape(raw)
     return document
 
 
@@ -187,19 +194,23 @@ def render_compose_pd(deployment: Deployment) -> list[Artifact]:
         "for NIXL's side channel (ZMQ binds an address, not a service name); `docker compose up` "
         "refuses the file if another network of this host holds that subnet.",
         f"Clocks (m31ctl/timeline.py): {clocks} (healthcheck start_period and stop_grace_period).",
-        "The router forwards VLLM_API_KEY to the roles and checks no key itself: keep runtime.bind "
-        "on an address only trusted clients reach."
+        f"The router forwards the roles' key ({ROUTER_API_KEY_ENV}, exported from the same file at its "
+        "start) to them and checks no key itself: keep runtime.bind on an address only trusted clients reach."
         if deployment.secrets.api_key
         else "The router checks no API key: keep runtime.bind on an address only trusted clients reach.",
     ]
     comments = [
         *header(deployment, "compose").splitlines(),
-        "# Secrets: HF_TOKEN and VLLM_API_KEY are taken from the environment of `docker compose` by name.",
+        *(f"# {line}" for note in compose_secret_notes(document) if note for line in _wrapped(note)),
         "# Create the cache directory first (a long-syntax bind mount does not): mkdir -p "
         + " ".join(in_comment(shlex.quote(d), "<runtime.hf_cache>") for d in dirs),
-        *(f"# {line}" for note in notes for line in textwrap.wrap(note, width=98, break_on_hyphens=False)),
+        *(f"# {line}" for note in notes for line in _wrapped(note)),
     ]
     return [Artifact("compose.yaml", yaml_file(comments, [document], explicit_start=False))]
+
+
+def _wrapped(note: str) -> list[str]:
+    return textwrap.wrap(note, width=98, break_on_hyphens=False)
 
 
 # ---------------------------------------------------------------------------------------------

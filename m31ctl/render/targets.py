@@ -37,6 +37,33 @@ HF_TOKEN_PATH_ENV = "HF_TOKEN_PATH"
 TOKEN_FILE_VAR = "M31CTL_HF_TOKEN_FILE"  # names the token file to the script and to Compose
 COMPOSE_TOKEN_SECRET = "hf_token"
 HF_TOKEN_IN_CONTAINER = f"/run/secrets/{COMPOSE_TOKEN_SECRET}"
+# The API key as a file too (issue 53): vLLM reads its key from VLLM_API_KEY or --api-key only
+# (vllm/envs.py; FrontendArgs.api_key), so a Compose container whose plan requires it starts
+# through API_KEY_START, which exports the key from Compose's secret and execs the process's own
+# entrypoint. `docker compose config` and `docker inspect` show the file's name, never the key.
+API_KEY_FILE_VAR = "M31CTL_API_KEY_FILE"  # names the key file to Compose
+COMPOSE_API_KEY_SECRET = "vllm_api_key"
+API_KEY_IN_CONTAINER = f"/run/secrets/{COMPOSE_API_KEY_SECRET}"
+# The engine image's entrypoint, which the adapter's argv follows: vllm/vllm-openai and
+# vllm/vllm-openai-rocm set ENTRYPOINT ["vllm", "serve"] (vLLM's docker/Dockerfile and
+# docker/Dockerfile.rocm, stage vllm-openai). Compose cannot name "the image's own" entrypoint
+# beside one of its own, so the wrapped start spells it.
+ENGINE_ENTRYPOINT = ("vllm", "serve")
+# Fixed text: the file, the variable, the host variable naming the file and the command come as
+# positional arguments, never spliced in. A missing, unreadable or empty file (docker-compose 1.29
+# mounts a missing one as a directory) stops the container with one line: never a server without
+# its key (vLLM serves unauthenticated when VLLM_API_KEY is empty).
+API_KEY_START = """\
+file=$1 var=$2 names=$3
+shift 3
+value=$(cat "$file" 2>/dev/null) || value=
+if [ -z "$value" ]; then
+  echo "m31ctl: $file is missing, unreadable or empty: the plan requires $var; export $names=PATH (a file holding the key) and run docker compose up again" >&2
+  exit 1
+fi
+export "$var=$value"
+exec "$@"
+"""
 # The one docker binary every line of the unit runs (ExecStart= needs an absolute path on older
 # systemd; the readiness wait used to find `docker` on PATH, another binary where two are installed).
 SYSTEMD_DOCKER = "/usr/bin/docker"
@@ -240,17 +267,19 @@ def _compose_gpus(spec: ContainerSpec) -> dict[str, Any]:
     return {"resources": {"reservations": {"devices": [device]}}}
 
 
-def _compose_environment(deployment: Deployment, spec: ContainerSpec) -> list[str]:
-    environment: list[str] = [f"{k}={v}" for k, v in spec.env]
-    for name in spec.secret_env:
-        # A bare NAME takes the value from the environment of `docker compose`: by reference.
-        # A required one fails closed: Compose refuses to start without it.
-        environment.append(
-            Interpolation(f"{name}=${{{name}:?the plan requires {name}: export it before docker compose up}}")
-            if name in deployment.secrets.required
-            else name
-        )
-    return environment
+def api_key_entrypoint(variable: str, command: tuple[str, ...]) -> list[str]:
+    """A Compose entrypoint that runs `command` (an entrypoint of its own) with `variable` set to
+    the key in Compose's API-key secret (API_KEY_START); the service lists COMPOSE_API_KEY_SECRET."""
+    start = ["/bin/sh", "-c", API_KEY_START, "m31ctl-api-key"]  # $0, then the positional arguments
+    return [*start, API_KEY_IN_CONTAINER, variable, API_KEY_FILE_VAR, *command]
+
+
+def _compose_environment(spec: ContainerSpec) -> list[str]:
+    """The engine's environment: the plan's values only. Its one secret, the API key, comes as a
+    file (compose_engine_service); HF_TOKEN never reaches an engine (engine_secret_env)."""
+    unexpected = set(spec.secret_env) - {API_KEY_ENV}
+    assert not unexpected, f"secrets a Compose engine would print in `docker compose config`: {unexpected}"
+    return [f"{k}={v}" for k, v in spec.env]
 
 
 def compose_volume(source: str, target: str, read_only: bool) -> dict[str, Any]:
@@ -263,15 +292,17 @@ def compose_volume(source: str, target: str, read_only: bool) -> dict[str, Any]:
 
 def compose_engine_service(deployment: Deployment, spec: ContainerSpec) -> dict[str, Any]:
     """One engine's Compose service, raw (unescaped): the aggregated server, or a P/D role."""
-    service: dict[str, Any] = {
-        "image": spec.image,
-        "container_name": spec.name,
-        "command": list(spec.args),
-        "labels": dict(spec.labels),
-        "ports": [publish_spec(spec)],
-        "volumes": [compose_volume(m.source, m.target, m.read_only) for m in spec.mounts],
-        "environment": _compose_environment(deployment, spec),
-    }
+    service: dict[str, Any] = {"image": spec.image, "container_name": spec.name}
+    if API_KEY_ENV in spec.secret_env:  # the image's `vllm serve`, started with the key from the file
+        service["entrypoint"] = api_key_entrypoint(API_KEY_ENV, ENGINE_ENTRYPOINT)
+        service["secrets"] = [COMPOSE_API_KEY_SECRET]
+    service.update(
+        command=list(spec.args),
+        labels=dict(spec.labels),
+        ports=[publish_spec(spec)],
+        volumes=[compose_volume(m.source, m.target, m.read_only) for m in spec.mounts],
+        environment=_compose_environment(spec),
+    )
     if spec.ipc_host:
         service["ipc"] = "host"
     else:
@@ -306,14 +337,17 @@ def compose_document(deployment: Deployment) -> dict[str, Any]:
     """Built from raw values, then escaped as a whole (compose_escape): Compose interpolates `$`
     in every string, so only the Interpolations stay live."""
     spec = render_spec(deployment)
-    service = compose_engine_service(deployment, spec._replace(secret_env=engine_secret_env(spec)))
+    engine_secrets = engine_secret_env(spec)
+    service = compose_engine_service(deployment, spec._replace(secret_env=engine_secrets))
     document: dict[str, Any] = {"services": {"vllm": service}}
     download = compose_download(deployment, spec)
     if download is not None:
         document = {"services": {"download": token_from_file(download), "vllm": service}}
-        document["secrets"] = compose_token_secret()
         # Compose 1.29+ and v2: the engine starts only once the download exited 0.
         service["depends_on"] = {"download": {"condition": "service_completed_successfully"}}
+    secrets = compose_secrets(token=download is not None, api_key=API_KEY_ENV in engine_secrets)
+    if secrets:
+        document["secrets"] = secrets
     # No top-level `name`: Debian's docker-compose 1.29 refuses it; the project name comes from
     # the directory or `-p`, and the container is named by container_name either way.
     escaped: dict[str, Any] = compose_escape(document)
@@ -359,20 +393,43 @@ def compose_token_secret() -> dict[str, Any]:
     return {COMPOSE_TOKEN_SECRET: {"file": Interpolation(f"${{{TOKEN_FILE_VAR}:-/dev/null}}")}}
 
 
-def render_compose(deployment: Deployment) -> list[Artifact]:
-    spec = render_spec(deployment)
-    document = compose_document(deployment)
-    notes = [
-        f"Secrets: {API_KEY_ENV} is taken from the environment of `docker compose`, so `docker compose "
-        "config` prints it and `docker inspect` of the engine shows it: vLLM reads its key from its "
-        "environment or --api-key only."
-        if API_KEY_ENV in engine_secret_env(spec)
+def compose_api_key_secret() -> dict[str, Any]:
+    """The top-level `secrets:` entry api_key_entrypoint reads: the file M31CTL_API_KEY_FILE
+    names. Required, so unset it fails closed: Compose refuses the file (no /dev/null default)."""
+    message = f"the plan requires {API_KEY_ENV}: export {API_KEY_FILE_VAR}=PATH, a file holding the key"
+    return {COMPOSE_API_KEY_SECRET: {"file": Interpolation(f"${{{API_KEY_FILE_VAR}:?{message}}}")}}
+
+
+def compose_secrets(*, token: bool, api_key: bool) -> dict[str, Any]:
+    """The top-level `secrets:` of a Compose file: the token for its download, the key for its
+    engines (and a P/D router)."""
+    return {**(compose_token_secret() if token else {}), **(compose_api_key_secret() if api_key else {})}
+
+
+def compose_secret_notes(document: dict[str, Any]) -> list[str]:
+    """What a Compose file's comments say of its secrets (the aggregated and the P/D file)."""
+    secrets = document.get("secrets", {})
+    return [
+        f"Secrets: the API key is a file, never an environment value: export {API_KEY_FILE_VAR}=PATH (mode "
+        f"600, the key alone) before `docker compose up`, which refuses the file without it. Compose mounts "
+        f"it at {API_KEY_IN_CONTAINER}; the engine's start exports it as {API_KEY_ENV} and execs the "
+        "image's `vllm serve` (a missing or empty file: the container exits at once, saying so), so "
+        "`docker compose config` and `docker inspect` show the file's name, never the key."
+        if COMPOSE_API_KEY_SECRET in secrets
         else "",
         f"The Hugging Face token is a file, never an environment value: export {TOKEN_FILE_VAR}=PATH "
         f"(mode 600) for a gated checkpoint; Compose mounts it at {HF_TOKEN_IN_CONTAINER} and "
         f"{HF_TOKEN_PATH_ENV} points the download at it (unset: /dev/null, no token)."
-        if "secrets" in document
+        if COMPOSE_TOKEN_SECRET in secrets
         else "",
+    ]
+
+
+def render_compose(deployment: Deployment) -> list[Artifact]:
+    spec = render_spec(deployment)
+    document = compose_document(deployment)
+    notes = [
+        *compose_secret_notes(document),
         "Liveness: Docker and Compose do not restart an unhealthy container (the healthcheck only marks "
         f"it unhealthy; restart: {spec.restart} acts on an exit, and an NCCL hang keeps the process "
         "alive): watch /health (m31ctl status, or your monitoring) and run `docker compose restart vllm`; "

@@ -255,10 +255,15 @@ def test_exposing_requires_api_key():
     (artifact,) = render(plan, "compose")
     service = yaml.safe_load(artifact.content)["services"]["vllm"]
     assert service["ports"] == ["0.0.0.0:8000:8000"]
-    assert (
-        "VLLM_API_KEY=${VLLM_API_KEY:?the plan requires VLLM_API_KEY: export it before docker compose up}"
-        in (service["environment"])
-    )
+    # The key as Compose's secret (a file), exported by the start before the image's `vllm serve`:
+    # never an environment entry (`docker compose config` would print it, `docker inspect` show it).
+    assert not any("VLLM_API_KEY" in entry for entry in service["environment"])
+    assert service["secrets"] == ["vllm_api_key"]
+    assert service["entrypoint"][-5:] == [
+        "/run/secrets/vllm_api_key", "VLLM_API_KEY", "M31CTL_API_KEY_FILE", "vllm", "serve",
+    ]  # fmt: skip
+    secret = yaml.safe_load(artifact.content)["secrets"]["vllm_api_key"]["file"]
+    assert secret.startswith("${M31CTL_API_KEY_FILE:?the plan requires VLLM_API_KEY")
     assert "--api-key" not in service["command"]
 
 
@@ -580,15 +585,22 @@ def test_compose_fails_closed_and_escapes_every_value(tmp_path, monkeypatch):
     (artifact,) = render(plan, "compose")
     path = tmp_path / "compose.yaml"
     path.write_text(artifact.content)
-    refused = _compose_config(path, {"HF_TOKEN": "leak"})
+    # An exported key is not what Compose reads: without the key file it refuses the file.
+    refused = _compose_config(path, {"HF_TOKEN": "leak", "VLLM_API_KEY": "leak-key"})
     assert refused.returncode != 0 and "the plan requires VLLM_API_KEY" in refused.stderr
-    resolved = _compose_config(path, {"HF_TOKEN": "leak", "VLLM_API_KEY": "k"})
+    key_file = tmp_path / "api-key"
+    key_file.write_text("leak-key\n")
+    env = {"HF_TOKEN": "leak", "VLLM_API_KEY": "leak-key", "M31CTL_API_KEY_FILE": str(key_file)}
+    resolved = _compose_config(path, env)
     assert resolved.returncode == 0, resolved.stderr
-    service = yaml.safe_load(resolved.stdout)["services"]["vllm"]
+    assert "leak" not in resolved.stdout  # neither the token nor the key: the key file's name only
+    document = yaml.safe_load(resolved.stdout)
+    assert document["secrets"]["vllm_api_key"]["file"] == str(key_file)  # the one deliberate interpolation
+    service = document["services"]["vllm"]
     # `config` prints literals re-escaped ($$): the token's value is nowhere.
     assert service["image"].replace("$$", "$") == "registry.example/vllm:${HF_TOKEN}"
     assert service["environment"]["X"].replace("$$", "$") == "$(id) ${HF_TOKEN}"
-    assert service["environment"]["VLLM_API_KEY"] == "k"  # the one deliberate interpolation
+    assert "VLLM_API_KEY" not in service["environment"]
     cache = {
         "type": "bind",
         "source": "/home/operator/.cache/huggingface",

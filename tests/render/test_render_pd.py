@@ -176,11 +176,26 @@ def test_compose_router_fails_closed_without_the_api_key(tmp_path):
         [tool("docker-compose"), "-f", str(path), "config"],
         capture_output=True,
         text=True,
-        env={"PATH": os.environ["PATH"]},
+        env={"PATH": os.environ["PATH"], "VLLM_API_KEY": "exported-key"},  # not read: the file is
     )
     assert done.returncode != 0 and "the plan requires VLLM_API_KEY" in done.stderr
-    services = _compose_config(artifact.content, tmp_path, {"VLLM_API_KEY": "k"})["services"]
-    assert "OPENAI_API_KEY=k" in [f"{k}={v}" for k, v in services["router"]["environment"].items()]
+    key_file = tmp_path / "api-key"
+    key_file.write_text("canary-key\n")
+    env = {"VLLM_API_KEY": "exported-key", "M31CTL_API_KEY_FILE": str(key_file)}
+    services = _compose_config(artifact.content, tmp_path, env)["services"]
+    # The router and both roles read the one key file, each exporting its own variable at start
+    # (the router forwards OPENAI_API_KEY to the roles); no environment entry carries a key.
+    for name, variable in (
+        ("router", "OPENAI_API_KEY"),
+        ("prefill", "VLLM_API_KEY"),
+        ("decode", "VLLM_API_KEY"),
+    ):
+        service = services[name]
+        assert service["secrets"] == [{"source": "vllm_api_key"}]  # as `config` spells the short form
+        at = service["entrypoint"].index("/run/secrets/vllm_api_key")
+        assert service["entrypoint"][at + 1 : at + 3] == [variable, "M31CTL_API_KEY_FILE"]
+        assert not any("API_KEY" in k for k in (service.get("environment") or {}))
+    assert services["router"]["entrypoint"][-1] == "vllm-router"
 
 
 # --- Kubernetes --------------------------------------------------------------------------------

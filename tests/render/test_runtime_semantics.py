@@ -852,7 +852,12 @@ def test_compose_hands_the_hf_token_over_as_a_file_that_config_never_prints(tmp_
     token.chmod(0o600)
     path = tmp_path / "compose.yaml"
     path.write_text(rendered(plan_for("b300x4", *EXPOSED), "compose"))
-    base = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_TOKEN": CANARY, "VLLM_API_KEY": "k"}
+    key = tmp_path / "api-key"
+    key.write_text("k\n")
+    base = {
+        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_TOKEN": CANARY, "VLLM_API_KEY": CANARY,
+        "M31CTL_API_KEY_FILE": str(key),
+    }  # fmt: skip
     for env, source in (({}, "/dev/null"), ({"M31CTL_HF_TOKEN_FILE": str(token)}, str(token))):
         resolved = subprocess.run(
             [tool("docker-compose"), "-f", str(path), "config"],
@@ -861,12 +866,15 @@ def test_compose_hands_the_hf_token_over_as_a_file_that_config_never_prints(tmp_
         assert resolved.returncode == 0, resolved.stderr
         assert CANARY not in resolved.stdout
         document = yaml.safe_load(resolved.stdout)
-        assert document["secrets"] == {"hf_token": {"file": source}}
+        assert document["secrets"] == {"hf_token": {"file": source}, "vllm_api_key": {"file": str(key)}}
         download, engine = document["services"]["download"], document["services"]["vllm"]
         assert download["secrets"] == [{"source": "hf_token"}]  # mounted at /run/secrets/hf_token
         assert download["environment"]["HF_TOKEN_PATH"] == TOKEN_IN_CONTAINER
         assert "HF_TOKEN" not in download["environment"] and "HF_TOKEN" not in engine["environment"]
-        assert engine["environment"]["VLLM_API_KEY"] == "k"  # vLLM reads its key from the environment only
+        # The API key too is a file (issue 53), exported by the engine's start: no environment entry.
+        assert "VLLM_API_KEY" not in engine["environment"] and engine["secrets"] == [
+            {"source": "vllm_api_key"}
+        ]
     # What the download's huggingface_hub makes of the mounted file; /dev/null is no token.
     assert _hub_token({"HF_TOKEN_PATH": str(token)}) == CANARY
     assert _hub_token({"HF_TOKEN_PATH": "/dev/null"}) is None
