@@ -50,9 +50,10 @@ API_KEY_IN_CONTAINER = f"/run/secrets/{COMPOSE_API_KEY_SECRET}"
 # beside one of its own, so the wrapped start spells it.
 ENGINE_ENTRYPOINT = ("vllm", "serve")
 # Fixed text: the file, the variable, the host variable naming the file and the command come as
-# positional arguments, never spliced in. A missing, unreadable or empty file (docker-compose 1.29
-# mounts a missing one as a directory) stops the container with one line: never a server without
-# its key (vLLM serves unauthenticated when VLLM_API_KEY is empty).
+# positional arguments, never spliced in. A missing, unreadable or empty file, or a directory (what
+# a missing file was mounted as in issue 39's runs; this host's Docker refuses the mount instead),
+# stops the container with one line: never a server without its key (vLLM serves unauthenticated
+# when VLLM_API_KEY is empty).
 API_KEY_START = """\
 file=$1 var=$2 names=$3
 shift 3
