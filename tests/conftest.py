@@ -103,8 +103,7 @@ def _docker_reachable() -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     """The session's own state root unless the caller set one: what m31ctl keeps between runs
-    (native records, triage bundles, remembered deep-check passes) never comes from the user's
-    home or an earlier run, where a remembered pass would skip the deep checks a test runs."""
+    (native records, triage bundles) never comes from the user's home or an earlier run."""
     if "M31CTL_STATE_DIR" not in os.environ:
         import tempfile
 

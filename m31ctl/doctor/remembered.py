@@ -10,8 +10,9 @@ environment, another vLLM (version, place, torch) or image ID, other GPUs or dri
 m31ctl or capability table. A pass with a skipped deep check (no config.json before the first
 download) is not a pass: the next launch runs them again.
 
-Side effects are this module's two small functions over one directory (the state root); the key
-is pure data.
+Side effects are this module's two small functions over one directory of m31ctl's cache (what it
+can always rebuild: a lost record only means the checks run again; `m31ctl stop` leaves nothing of a
+server's in the state root, and this is not a server's); the key is pure data.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from m31ctl.deployment import Deployment
 from m31ctl.doctor.base import CheckResult
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.hardware import Hardware
-from m31ctl.resources import recipes_dir, state_root
+from m31ctl.resources import cache_root, recipes_dir
 
 FOLDER = "deep-passes"
 # m31ctl's own judgement is part of what passed: the table doctor reads engine versions against.
@@ -91,7 +92,7 @@ def pass_key(
 
 
 def _path(key: str) -> Path:
-    return state_root() / FOLDER / f"{key}.json"
+    return cache_root() / FOLDER / f"{key}.json"
 
 
 def recall(key: str) -> RememberedPass | None:
@@ -105,7 +106,7 @@ def recall(key: str) -> RememberedPass | None:
 
 def remember(key: str, deep_results: Sequence[CheckResult]) -> RememberedPass | None:
     """Write the pass down when every deep check passed outright (none skipped, none failed);
-    a state root that cannot be written only loses the shortcut."""
+    a cache that cannot be written only loses the shortcut."""
     if not deep_results or any(r.status is not CheckStatus.OK for r in deep_results):
         return None
     record = RememberedPass(

@@ -31,9 +31,9 @@ PASSED = [
 
 
 @pytest.fixture(autouse=True)
-def state(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("M31CTL_STATE_DIR", str(tmp_path / "state"))
-    return tmp_path / "state"
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "m31ctl"
 
 
 def _deployment(*sets: str):
@@ -64,7 +64,7 @@ def test_a_gpu_swapped_under_the_same_name_is_another_host():
     assert pass_key(d, "native", ENGINE, one, {}) != pass_key(d, "native", ENGINE, two, {})
 
 
-def test_only_an_outright_pass_is_remembered(state):
+def test_only_an_outright_pass_is_remembered(cache):
     assert remember("k1", PASSED) is not None and recall("k1") is not None
     assert [c.split(":")[0] for c in recall("k1").said] == ["engine-image", "engine-config", "collective"]
     skipped = [*PASSED[:2], CheckResult("collective", "all-reduce", CheckStatus.SKIP, "no config.json yet")]
@@ -72,14 +72,14 @@ def test_only_an_outright_pass_is_remembered(state):
     failed = [*PASSED[:2], CheckResult("collective", "all-reduce", CheckStatus.FAIL, "hung past 30 s")]
     assert remember("k3", failed) is None and recall("k3") is None
     assert remember("k4", []) is None
-    (state / "deep-passes" / "k5.json").write_text("{not json")
+    (cache / "deep-passes" / "k5.json").write_text("{not json")
     assert recall("k5") is None  # an unreadable record is no pass: the checks run
 
 
-def test_a_state_root_that_cannot_be_written_only_loses_the_shortcut(tmp_path, monkeypatch):
+def test_a_cache_that_cannot_be_written_only_loses_the_shortcut(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    monkeypatch.setenv("M31CTL_STATE_DIR", str(blocker / "state"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
     assert remember("k", PASSED) is None
 
 
