@@ -51,6 +51,11 @@ class EngineInvocation(NamedTuple):
     def env_dict(self) -> dict[str, str]:
         return dict(self.env)
 
+    @property
+    def serve_argv(self) -> tuple[str, ...]:
+        """The whole command where a renderer must name it: `vllm serve` and the args."""
+        return (*SERVE_COMMAND, *self.args)
+
 
 def _json(value: Any) -> str:
     # Canonical JSON so renders are byte-identical.
@@ -60,6 +65,11 @@ def _json(value: Any) -> str:
 # The OpenAI-compatible server as a module, for a local Python (`vllm serve MODEL` is this with
 # `--model MODEL`; vLLM's entrypoints/openai/api_server.py).
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# `vllm serve`: the vLLM images' ENTRYPOINT (vllm/vllm-openai and vllm/vllm-openai-rocm, vLLM's
+# docker/Dockerfile and docker/Dockerfile.rocm), which the argv follows (the model first). Spelled
+# here for the renderers that must name it: a Kubernetes pod's script, a Compose start that
+# exports the API key before it. m31ctl's CPU image has its own (`vllm-serve`, the same argv).
+SERVE_COMMAND = ("vllm", "serve")
 # Multi-node: vLLM's Ray executor spans the nodes of one engine (docs: serving/parallelism_scaling).
 RAY_EXECUTOR = ("--distributed-executor-backend", "ray")
 # The data-parallel coordinator's port on the leader (vLLM 0.32 ParallelConfig.data_parallel_rpc_port).

@@ -402,7 +402,7 @@ LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
 def _serve_line(pods: Pods, role: NodeRole) -> str:
     """`vllm serve ...` for one pod: every word quoted except the LWS expansions the role
     carries, which the pod's shell expands."""
-    words = ["vllm", "serve", *build_invocation(pods.deployment, node=role).args]
+    words = build_invocation(pods.deployment, node=role).serve_argv
     live = {role.leader_address, role.start_rank}
     return " ".join(w if w in live else shlex.quote(w) for w in words)
 

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from m31ctl.container import ContainerSpec, render_spec
 from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment
 from m31ctl.docker_run import Attachment, docker_run_argv, mount_spec, publish_spec
+from m31ctl.engine.adapter import SERVE_COMMAND
 from m31ctl.errors import InputError
 from m31ctl.hardware import vendor_facts
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
@@ -44,11 +45,6 @@ HF_TOKEN_IN_CONTAINER = f"/run/secrets/{COMPOSE_TOKEN_SECRET}"
 API_KEY_FILE_VAR = "M31CTL_API_KEY_FILE"  # names the key file to Compose
 COMPOSE_API_KEY_SECRET = "vllm_api_key"
 API_KEY_IN_CONTAINER = f"/run/secrets/{COMPOSE_API_KEY_SECRET}"
-# The engine image's entrypoint, which the adapter's argv follows: vllm/vllm-openai and
-# vllm/vllm-openai-rocm set ENTRYPOINT ["vllm", "serve"] (vLLM's docker/Dockerfile and
-# docker/Dockerfile.rocm, stage vllm-openai). Compose cannot name "the image's own" entrypoint
-# beside one of its own, so the wrapped start spells it.
-ENGINE_ENTRYPOINT = ("vllm", "serve")
 # Fixed text: the file, the variable, the host variable naming the file and the command come as
 # positional arguments, never spliced in. A missing, unreadable or empty file, or a directory (what
 # a missing file was mounted as in issue 39's runs; this host's Docker refuses the mount instead),
@@ -295,7 +291,7 @@ def compose_engine_service(deployment: Deployment, spec: ContainerSpec) -> dict[
     """One engine's Compose service, raw (unescaped): the aggregated server, or a P/D role."""
     service: dict[str, Any] = {"image": spec.image, "container_name": spec.name}
     if API_KEY_ENV in spec.secret_env:  # the image's `vllm serve`, started with the key from the file
-        service["entrypoint"] = api_key_entrypoint(API_KEY_ENV, ENGINE_ENTRYPOINT)
+        service["entrypoint"] = api_key_entrypoint(API_KEY_ENV, SERVE_COMMAND)
         service["secrets"] = [COMPOSE_API_KEY_SECRET]
     service.update(
         command=list(spec.args),
