@@ -159,7 +159,12 @@ def pair_upstreams(group: Disaggregated) -> Upstreams:
 
 def pair_router_invocation(group: Disaggregated) -> RouterInvocation:
     """The router on the pair's network, on every address of its container."""
-    upstreams = pair_upstreams(group)
+    return rendered_router_invocation(group, pair_upstreams(group))
+
+
+def rendered_router_invocation(group: Disaggregated, upstreams: Upstreams) -> RouterInvocation:
+    """The router as a rendered file runs it (a container or a pod of its own): on every address,
+    the container port, the rendered metrics port; `upstreams`: how that target reaches the roles."""
     return router_invocation(
         group.router,
         upstreams,

@@ -19,15 +19,15 @@ from m31ctl.container import ContainerSpec, labels_for, render_spec
 from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment, Disaggregated
 from m31ctl.docker_run import publish_address
 from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, kv_transfer_env
-from m31ctl.engine.router import RouterInvocation, Upstreams, router_invocation
+from m31ctl.engine.router import RouterInvocation, Upstreams
 from m31ctl.errors import InputError
 from m31ctl.pair import (
     PAIR_NETWORK,
     PAIR_SUBNET,
     ROUTER_API_KEY_ENV,
-    ROUTER_LISTEN,
     DockerPair,
     docker_pair,
+    rendered_router_invocation,
     role_key,
 )
 from m31ctl.redact import API_KEY_ENV
@@ -232,13 +232,7 @@ def _router_labels(deployment: Deployment, group: Disaggregated) -> dict[str, st
 
 def k8s_router_invocation(group: Disaggregated) -> RouterInvocation:
     upstreams = Upstreams(*(f"http://{role_service(role)}:{role.network.port}" for role in group.roles))
-    return router_invocation(
-        group.router,
-        upstreams,
-        host=ROUTER_LISTEN,
-        port=CONTAINER_PORT,
-        metrics_port=RENDERED_ROUTER_METRICS_PORT,
-    )
+    return rendered_router_invocation(group, upstreams)
 
 
 def _router_pod(deployment: Deployment, group: Disaggregated) -> dict[str, Any]:
