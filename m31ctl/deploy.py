@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from m31ctl.deployment import Deployment, require_fit
-from m31ctl.doctor import deep_check_ids, diagnose_plan, preflight, report_json
+from m31ctl.doctor import diagnose_plan, preflight, report_json
 from m31ctl.doctor.base import CheckResult
-from m31ctl.doctor.remembered import pass_key, recall, remember
+from m31ctl.doctor.remembered import key_for, recall, remember
 from m31ctl.engine.adapter import OFFLINE_ENV
 from m31ctl.errors import InputError
 from m31ctl.probe import ProbeReport, detect
@@ -42,7 +42,7 @@ def launch(
     warned: set[tuple[str, str]] = set()
     probe = detect()
     for engine in deployment.engines:
-        checks = _gate(engine, runtime, runtime_name, options, probe, deep)
+        checks = _gate(engine, runtime, options, probe, deep)
         for result in checks:
             if result.status == "warn" and (result.title, result.message) not in warned:
                 warned.add((result.title, result.message))
@@ -64,29 +64,21 @@ def launch(
 
 
 def _gate(
-    engine: Deployment,
-    runtime: Runtime,
-    runtime_name: str,
-    options: LaunchOptions,
-    probe: ProbeReport,
-    deep: bool,
+    engine: Deployment, runtime: Runtime, options: LaunchOptions, probe: ProbeReport, deep: bool
 ) -> list[CheckResult]:
     """The preflight of one engine. The deep checks run unless they already passed for this
     plan, engine and host (doctor/remembered.py): then the launch says so and skips them, and a
     deep pass is written down for the next launch."""
-    key = None
-    if deep:
-        identity = runtime.engine_identity(engine)
-        key = pass_key(engine, runtime_name, identity, probe.hardware, options.environ) if identity else None
-        passed = recall(key) if key else None
-        if passed is not None:
-            options.report(passed.line())
-            deep, key = False, None
+    key = key_for(runtime, engine, probe.hardware, options.environ) if deep else None
+    passed = recall(key) if key else None
+    if passed is not None:
+        options.report(passed.line())
+        deep, key = False, None
     checks = preflight(
-        engine, runtime.gates, options.environ, probe=probe, deep=runtime_name if deep else None
+        engine, runtime.gates, options.environ, probe=probe, deep=runtime.name if deep else None
     )
     if key is not None:
-        remember(key, [r for r in checks if r.id in deep_check_ids(engine)])
+        remember(key, engine, checks)
     return checks
 
 

@@ -12,7 +12,7 @@ from m31ctl.checks import CheckStatus
 from m31ctl.deployment import Deployment, derive
 from m31ctl.doctor.base import CheckContext, CheckResult, EngineScripts, run_checks
 from m31ctl.doctor.checks import all_checks
-from m31ctl.doctor.remembered import pass_key, remember
+from m31ctl.doctor.remembered import key_for, remember
 from m31ctl.errors import DockerUnreachable, HostPreconditionError, UnsupportedHardware
 from m31ctl.hardware import Hardware
 from m31ctl.plan import Plan, PlanRequest, resolve
@@ -82,10 +82,9 @@ def diagnose(
     if deep and deployment is not None and scripts is None:
         # A pass here is the same evidence a launch's preflight gathers: the launch after it
         # need not gather it again (doctor/remembered.py).
-        identity = get_runtime(deep).engine_identity(deployment)
-        if identity:
-            key = pass_key(deployment, deep, identity, probe.hardware, os.environ)
-            remember(key, [r for r in results if r.id in deep_check_ids(deployment)])
+        key = key_for(get_runtime(deep), deployment, probe.hardware, os.environ)
+        if key is not None:
+            remember(key, deployment, results)
     return DoctorReport(plan, error, results)
 
 
@@ -134,11 +133,6 @@ def preflight(
             hint=first.remedy or "run `m31ctl doctor` for the full report",
         )
     return results
-
-
-def deep_check_ids(deployment: Deployment) -> frozenset[str]:
-    """The ids of the checks that only --deep runs (the engine's own Python on the GPUs)."""
-    return frozenset(c.id.value for c in all_checks(deployment) if c.deep)
 
 
 def report_json(report: DoctorReport) -> dict[str, object]:

@@ -30,9 +30,11 @@ from m31ctl.atomic import write_atomic
 from m31ctl.checks import CheckStatus
 from m31ctl.deployment import Deployment
 from m31ctl.doctor.base import CheckResult
+from m31ctl.doctor.checks import all_checks
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.hardware import Hardware
 from m31ctl.resources import cache_root, recipes_dir
+from m31ctl.runtime.protocol import Runtime
 
 FOLDER = "deep-passes"
 # m31ctl's own judgement is part of what passed: the table doctor reads engine versions against.
@@ -91,6 +93,15 @@ def pass_key(
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def key_for(
+    runtime: Runtime, deployment: Deployment, hardware: Hardware, environ: Mapping[str, str]
+) -> str | None:
+    """The pass key of `deployment` on `runtime` (launch's and doctor --deep's alike); None when
+    the runtime cannot name its engine, which is then checked every time."""
+    identity = runtime.engine_identity(deployment)
+    return pass_key(deployment, runtime.name, identity, hardware, environ) if identity else None
+
+
 def _path(key: str) -> Path:
     return cache_root() / FOLDER / f"{key}.json"
 
@@ -104,9 +115,11 @@ def recall(key: str) -> RememberedPass | None:
         return None
 
 
-def remember(key: str, deep_results: Sequence[CheckResult]) -> RememberedPass | None:
-    """Write the pass down when every deep check passed outright (none skipped, none failed);
-    a cache that cannot be written only loses the shortcut."""
+def remember(key: str, deployment: Deployment, results: Sequence[CheckResult]) -> RememberedPass | None:
+    """Write the pass down when every deep check among `results` passed outright (none skipped,
+    none failed); a cache that cannot be written only loses the shortcut."""
+    deep = {c.id.value for c in all_checks(deployment) if c.deep}
+    deep_results = [r for r in results if r.id in deep]
     if not deep_results or any(r.status is not CheckStatus.OK for r in deep_results):
         return None
     record = RememberedPass(

@@ -65,13 +65,20 @@ def test_a_gpu_swapped_under_the_same_name_is_another_host():
 
 
 def test_only_an_outright_pass_is_remembered(cache):
-    assert remember("k1", PASSED) is not None and recall("k1") is not None
+    assert remember("k1", _deployment(), PASSED) is not None and recall("k1") is not None
     assert [c.split(":")[0] for c in recall("k1").said] == ["engine-image", "engine-config", "collective"]
     skipped = [*PASSED[:2], CheckResult("collective", "all-reduce", CheckStatus.SKIP, "no config.json yet")]
-    assert remember("k2", skipped) is None and recall("k2") is None  # the first launch before a download
+    assert (
+        remember("k2", _deployment(), skipped) is None and recall("k2") is None
+    )  # the first launch before a download
     failed = [*PASSED[:2], CheckResult("collective", "all-reduce", CheckStatus.FAIL, "hung past 30 s")]
-    assert remember("k3", failed) is None and recall("k3") is None
-    assert remember("k4", []) is None
+    assert remember("k3", _deployment(), failed) is None and recall("k3") is None
+    assert remember("k4", _deployment(), []) is None
+    # Only the deep checks are judged: a launch's other findings (a warning, a skipped gate) are not
+    # what a remembered pass stands for.
+    host = CheckResult("disk", "disk", CheckStatus.WARN, "tight")
+    assert remember("k6", _deployment(), [*PASSED, host]) is not None
+    assert [c.split(":")[0] for c in recall("k6").said] == ["engine-image", "engine-config", "collective"]
     (cache / "deep-passes" / "k5.json").write_text("{not json")
     assert recall("k5") is None  # an unreadable record is no pass: the checks run
 
@@ -80,7 +87,7 @@ def test_a_cache_that_cannot_be_written_only_loses_the_shortcut(tmp_path, monkey
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
-    assert remember("k", PASSED) is None
+    assert remember("k", _deployment(), PASSED) is None
 
 
 class _Runtime:
@@ -108,7 +115,7 @@ def _gate(monkeypatch, runtime: _Runtime, results=PASSED):
     said: list[str] = []
     options = LaunchOptions(report=said.append, confirm=lambda _q: False, environ={})
     probe = ProbeReport(hardware=simulated("h200x1"), attempts=())
-    deploy._gate(_deployment(), runtime, "native", options, probe, deep=True)
+    deploy._gate(_deployment(), runtime, options, probe, deep=True)
     return asked, said
 
 
