@@ -413,11 +413,14 @@ def _logs_after(env: dict[str, str], name: str) -> dict[str, Any]:
     """What `m31ctl logs` shows after the faults: it answers, and the engine's starts are in it
     (Docker keeps a restarted container's earlier output; natively the log file is appended)."""
     shown = m31ctl("logs", "--name", name, "--tail", "5000", env=env, timeout=120)
-    return {
+    answer: dict[str, Any] = {
         "exit": shown.returncode,
         "lines": len(shown.stdout.splitlines()),
         "server_starts": shown.stdout.count(SERVER_STARTED),
     }
+    if not answer["server_starts"]:  # the evidence, for a run that cannot be repeated
+        answer["last_lines"] = shown.stdout.splitlines()[-20:] + shown.stderr.splitlines()[-5:]
+    return answer
 
 
 def _figures(requests: list[Request], faults: list[Fault], began: float, seconds: float) -> dict[str, Any]:

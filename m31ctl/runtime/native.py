@@ -75,6 +75,10 @@ __all__ = [
 ]
 
 
+# How far `log_tail` reads back at a time.
+LOG_BLOCK = 64 * 1024
+
+
 class ProcessHandle:
     """A native server as readiness sees it; exit codes come from our own child when we have it."""
 
@@ -98,12 +102,21 @@ class ProcessHandle:
         return ProcessState(running=alive, dead=not alive)
 
     def log_tail(self, lines: int) -> str:
+        """The last `lines` lines this start wrote: read back from the end a block at a time until
+        they are in hand (`logs --tail 5000` after a crash's tracebacks is far more than one
+        block; the soak's "the restart is in the logs" failed in CI on a fixed 64 KiB window)."""
         try:
             with open(self.server.log, "rb") as handle:
-                handle.seek(0, os.SEEK_END)
-                size = handle.tell()
-                handle.seek(max(self.since if self.since <= size else 0, size - 64 * 1024))
-                text = handle.read().decode("utf-8", "replace")
+                size = handle.seek(0, os.SEEK_END)
+                floor = self.since if self.since <= size else 0  # cut shorter: all of it is ours
+                start = size
+                while start > floor:
+                    start = max(floor, start - LOG_BLOCK)
+                    handle.seek(start)
+                    if handle.read(size - start).count(b"\n") > lines:
+                        break
+                handle.seek(start)
+                text = handle.read(size - start).decode("utf-8", "replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:]) + "\n"

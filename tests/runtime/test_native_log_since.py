@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from m31ctl.runtime.native import ProcessHandle
+from m31ctl.runtime.native import LOG_BLOCK, ProcessHandle
 from m31ctl.runtime.phases import Phase, latest_phase
 
 # Lines as vLLM 0.26 printed them there (tests/fixtures/gpu/h200-vllm026/engine-*.log).
@@ -42,3 +42,15 @@ def test_a_log_cut_shorter_since_is_read_whole(tmp_path):
     log = tmp_path / "m31ctl-rehearsal.log"
     log.write_text(THIS_START)
     assert _handle(log, 10**6).log_tail(200) == THIS_START
+
+
+def test_a_long_tail_reaches_past_one_block(tmp_path):
+    """`logs --tail 5000` after a crash: the engine's start, then far more than one read-back block
+    of tracebacks (CI's soak saw no start in a 64 KiB window). Every asked-for line comes back."""
+    log = tmp_path / "m31ctl-rehearsal.log"
+    traceback = "(APIServer pid=1496) ERROR 12-03 13:40:00 [async_llm.py:1] EngineDeadError: " + "x" * 120 + "\n"
+    log.write_text(LAST_START + traceback * 2000)
+    assert log.stat().st_size > 4 * LOG_BLOCK
+    tail = _handle(log, 0).log_tail(5000)
+    assert tail.count("Starting vLLM server on") == 1 and tail.count("EngineDeadError") == 2000
+    assert _handle(log, 0).log_tail(3) == traceback * 3

@@ -41,7 +41,7 @@ def test_short_soak_recovers_from_a_killed_engine_and_stop_leaves_nothing(
         assert report["load"]["succeeded"] > 0 and report["load"]["failed_outside_outages"] == 0
         assert report["left"]["processes"] == [] and report["left"]["state_files"] == []
         # `logs` answers after the faults with the engine's start since the last one in its tail.
-        assert report["logs"]["exit"] == 0 and report["logs"]["server_starts"] >= 1
+        assert report["logs"]["exit"] == 0 and report["logs"]["server_starts"] >= 1, (runtime, report["logs"])
     docker = reports["docker"]
     assert docker["left"]["containers"] == [] and docker["left"]["networks"] == []
     # Docker keeps a restarted container's earlier output: every start is in `logs`.
