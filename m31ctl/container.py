@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grp
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from m31ctl import __version__
@@ -159,9 +160,19 @@ def render_spec(deployment: Deployment, *, in_pod: bool = False) -> ContainerSpe
     # A P/D role on a host it shares with its peer takes the host's GPUs it was given
     # (Deployment.gpus.indices); a pod sees only its own allocation, numbered from 0.
     indices = deployment.gpus.indices if not in_pod else ()
-    gpus = ",".join(str(i) for i in indices or range(deployment.layout.gpus_per_node))
+    count = deployment.layout.gpus_per_node
     # A visibility variable the plan's runtime.env sets is the user's choice: none is added.
     if any(name in planned for name in vendor.visibility_vars):
         return spec
-    added = {name: gpus for name in vendor.visibility_vars if name != _DERIVED_VISIBILITY}
+    # The outermost variable picks the host's GPUs; each inner one numbers what the outer one
+    # left, from 0. ROCm applies ROCR_VISIBLE_DEVICES first and renumbers what it exposes, so a
+    # decode role given HIP_VISIBLE_DEVICES=4,5,6,7 beside ROCR=4,5,6,7 sees no GPU (ROCm's
+    # GPU isolation guide: "ROCR_VISIBLE_DEVICES ... processed first ... reduces the number of
+    # GPUs HIP can select from"; issue 49).
+    outer, *inner = (name for name in vendor.visibility_vars if name != _DERIVED_VISIBILITY)
+    added = {outer: _indices(indices or range(count)), **{name: _indices(range(count)) for name in inner}}
     return spec._replace(env=tuple(sorted({**planned, **added}.items())))
+
+
+def _indices(gpus: Iterable[int]) -> str:
+    return ",".join(str(i) for i in gpus)
