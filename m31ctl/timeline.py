@@ -41,6 +41,13 @@ IMAGE_PULL_S = 900
 # How long the runtime waits beyond vLLM's own drain before it kills: the engine's workers exit
 # after the API server, and a kill mid-exit leaves GPU memory held.
 STOP_MARGIN_S = 30
+# How long a terminating pod keeps serving before vLLM is told to drain. Kubernetes sends SIGTERM
+# and removes the pod from its Service's endpoints at the same moment; kube-proxy on every node
+# and any ingress or gateway learn of the removal seconds later, and until then they still send it
+# requests, which a draining vLLM refuses (the pod termination flow in the Kubernetes docs,
+# "Termination of Pods"; KServe and llm-d render a preStop sleep for this). Ten seconds covers
+# the endpoint propagation of a busy cluster; the grace period counts it (Timeline.pod_grace_s).
+ENDPOINT_REMOVAL_S = 10
 # What a service manager allows beyond a step it waits on: removing an old container, the checks,
 # and `docker stop` returning after its own kill.
 MANAGER_MARGIN_S = 60
@@ -118,6 +125,12 @@ class Timeline(NamedTuple):
         return self.stop.seconds
 
     # What each runtime's own clock is set to: derived here so no target computes one.
+    @property
+    def pod_grace_s(self) -> int:
+        """A pod's terminationGracePeriodSeconds: counted from the start of its preStop hook
+        (the wait for the endpoints to drop it), then vLLM's drain and the workers' exit."""
+        return ENDPOINT_REMOVAL_S + self.stop_s
+
     @property
     def systemd_start_s(self) -> int:
         """TimeoutStartSec: ExecStartPre's download, then ExecStartPost's readiness wait."""

@@ -22,6 +22,7 @@ from m31ctl.render import get_target
 from m31ctl.runtime.launching import LAUNCH_ENV
 from m31ctl.runtime.protocol import LaunchOptions
 from m31ctl.timeline import (
+    ENDPOINT_REMOVAL_S,
     ENGINE_READY_ENV,
     VLLM_DEFAULT_ENGINE_READY_S,
     VLLM_HANDSHAKE_S,
@@ -112,7 +113,10 @@ def test_every_clock_of_every_target_is_the_timelines(spec):
     assert t.ready_s <= allowed < t.ready_s + probe["periodSeconds"]
     assert allowed >= t.engine_ready_s  # vLLM's limit fires first: its own words are in the log
     assert workload["spec"]["progressDeadlineSeconds"] >= t.download_s + t.ready_s
-    assert pod["terminationGracePeriodSeconds"] == t.stop_s > drain
+    # The grace counts from the preStop wait for the endpoints to drop the pod, then the drain.
+    assert pod["terminationGracePeriodSeconds"] == t.pod_grace_s == ENDPOINT_REMOVAL_S + t.stop_s
+    assert t.stop_s > drain
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(ENDPOINT_REMOVAL_S)]
     assert {"name": "VLLM_ENGINE_READY_TIMEOUT_S", "value": str(t.engine_ready_s)} in container["env"]
     assert pod["initContainers"][0]["command"][5] == str(t.download_s)
 
@@ -140,7 +144,8 @@ def _k8s_pd_role_clocks(workload, role) -> None:  # type: ignore[no-untyped-def]
     allowed = probe["failureThreshold"] * probe["periodSeconds"]
     assert t.ready_s <= allowed < t.ready_s + probe["periodSeconds"]
     assert workload["spec"]["progressDeadlineSeconds"] == t.progress_deadline_s >= t.download_s + t.ready_s
-    assert pod["terminationGracePeriodSeconds"] == t.stop_s > role.plan.settings.serving.shutdown_timeout
+    assert pod["terminationGracePeriodSeconds"] == t.pod_grace_s
+    assert t.stop_s > role.plan.settings.serving.shutdown_timeout
     assert {"name": "VLLM_ENGINE_READY_TIMEOUT_S", "value": str(t.engine_ready_s)} in container["env"]
     downloads = [c for c in pod.get("initContainers", []) if c["name"] == "download"]
     assert [c["command"][5] for c in downloads] == ([str(t.download_s)] if t.download_s else [])
@@ -203,7 +208,7 @@ def test_a_group_waits_for_its_leader_longer_than_vllms_handshake(spec, sets):
     probe = leader["containers"][0]["startupProbe"]
     assert probe["failureThreshold"] * probe["periodSeconds"] >= t.join.seconds + t.load_s
     for spec_ in (leader, worker):
-        assert spec_["terminationGracePeriodSeconds"] == t.stop_s
+        assert spec_["terminationGracePeriodSeconds"] == t.pod_grace_s
 
 
 def test_a_user_engine_ready_limit_below_the_load_budget_is_named():

@@ -23,7 +23,7 @@ from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
 from m31ctl.render.common import health_command, in_comment, render_template
 from m31ctl.render.download import download_step, wait_command
 from m31ctl.render.kubelet_expansion import literal
-from m31ctl.timeline import ENGINE_READY_ENV, VLLM_HANDSHAKE_S
+from m31ctl.timeline import ENDPOINT_REMOVAL_S, ENGINE_READY_ENV, VLLM_HANDSHAKE_S
 from m31ctl.units import k8s_quantity
 
 # The Secret and the cache claim are named after the deployment (runtime.container_name): two
@@ -301,6 +301,9 @@ def _engine_container(pods: Pods) -> dict[str, Any]:
         "resources": _guaranteed(resources),
         "volumeMounts": mounts,
         **_probes(pods),
+        # Serve on until the endpoints have dropped the pod, then vLLM drains on SIGTERM: without
+        # it a rollout or a drain refuses the requests still on their way (m31ctl/timeline.py).
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ENDPOINT_REMOVAL_S)]}}},
     }
     security = _security_context(pods)
     if security:
@@ -356,7 +359,7 @@ def _pod_spec(pods: Pods, engine: dict[str, Any], leader: bool = True) -> dict[s
         # Service links would put <SERVICE>_PORT=tcp://... of every Service of the namespace into
         # the environment: a Service named vllm gives VLLM_PORT, which vLLM refuses (vllm/envs.py).
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": spec.stop_timeout,
+        "terminationGracePeriodSeconds": pods.deployment.timeline.pod_grace_s,
     }
     selector = {**k8s_product_selector(plan.hardware), **k8s.node_selector}
     if selector:
@@ -558,8 +561,8 @@ def k8s_comments(deployment: Deployment, group: Group | None = None) -> list[str
             else f"each worker waits up to {deployment.timeline.leader_wait_s} s for the leader's address and port "
             f"before starting vLLM, whose own handshake gives up after {VLLM_HANDSHAKE_S} s; "
         )
-        + f"terminationGracePeriodSeconds {spec.stop_timeout} is vLLM's drain (serving.shutdown_timeout) plus the "
-        "workers' exit."
+        + f"terminationGracePeriodSeconds {deployment.timeline.pod_grace_s} is the preStop wait for the endpoints to "
+        f"drop the pod ({ENDPOINT_REMOVAL_S} s), vLLM's drain (serving.shutdown_timeout) and the workers' exit."
     )
     if spec.ulimits:
         wanted = ", ".join(f"{n}={'unlimited' if soft == -1 else soft}" for n, soft, _ in spec.ulimits)
