@@ -1,12 +1,14 @@
-"""Every command README.md shows runs as written (issue 43, item 1).
+"""Every command README.md shows runs as written (issue 43, item 1), and so does every command
+of the docs that took the README's user material (issue 51: guide, reference, operations,
+development; tests/support/readme.py DOCUMENTS).
 
-The commands are read from README.md itself (its ```console blocks' `$ ` lines and its ```bash
-blocks, continuation lines joined), so a README edit is tested as it lands. Each runs through
+The commands are read from those files themselves (their ```console blocks' `$ ` lines and their
+```bash blocks, continuation lines joined), so an edit is tested as it lands. Each runs through
 bash, exactly as written, with `m31ctl` on PATH meaning this checkout's m31ctl, in a scratch
 directory (scripts/ commands in the repository root). Quick ones run here; slow ones carry the
 suite's markers. A command that cannot run as written is in ALLOW_LIST with the reason, skipped
 with that reason printed: the list is what README still owes, and shrinks as README is fixed. A
-command that a test of its own runs as written (read from README.md here, run by
+command that a test of its own runs as written (read from its file here, run by
 `run_as_written`), checking more than the exit code, is in RUN_ELSEWHERE: not run twice.
 """
 
@@ -19,7 +21,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support.readme import README, Command, readme_command, readme_commands, run_as_written
+from tests.conftest import ROOT
+from tests.support.readme import (
+    DOCUMENTS,
+    README,
+    Command,
+    documented_commands,
+    readme_command,
+    readme_commands,
+    run_as_written,
+)
 
 # Commands that cannot run as README writes them, by how they start, and why. Each is skipped
 # with its reason printed; fix README (the corrected command is in the reason) and remove it here.
@@ -60,9 +71,10 @@ def _allowed(command: str) -> str | None:
 
 def _params() -> list[object]:
     params = []
-    for command in readme_commands(README.read_text()):
+    for command in documented_commands():
         marks = next((m for start, m in SLOW.items() if command.text.startswith(start)), ())
-        params.append(pytest.param(command, marks=marks, id=f"README:{command.line}:{command.text[:60]}"))
+        where = f"{command.source}:{command.line}"
+        params.append(pytest.param(command, marks=marks, id=f"{where}:{command.text[:60]}"))
     return params
 
 
@@ -78,8 +90,8 @@ def checkpoint_hub() -> Iterator[str]:
 def test_readme_command_runs_as_written(command: Command, tmp_path, request):
     why = _allowed(command.text)
     if why is not None:
-        print(f"README.md:{command.line}: skipped: {command.text}\n  because {why}")
-        pytest.skip(f"README.md:{command.line}: {why}")
+        print(f"{command.source}:{command.line}: skipped: {command.text}\n  because {why}")
+        pytest.skip(f"{command.source}:{command.line}: {why}")
     if "docker" in request.keywords and "vllm" in request.keywords:
         request.getfixturevalue("rehearsal_image")  # the rehearsal image's commands wait for it
     env: dict[str, str] = {}
@@ -87,7 +99,7 @@ def test_readme_command_runs_as_written(command: Command, tmp_path, request):
         env |= {"HF_ENDPOINT": request.getfixturevalue("checkpoint_hub"), "HOME": str(tmp_path)}
     done = run_as_written(command, tmp_path, env)
     assert done.returncode == 0, (
-        f"README.md:{command.line}: {command.text}\nexit {done.returncode}\n{done.stderr[-3000:]}"
+        f"{command.source}:{command.line}: {command.text}\nexit {done.returncode}\n{done.stderr[-3000:]}"
     )
 
 
@@ -101,8 +113,8 @@ def test_the_reader_finds_the_commands_it_should():
 
 
 def test_every_allow_list_entry_still_names_a_readme_command():
-    """An entry whose command README no longer shows is stale: drop it."""
-    shown = [c.text for c in readme_commands(README.read_text())]
+    """An entry whose command README and the docs no longer show is stale: drop it."""
+    shown = [c.text for c in documented_commands()]
     listed = [*ALLOW_LIST, *RUN_ELSEWHERE]
     assert [start for start in listed if not any(c.startswith(start) for c in shown)] == []
 
@@ -117,4 +129,25 @@ def test_a_command_run_elsewhere_is_read_from_readme_and_run_as_written_there():
         assert "run_as_written(" in body, where
         constant = re.search(r"readme_command\((\w+)\)", body)
         assert constant and getattr(module, constant.group(1)) == start, where
-        readme_command(start)  # README shows it once
+        readme_command(start)  # README or a doc shows it once
+
+
+def test_the_readme_links_every_document_whose_commands_run():
+    """The docs whose examples run here are the ones README sends a reader to, and the guide's
+    examples are found: a doc dropped from README, or a reader that misses its blocks, would drop
+    their coverage silently."""
+    readme = README.read_text()
+    for path in DOCUMENTS[1:]:
+        assert f"]({path.relative_to(ROOT)}" in readme, path
+    assert {c.source for c in documented_commands()} >= {"README.md", "docs/guide.md"}
+
+
+def test_the_readme_is_a_front_door():
+    """Issue 51: under 250 lines, none a reader at 80 columns scrolls sideways (a URL excepted),
+    the two set-up commands and CI's test command (.ci/run runs exactly `scripts/test`)."""
+    lines = README.read_text().splitlines()
+    assert len(lines) < 250
+    assert [n for n, line in enumerate(lines, 1) if len(line) > 80 and "://" not in line] == []
+    shown = [c.text for c in readme_commands(README.read_text())]
+    assert "scripts/demo" in shown and "scripts/test" in shown
+    assert (ROOT / ".ci" / "run").read_text().strip().endswith("exec scripts/test")

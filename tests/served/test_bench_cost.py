@@ -155,12 +155,13 @@ def test_plot_labels_carry_the_cost():
 
 
 def test_the_readmes_worked_example_follows_from_the_capture():
-    """README's cost example: the H200 capture's concurrency-4 point at 2.50 USD per GPU-hour."""
+    """The guide's cost example (docs/guide.md, README's until issue 51): the H200 capture's
+    concurrency-4 point at 2.50 USD per GPU-hour."""
     report = json.loads((FIXTURES / "gpu" / "h200-vllm026" / "bench-fp8graphs-u0.1.json").read_text())
     (p,) = [point for point in report["points"] if point["concurrency"] == 4]
     priced = Costing(Price(2.5, "gpu", "USD"), gpus=report["gpus"], nodes=1)
     measured = figures.Point(**{k: v for k, v in p.items() if k in figures.Point._fields and k != "spec"})
-    readme = " ".join((FIXTURES.parent.parent / "README.md").read_text().split())
+    readme = " ".join((FIXTURES.parent.parent / "docs" / "guide.md").read_text().split())
     assert f"**{priced.per_million_output(measured):.4g} USD per million output tokens**" in readme
     assert f"**{priced.per_million_total(measured):.4g} per million total**" in readme
     assert f"**{priced.tokens_per_unit(measured) / 1e6:.4g} million tokens per USD**" in readme

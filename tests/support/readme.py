@@ -1,9 +1,9 @@
-"""README.md's commands, read from README.md itself and run as written: the reader (its
-```console blocks' `$ ` lines and its ```bash blocks, continuation lines joined), the one command
-that starts with given words, and the runner (through bash, `m31ctl` on PATH this checkout's, in
-a scratch directory). tests/test_readme_commands.py runs them all; a test that runs one command
-itself and checks more than its exit code (tests/rehearsal/test_rehearse_layouts.py) takes it
-from here."""
+"""The commands README.md and the docs it sends a user to (DOCUMENTS) show, read from those files
+and run as written: the reader (their ```console blocks' `$ ` lines and their ```bash blocks,
+continuation lines joined), the one command that starts with given words, and the runner (through
+bash, `m31ctl` on PATH this checkout's, in a scratch directory). tests/test_readme_commands.py
+runs them all; a test that runs one command itself and checks more than its exit code
+(tests/rehearsal/test_rehearse_layouts.py) takes it from here."""
 
 from __future__ import annotations
 
@@ -17,14 +17,24 @@ from typing import NamedTuple
 from tests.conftest import ROOT
 
 README = ROOT / "README.md"
+# The README and the docs that took its user material (issue 51): every example in them runs as
+# written. The other docs (decisions, gpu-rehearsal, ci, ...) quote commands of other hosts.
+DOCUMENTS = (
+    README,
+    ROOT / "docs" / "guide.md",
+    ROOT / "docs" / "reference.md",
+    ROOT / "docs" / "operations.md",
+    ROOT / "docs" / "development.md",
+)
 
 
 class Command(NamedTuple):
-    text: str  # as README writes it, continuation lines joined, the trailing comment dropped
-    line: int  # where it starts in README.md
+    text: str  # as the file writes it, continuation lines joined, the trailing comment dropped
+    line: int  # where it starts in its file
+    source: str = "README.md"  # the file, relative to the repository root
 
 
-def readme_commands(text: str) -> list[Command]:
+def readme_commands(text: str, source: str = "README.md") -> list[Command]:
     found = []
     for block in re.finditer(r"^```(console|bash)\n(.*?)^```", text, re.S | re.M):
         kind, body = block.group(1), block.group(2)
@@ -42,14 +52,24 @@ def readme_commands(text: str) -> list[Command]:
                 line = line[2:]
             command = re.sub(r"\s+#\s.*$", "", line).strip()  # a comment after the command
             if command and not command.startswith("#"):
-                found.append(Command(command, number))
+                found.append(Command(command, number, source))
     return found
 
 
+def documented_commands() -> list[Command]:
+    """Every command README.md and DOCUMENTS show, file by file, in the order written."""
+    return [
+        command
+        for path in DOCUMENTS
+        for command in readme_commands(path.read_text(), str(path.relative_to(ROOT)))
+    ]
+
+
 def readme_command(start: str) -> Command:
-    """The one command README.md shows that starts with `start`, as README writes it."""
-    found = [c for c in readme_commands(README.read_text()) if c.text.startswith(start)]
-    assert len(found) == 1, f"README.md shows {len(found)} commands starting {start!r}: {found}"
+    """The one command README.md or a file of DOCUMENTS shows that starts with `start`, as
+    written there."""
+    found = [c for c in documented_commands() if c.text.startswith(start)]
+    assert len(found) == 1, f"README.md and docs show {len(found)} commands starting {start!r}: {found}"
     return found[0]
 
 
