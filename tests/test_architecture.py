@@ -698,3 +698,59 @@ def test_no_module_grows_past_500_lines():
     assert set(over) <= set(_LONG_MODULES), f"new modules over 500 lines: {set(over) - set(_LONG_MODULES)}"
     grown = {name: (n, _LONG_MODULES[name]) for name, n in over.items() if n > _LONG_MODULES[name]}
     assert not grown, f"modules over 500 lines grew (now, allowed): {grown}"
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+# Registries filled or shaped in a way the table test below cannot see (by a decorator, rows of
+# names or plain strings), named explicitly.
+_OTHER_REGISTRIES = {
+    ("runtime/__init__.py", "RUNTIMES"),
+    ("cli/app.py", "COMMANDS"),
+    ("cli/app.py", "SHORT_HELP"),
+    ("hardware.py", "PRODUCTS"),
+    ("hardware.py", "KNOWN_UNSERVED"),
+}
+
+
+def _where_a_new_thing_goes() -> set[tuple[str, str]]:
+    """(module path under m31ctl/, NAME) for each "`path.py` `NAME`" the section names."""
+    import re  # only this test reads prose
+
+    text = ARCHITECTURE.read_text().split("## Where a new thing goes", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`([\w/]+\.py)` `([A-Z_]+|text_view)`", " ".join(text.split())))
+
+
+def _registry_tables() -> set[tuple[str, str]]:
+    """Module-level tables whose rows are constructed values or functions: a registry."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        if "schemas" in path.parts:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            name, value = None, None
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+            ):
+                name, value = node.targets[0].id, node.value
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                name, value = node.target.id, node.value
+            if not name or not name.isupper() or not isinstance(value, ast.Dict) or len(value.values) < 2:
+                continue
+            rows = value.values
+            if all(isinstance(v, ast.Call | ast.Name) for v in rows):
+                found.add((path.relative_to(PACKAGE).as_posix(), name))
+    return found
+
+
+def test_where_a_new_thing_goes_names_every_registry_and_each_exists():
+    named = _where_a_new_thing_goes()
+    missing = (_registry_tables() | _OTHER_REGISTRIES) - named
+    assert not missing, (
+        f"registries docs/architecture.md does not name under 'Where a new thing goes': {missing}"
+    )
+    for module, name in named:
+        source = (PACKAGE / module).read_text()
+        defined = f"\n{name}:" in source or f"\n{name} =" in source or f"\ndef {name}(" in source
+        assert defined, f"docs/architecture.md names {module} {name}, which that module does not define"
