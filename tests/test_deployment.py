@@ -237,3 +237,13 @@ def test_listeners_are_every_port_of_every_part():
     assert ("disaggregation.decode.side_channel_port", decode_side + 1) in ports  # its second DP rank
     assert ("disaggregation.router.metrics_port", 29100) in ports
     assert len({port for _, port in ports}) == len(ports) == 7
+
+
+def test_a_gpu_pair_routes_through_vllm_routers_own_image_and_the_rehearsal_through_its_engines():
+    """vLLM's images carry no vllm-router: a GPU pair's router runs from vllm-router's own image
+    (issue 49); the CPU rehearsal's image installs the router, the only image there offline."""
+    gpu = derive(plan_for("b300x8", "disaggregation.enabled=true"), commit=PINNED_COMMIT)
+    assert gpu.disaggregated is not None and gpu.disaggregated.router.image == "vllm/vllm-router:v0.1.17"
+    cpu = derive(resolve(PlanRequest(hardware=simulated("cpu"), variant="pd")), commit=PINNED_COMMIT)
+    assert cpu.disaggregated is not None
+    assert cpu.disaggregated.router.image == cpu.plan.settings.engine.image
