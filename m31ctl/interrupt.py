@@ -14,6 +14,12 @@ API request, a subprocess) is cut where it stands then, as Python's own handler 
 it, except inside a finalizer, where an exception would only be printed and lost: the cut waits
 until the finalizer has returned.
 
+A command with nothing to clean up (plan, render, doctor without --deep: `command()` names them)
+is cut at once instead, at the first signal, except where a cut would leave something half done:
+inside a finalizer, a `deferred()` block (printing the result, writing a report) or a file
+writer (`_WRITERS`: render's set of files, a --plot); there the cut comes as the block returns.
+Its line says what the interruption left (`command()`), not a launch's.
+
 What a further signal does (README's exit-code table, 130):
 - while the request waits for the next check, a second one cuts the step at once (again never
   inside a finalizer);
@@ -27,14 +33,33 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, TypeVar
 
-# The line every command ends an interruption with (cli prints it with "m31ctl: error: ").
+# The line a command that starts things (launch, stop, rehearse...) ends an interruption with (cli
+# prints it with "m31ctl: error: "); the commands cut at once have their own (AT_ONCE).
 INTERRUPTED_LINE = "interrupted; a container being started keeps its labels, and the next launch converges"
+_NOTHING_WRITTEN = "interrupted; nothing was written"
+# The commands with nothing to clean up, cut at the first signal, and what their interruption left
+# (None: no command, `m31ctl --help`). doctor is one without --deep (which runs throwaway containers).
+AT_ONCE: dict[str | None, str] = {
+    None: _NOTHING_WRITTEN,
+    "plan": _NOTHING_WRITTEN,
+    "validate": _NOTHING_WRITTEN,
+    "recipes": _NOTHING_WRITTEN,
+    "probe": _NOTHING_WRITTEN,
+    "doctor": _NOTHING_WRITTEN,
+    "version": _NOTHING_WRITTEN,
+    # files.write is a writer (_WRITERS): a cut waits for the whole set, so it lands before the
+    # first file or after the last
+    "render": "interrupted; the rendered files were written all or none, never half",
+    "lock": "interrupted; the lock file was written whole or not at all",
+    "capacity": "interrupted; a --plot file was written whole or not at all",
+}
 CLEANUP_NOTICE = "m31ctl: cleaning up; press Ctrl-C again to abandon the cleanup\n"
 # The longest a wait sleeps between looks at the request: a signal handler that returns makes
 # Python retry the interrupted sleep for its whole remaining time (PEP 475), so waits are sliced.
@@ -59,6 +84,9 @@ class _State:
         self.during_cleanup = 0  # signals seen while cleaning up
         self.previous: dict[int, Any] = {}
         self.timer = False  # SIGALRM is ours: the grace period's cut is armed with it
+        self.at_once = False  # the command is cut at the first signal (AT_ONCE)
+        self.line = f"error: {INTERRUPTED_LINE}"  # what follows "m31ctl: " when it is interrupted
+        self.defer = 0  # depth of deferred() blocks
 
 
 _state = _State()
@@ -66,18 +94,27 @@ _state = _State()
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     state = _state
+    if state.at_once and state.raised and not state.shield:
+        return  # already ending: its one line is being written
     if state.raised or state.shield:
         state.during_cleanup += 1
         if state.during_cleanup == 1:
             _write_stderr(CLEANUP_NOTICE)
             return
-        _write_stderr(f"m31ctl: error: {INTERRUPTED_LINE}\n")
+        _write_stderr(f"m31ctl: {state.line}\n")
         os._exit(130)
     if state.signum is None:
         state.signum = signum
-        _arm(GRACE_S)
-        return
-    _cut(frame)  # a second signal before any check took the first
+        if not state.at_once:
+            _arm(GRACE_S)
+            return
+    _cut(frame)  # a second signal before any check took the first (or a command cut at once)
+
+
+def deliver(signum: int) -> None:
+    """A signal recorded before this module was loaded (m31ctl.cli's first statements), handled
+    now as if it had just arrived."""
+    _on_signal(signum, sys._getframe(1))
 
 
 def _on_grace_over(_signum: int, frame: FrameType | None) -> None:
@@ -88,7 +125,7 @@ def _on_grace_over(_signum: int, frame: FrameType | None) -> None:
 def _cut(frame: FrameType | None) -> None:
     """Raise Interrupted here, unless cleanup or a finalizer runs: then look again shortly."""
     state = _state
-    if state.shield or _in_finalizer(frame):
+    if state.shield or state.defer or _in_finalizer(frame):
         _arm(SLICE_S)
         return
     state.raised = True
@@ -105,13 +142,25 @@ def _arm(seconds: float) -> None:
 # WeakKeyDictionary, WeakValueDictionary and WeakSet); an exception raised in any of them is
 # printed as "Exception ignored in" and lost, like one raised in __del__.
 _CALLBACK_FILES = ("weakref.py", "_weakrefset.py")
+# Writers a cut must not land in (a temporary file left beside its target, a set of files half
+# written, a PNG cut short): (the file's path ending, the function; None: any function there).
+_WRITERS = (
+    ("m31ctl/atomic.py", None),
+    ("m31ctl/render/files.py", "write"),
+    ("m31ctl/render/files.py", "_write_atomic"),
+    ("m31ctl/cli/figure.py", "save"),
+)
 
 
 def _in_finalizer(frame: FrameType | None) -> bool:
-    """Whether the frame, or one it was called from, is a finalizer or a weakref callback."""
+    """Whether the frame, or one it was called from, is a finalizer or a weakref callback, or a
+    file writer (_WRITERS): where a cut would be lost or leave something half written."""
     while frame is not None:
         code = frame.f_code
         if code.co_name == "__del__" or os.path.basename(code.co_filename) in _CALLBACK_FILES:
+            return True
+        filename = code.co_filename.replace(os.sep, "/")
+        if any(filename.endswith(path) and name in (None, code.co_name) for path, name in _WRITERS):
             return True
         frame = frame.f_back
     return False
@@ -144,7 +193,10 @@ def install() -> None:
         state.signum, state.raised, state.during_cleanup = None, False, 0
         for sig in _SIGNALS:
             current = signal.getsignal(sig)
-            if current in (signal.SIG_DFL, signal.default_int_handler):
+            # m31ctl.cli's own first handler (it records until this one takes over) counts as Python's
+            if current in (signal.SIG_DFL, signal.default_int_handler) or getattr(
+                current, "m31ctl_early", False
+            ):
                 state.previous[sig] = signal.signal(sig, _on_signal)
         state.timer = signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
         if state.timer:
@@ -165,6 +217,20 @@ def uninstall() -> None:
             with contextlib.suppress(ValueError):
                 signal.signal(sig, handler)
         state.previous.clear()
+
+
+def command(argv: list[str]) -> None:
+    """Say which command runs (its command line): one in AT_ONCE is cut at the first signal and
+    ends with its own line; any other waits for its checks and ends with a launch's."""
+    name = next((a for a in argv if not a.startswith("-")), None)
+    at_once = name in AT_ONCE and not (name == "doctor" and "--deep" in argv)
+    _state.at_once = at_once
+    _state.line = AT_ONCE[name] if at_once else f"error: {INTERRUPTED_LINE}"
+
+
+def line() -> str:
+    """The command's interruption line, without its "m31ctl: " (see command())."""
+    return _state.line
 
 
 def requested() -> bool:
@@ -265,6 +331,20 @@ def shielded() -> Iterator[None]:
         yield
     finally:
         _state.shield -= 1
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """A step a cut must not split (a result being printed, a report being written): a signal
+    inside is recorded, and a command cut at once is cut as the block returns."""
+    state = _state
+    state.defer += 1
+    try:
+        yield
+    finally:
+        state.defer -= 1
+    if state.at_once and state.defer == 0:
+        check()
 
 
 class StoppedAsAsked(Exception):

@@ -4,13 +4,47 @@
 `run()` is the console script. Every error maps to one line and a documented exit code here.
 """
 
+# ruff: noqa: E402  (the imports come after the signal handler: see below)
 from __future__ import annotations
+
+# Ctrl-C is m31ctl's from here on (issue 51): the console script's first statements record SIGINT
+# (then SIGTERM), before any import that Python's KeyboardInterrupt could land in (`signal` itself
+# loads enum). _signal is built in: nothing to import. m31ctl.interrupt takes over in run().
+import _signal  # type: ignore[import-not-found]
+
+
+def _record_early(signum: int, _frame: object) -> None:
+    _EARLY.append(signum)
+
+
+_EARLY: list[int] = []
+try:
+    _PREVIOUS_SIGINT = _signal.signal(_signal.SIGINT, _record_early)
+except ValueError:  # imported off the main thread: not the m31ctl process
+    _PREVIOUS_SIGINT = None
+
+import sys
+
+_record_early.m31ctl_early = True  # type: ignore[attr-defined]  # interrupt.install() replaces it
+_ARGV0 = (sys.argv[0] if sys.argv else "").replace("\\", "/")
+if _PREVIOUS_SIGINT is not _signal.default_int_handler or not (
+    _ARGV0 == "m31ctl" or _ARGV0.endswith(("/m31ctl", "m31ctl/__main__.py"))
+):
+    # Not the m31ctl process (a program, a test run, imports this package), or SIGINT was not
+    # Python's own (ignored in a background job): as it was, and a Ctrl-C meanwhile as it would
+    # have been.
+    if _PREVIOUS_SIGINT is not None:
+        _signal.signal(_signal.SIGINT, _PREVIOUS_SIGINT)
+    if _EARLY and _PREVIOUS_SIGINT is _signal.default_int_handler:
+        _EARLY.clear()
+        raise KeyboardInterrupt
+elif _signal.getsignal(_signal.SIGTERM) == _signal.SIG_DFL:
+    _signal.signal(_signal.SIGTERM, _record_early)
 
 import contextlib
 import fcntl
 import gc
 import os
-import sys
 from collections.abc import Sequence
 from typing import TextIO
 
@@ -19,20 +53,19 @@ from m31ctl.cli.output import GuardedStdout, emit_json_line
 from m31ctl.errors import ExitCode, M31Error, OutputError
 from m31ctl.redact import redact
 
-INTERRUPTED = interrupt.INTERRUPTED_LINE
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run m31ctl with `argv` (default: sys.argv[1:]) and return the exit code."""
-    # lazy: the app (typer) loads after run()'s interrupt.install(), so a Ctrl-C meanwhile is recorded
-    from m31ctl.cli.app import is_quick
-
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         args = ["--help"]  # bare `m31ctl`: help, exit 0
-    stdout = _standard_streams()
     interrupt.install()  # Ctrl-C and SIGTERM are recorded; the command stops at its own checks
+    interrupt.command(args)  # ... or at once, for one with nothing to clean up (plan, render)
+    stdout = _standard_streams()
     try:
+        # lazy: the app (typer) loads after interrupt.install(), so a Ctrl-C meanwhile is handled
+        from m31ctl.cli.app import is_quick
+
         if gc.isenabled() and is_quick(args):
             gc.disable()  # the cyclic collector only costs these commands time (see QUICK_COMMANDS)
             try:
@@ -40,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 gc.enable()
         return _finished(_main(args))
+    except KeyboardInterrupt:  # a command cut at once, outside the command itself (loading the app)
+        return _interrupted()
     finally:
         interrupt.settle()  # idempotent: also when a SystemExit (shell completion) leaves
         interrupt.uninstall()
@@ -52,8 +87,14 @@ def _finished(code: int) -> int:
     late = interrupt.requested()
     interrupt.settle()
     if late and code != ExitCode.INTERRUPTED:
-        return _say(INTERRUPTED, ExitCode.INTERRUPTED)
+        return _interrupted()
     return code
+
+
+def _interrupted() -> int:
+    """The command's one interruption line (interrupt.command() chose it), exit 130."""
+    _stderr(f"m31ctl: {interrupt.line()}\n")
+    return int(ExitCode.INTERRUPTED)
 
 
 def _standard_streams() -> TextIO:
@@ -111,10 +152,10 @@ def _main(args: list[str]) -> int:
         if interrupt.pending() and exc.exit_code != ExitCode.INTERRUPTED:
             # What failed after a stop was asked for (a child that got the terminal's Ctrl-C too)
             # failed because of it: the interruption is the one line.
-            return _say(INTERRUPTED, ExitCode.INTERRUPTED)
+            return _interrupted()
         return _fail(exc, as_json)
     except aborts:
-        return _say(INTERRUPTED, ExitCode.INTERRUPTED)
+        return _interrupted()
     except exits as exc:
         return int(getattr(exc, "exit_code", 0) or 0)
     except BrokenPipeError:
@@ -122,7 +163,7 @@ def _main(args: list[str]) -> int:
         return int(ExitCode.OK)
     except Exception as exc:
         if interrupt.pending():
-            return _say(INTERRUPTED, ExitCode.INTERRUPTED)
+            return _interrupted()
         if hasattr(exc, "format_message"):  # click's usage errors: unknown option, missing value
             return _say(f"{exc.format_message()} (see m31ctl --help)", ExitCode.BAD_INPUT)
         if os.environ.get("M31CTL_DEBUG"):
@@ -133,7 +174,7 @@ def _main(args: list[str]) -> int:
             ExitCode.INTERNAL,
         )
     if result == ExitCode.INTERRUPTED:  # click turns Ctrl-C during a prompt into exit code 130
-        return _say(INTERRUPTED, ExitCode.INTERRUPTED)
+        return _interrupted()
     return result if isinstance(result, int) else 0
 
 
@@ -191,13 +232,24 @@ def _silence_stdout() -> None:
 def run() -> None:
     """The console script (and `python -m m31ctl`). SIGTERM is handled as Ctrl-C (CI runners
     send it on cancel), and both stay recorded, never raised, through the interpreter's exit:
-    a finalizer that runs then must not be interrupted half-way (m31ctl.interrupt)."""
-    interrupt.install()
-    from m31ctl.cli.app import is_quick  # lazy: after interrupt.install(), as in main()
+    a finalizer that runs then must not be interrupted half-way (m31ctl.interrupt). A signal
+    recorded by this module's first statements is handled as soon as m31ctl.interrupt is in place."""
+    started = False
+    quick = True
+    try:
+        interrupt.install()
+        interrupt.command(sys.argv[1:] or ["--help"])
+        for signum in _EARLY[:1]:
+            interrupt.deliver(signum)  # a command cut at once stops here
+        from m31ctl.cli.app import is_quick  # lazy: after interrupt.install(), as in main()
 
-    code = main()
+        quick = is_quick(sys.argv[1:])
+        started = True
+        code = main()
+    except KeyboardInterrupt:  # cut before main() began: nothing was started, nothing written
+        code = _interrupted()
     interrupt.leaving()
-    if is_quick(sys.argv[1:]):
+    if quick or not started:
         _leave_now(code)
     sys.exit(code)
 

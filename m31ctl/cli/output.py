@@ -11,6 +11,7 @@ import unicodedata
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TextIO, TypeVar
 
+from m31ctl import interrupt
 from m31ctl.errors import InputError, OutputError
 from m31ctl.redact import redact_data
 
@@ -117,14 +118,16 @@ def text_view(kind: type[R]) -> Callable[[Callable[[R], None]], Callable[[R], No
 
 def emit(result: Result, as_json: bool, *, line: bool = False) -> None:
     """The one output path of a command's result: `to_json()` under --json (one compact line with
-    `line`, the last of a JSON Lines stream: launch, bench, pull), else its type's text view."""
-    if as_json:
-        (emit_json_line if line else emit_json)(result.to_json())
-        return
-    view = next((_TEXT_VIEWS[kind] for kind in type(result).__mro__ if kind in _TEXT_VIEWS), None)
-    if view is None:  # a command whose view module was not imported: a bug, said as one
-        raise TypeError(f"no text view registered for {type(result).__name__}")
-    view(result)
+    `line`, the last of a JSON Lines stream: launch, bench, pull), else its type's text view.
+    Printed whole or not at all: an interruption waits for its end (interrupt.deferred)."""
+    with interrupt.deferred():
+        if as_json:
+            (emit_json_line if line else emit_json)(result.to_json())
+            return
+        view = next((_TEXT_VIEWS[kind] for kind in type(result).__mro__ if kind in _TEXT_VIEWS), None)
+        if view is None:  # a command whose view module was not imported: a bug, said as one
+            raise TypeError(f"no text view registered for {type(result).__name__}")
+        view(result)
 
 
 def emit_json(payload: Any) -> None:
@@ -172,6 +175,7 @@ def write_file(path: Path, text: str) -> None:
     from m31ctl.render.files import write_text_atomic  # lazy: m31ctl.render loads every target
 
     try:
-        write_text_atomic(path, text)
+        with interrupt.deferred():  # whole or not at all: no temporary file left beside it either
+            write_text_atomic(path, text)
     except OSError as exc:
         raise InputError(f"cannot write {path}: {exc.strerror or exc}") from None
