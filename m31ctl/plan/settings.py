@@ -290,6 +290,10 @@ class KubernetesSettings(_Frozen):
     # The Pod Security level the pods must pass. baseline leaves out what the Docker targets add
     # for AMD (SYS_PTRACE, seccomp Unconfined), which that level rejects; privileged adds them.
     pod_security: Literal["baseline", "privileged"] = "baseline"
+    # How a changed plan replaces the serving pods: recreate stops them before the new ones start
+    # (no second copy's GPUs needed; a start's downtime), surge starts one more copy and stops the
+    # old only once the new one is ready (its GPUs must be free). render/k8s.py `ROLLOUTS`.
+    rollout: Literal["recreate", "surge"] = "recreate"
 
 
 class VerifySettings(_Frozen):

@@ -376,6 +376,40 @@ def _pod_spec(pods: Pods, engine: dict[str, Any], leader: bool = True) -> dict[s
     return pod
 
 
+class Rollout(NamedTuple):
+    """What kubernetes.rollout renders for each workload kind."""
+
+    deployment: dict[str, Any]  # a Deployment's spec.strategy
+    leader_worker_set: dict[str, Any]  # a LeaderWorkerSet's spec.rolloutStrategy
+    note: str
+
+
+# recreate: the old copy stops before the new one starts, as a Deployment's Recreate does; an LWS
+# rolls with maxUnavailable 1 and maxSurge 0 (its defaults, stated: with one replica that is the
+# same stop-then-start). surge: one more copy starts, and the old one stops only once it is ready
+# (maxUnavailable 0), the zero-downtime pattern of KServe's "Availability" rollout mode and the
+# LWS rollout guide (kubernetes-sigs/lws site/content/en/docs/concepts/rollout-strategy).
+ROLLOUTS: dict[str, Rollout] = {
+    "recreate": Rollout(
+        {"type": "Recreate"},
+        {"type": "RollingUpdate", "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
+        "a changed plan stops the serving copy before its successor starts: about {start_s} s without "
+        "service (the timeline's start); kubernetes.rollout=surge starts the new copy first on {gpus} "
+        "spare GPUs and stops the old one once the new one is ready.",
+    ),
+    "surge": Rollout(
+        {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        {"type": "RollingUpdate", "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
+        "a changed plan starts one more copy ({gpus} GPUs must be free for it) and stops the old one only "
+        "once the new one passes its probes, up to {start_s} s later; no request goes unserved.",
+    ),
+}
+
+
+def _rollout(pods: Pods) -> Rollout:
+    return ROLLOUTS[pods.k8s.rollout]
+
+
 def _deployment(pods: Pods) -> dict[str, Any]:
     template = {"metadata": {"labels": pods.labels, "annotations": pods.annotations}}
     return {
@@ -384,8 +418,7 @@ def _deployment(pods: Pods) -> dict[str, Any]:
         "metadata": {"name": pods.name, "labels": pods.labels, "annotations": pods.annotations},
         "spec": {
             "replicas": 1,
-            # One pod holds all the GPUs: never run two during a rollout.
-            "strategy": {"type": "Recreate"},
+            "strategy": _rollout(pods).deployment,
             # The default 600 s would call every rollout failed (ProgressDeadlineExceeded) long
             # before the image pull, the download and the load are done (m31ctl/timeline.py).
             "progressDeadlineSeconds": pods.deployment.timeline.progress_deadline_s,
@@ -458,6 +491,7 @@ def _leader_worker_set(pods: Pods) -> dict[str, Any]:
             # LeaderReady would deadlock. Each worker waits for the leader's address and port
             # itself (templates/lws-pod.sh.j2).
             "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": _rollout(pods).leader_worker_set,
             "leaderWorkerTemplate": {
                 "size": pods.deployment.layout.nodes,
                 # One lost pod breaks the group's collectives: restart the whole group (each
@@ -563,6 +597,11 @@ def k8s_comments(deployment: Deployment, group: Group | None = None) -> list[str
         )
         + f"terminationGracePeriodSeconds {deployment.timeline.pod_grace_s} is the preStop wait for the endpoints to "
         f"drop the pod ({ENDPOINT_REMOVAL_S} s), vLLM's drain (serving.shutdown_timeout) and the workers' exit."
+    )
+    rollout = pods.k8s.rollout
+    notes.append(
+        f"Rollout (kubernetes.rollout={rollout}): "
+        + ROLLOUTS[rollout].note.format(start_s=deployment.timeline.start_s, gpus=deployment.serving_gpus)
     )
     if spec.ulimits:
         wanted = ", ".join(f"{n}={'unlimited' if soft == -1 else soft}" for n, soft, _ in spec.ulimits)
