@@ -8,12 +8,20 @@ from typing import TYPE_CHECKING, Any
 from m31ctl import __version__
 from m31ctl.container import ContainerSpec
 from m31ctl.deployment import Deployment
-from m31ctl.redact import API_KEY_ENV
+from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
 from m31ctl.render.escape import shell_word, systemd_word
 from m31ctl.resources import templates_dir
 
 if TYPE_CHECKING:
     import jinja2
+
+
+def engine_secrets(names: tuple[str, ...]) -> tuple[str, ...]:
+    """The secrets an engine container of any target gets: never HF_TOKEN, which it does not read
+    (it serves the snapshot the download step left, offline, or a local directory) and which
+    `docker inspect` or the pod's spec would expose for as long as it runs. vLLM reads its API
+    key from VLLM_API_KEY or --api-key only (vllm/envs.py; cli_args.py FrontendArgs.api_key)."""
+    return tuple(name for name in names if name != HF_TOKEN_ENV)
 
 
 def in_comment(value: str, instead: str) -> str:

@@ -20,7 +20,7 @@ from m31ctl.hardware import k8s_product_selector
 from m31ctl.labels import Label
 from m31ctl.plan.settings import KubernetesSettings
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
-from m31ctl.render.common import health_command, in_comment, render_template
+from m31ctl.render.common import engine_secrets, health_command, in_comment, render_template
 from m31ctl.render.download import download_step, wait_command
 from m31ctl.render.kubelet_expansion import literal
 from m31ctl.timeline import ENDPOINT_REMOVAL_S, ENGINE_READY_ENV, VLLM_HANDSHAKE_S
@@ -287,7 +287,7 @@ def _engine_container(pods: Pods) -> dict[str, Any]:
     resources.update(_cpu_and_memory(pods))
     env = {**dict(spec.env), **(dict(sorted(k8s.network_env.items())) if spans_nodes else {})}
     _, mounts = _volumes(pods)
-    env_entries = _env(pods, env, pods.secrets)
+    env_entries = _env(pods, env, engine_secrets(pods.secrets))  # the token is the download's only
     if pods.deployment.kv_transfer is not None:
         # The adapter's loopback placeholder becomes the pod's own IP, set by the kubelet.
         pod_ip = {"name": SIDE_CHANNEL_HOST_ENV, "valueFrom": {"fieldRef": {"fieldPath": POD_IP_FIELD}}}
