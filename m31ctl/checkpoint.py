@@ -23,9 +23,10 @@ class ModelSource(NamedTuple):
 
     reference: str
     local: bool
-    # The hub commit the deployment is pinned at (a rendered target downloads it, then serves it
-    # offline); None: not pinned (a local directory, or launch, which pulls and then serves the
-    # pulled snapshot offline).
+    # The hub revision a rendered target downloads, then serves offline: a commit when the render
+    # pinned one, else a branch or tag name the download resolves at deploy time (m31ctl/
+    # revision.py; the engine adapter passes it as --revision). None: a local directory, or
+    # launch, which pulls and then serves the pulled snapshot offline.
     commit: str | None = None
 
     @property

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from m31ctl import __version__
-from m31ctl.checkpoint import cached_commit
+from m31ctl.checkpoint import cached_commit, hub_dir
 from m31ctl.deployment import Deployment
 from m31ctl.errors import ConflictError, DockerUnreachable, InputError
 from m31ctl.inputs import read_bytes, read_json
@@ -252,6 +252,19 @@ def checkpoint_of(deployment: Deployment) -> LockedCheckpoint | None:
     if repo is None:
         return None
     return LockedCheckpoint(repo=repo, commit=cached_commit(deployment.hf_cache, repo))
+
+
+def checkpoint_gap(deployment: Deployment, checkpoint: LockedCheckpoint | None) -> str | None:
+    """Why the lock records no checkpoint commit, and how to record one; None when it records one
+    (or the checkpoint is a local directory). `lock` never asks the hub: the commit is what this
+    machine's cache recorded for main, so the remedy is a pull here, then the lock again."""
+    if checkpoint is None or checkpoint.commit is not None:
+        return None
+    return (
+        f"checkpoint commit not recorded: {checkpoint.repo}@main is not in this machine's Hugging Face "
+        f"cache ({hub_dir(deployment.hf_cache)} has no refs/main for it); `m31ctl pull` then `m31ctl lock` "
+        "records it. Until then a render with this lock names main, resolved when its download runs"
+    )
 
 
 def current(deployment: Deployment, files: tuple[Path, ...]) -> tuple[LockFile, str | None]:

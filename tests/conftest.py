@@ -257,46 +257,21 @@ def last_json(stdout: str) -> Any:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-# The commit the session's stand-in hub names for every revision: `render` pins a hub checkpoint
-# to the commit the hub answers (m31ctl/revision.py), and the goldens carry this one.
+# The commit the tests pin a rendered hub checkpoint at: the goldens carry this one.
 PINNED_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+# An endpoint nothing listens on (port 9, discard, is closed here): `render` and `lock` never ask
+# the hub (m31ctl/revision.py), so they must work with HF_ENDPOINT pointing at it.
+CLOSED_HUB = "http://127.0.0.1:9"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def revision_hub() -> Iterator[str]:
-    """A stand-in for the hub's model-info endpoint (`/api/models/REPO/revision/REV`, what
-    huggingface_hub's model_info asks), through HF_ENDPOINT for the whole session unless a test
-    sets its own: the real hub is not reachable here."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-        def do_GET(self) -> None:
-            parts = self.path.split("?")[0].strip("/").split("/")
-            if len(parts) >= 5 and parts[:2] == ["api", "models"] and parts[-2] == "revision":
-                body = json.dumps(
-                    {"id": "/".join(parts[2:-2]), "sha": PINNED_COMMIT, "siblings": []}
-                ).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-            else:
-                self.send_error(404)
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+def no_hub() -> Iterator[str]:
+    """HF_ENDPOINT at CLOSED_HUB for the whole session unless a test sets its own (the tests that
+    download start a stand-in hub, tests/standin_hub.py): the real hub is not reachable here."""
     saved = os.environ.get("HF_ENDPOINT")
-    os.environ.setdefault("HF_ENDPOINT", endpoint)
+    os.environ.setdefault("HF_ENDPOINT", CLOSED_HUB)
     try:
-        yield endpoint
+        yield os.environ["HF_ENDPOINT"]
     finally:
-        server.shutdown()
         if saved is None:
             os.environ.pop("HF_ENDPOINT", None)

@@ -791,7 +791,8 @@ QUIET_COMMANDS = [
     ["plan", "--hardware", "b300x4", "--json"],
     ["plan", "--hardware", "b300x4", "--explain"],
     ["capacity", "--hardware", "b300x4", "--json"],
-    ["render", "--target", "k8s", "--hardware", "b300x4"],
+    # Pinned: a revision left to deploy time is a warning on stderr (m31ctl/revision.py).
+    ["render", "--target", "k8s", "--hardware", "b300x4", "--revision", "0" * 40],
     ["recipes", "show", "blackwell"],
     ["launch", "--hardware", "cpu", "--dry-run", "--json"],
 ]

@@ -148,24 +148,6 @@ def _pinned(
     return apply_lock(deployment, request.files, locked, update, by_id=by_id)
 
 
-def _pin_checkpoint(deployment: Deployment, locked: Path | None, revision: str) -> Deployment:
-    """A hub checkpoint pinned to one commit for a rendered target: the lock's, else
-    `revision`'s (asking the hub unless it is a commit already)."""
-    repo = deployment.model.repo_id
-    if repo is None:
-        return deployment
-    # lazy: the lock and the hub's revisions, only for a hub checkpoint
-    from m31ctl import lockfile
-    from m31ctl.deployment import derive
-    from m31ctl.revision import resolve_commit
-
-    recorded = lockfile.read(locked).checkpoint if locked is not None else None
-    commit = recorded.commit if recorded is not None and recorded.commit else None
-    if commit is None:
-        commit = resolve_commit(repo, revision)
-    return derive(deployment.plan, commit=commit)
-
-
 @recipes_app.command("list")
 def recipes_list(json: JsonOpt = False) -> None:
     """The built-in recipes and what they match."""
@@ -267,8 +249,9 @@ def render(
         str,
         typer.Option(
             "--revision",
-            help="The hub revision to pin (a branch or tag is resolved to its commit now; "
-            "a commit pins without asking the hub). --locked pins the lock's.",
+            help="The hub revision to serve: a commit pins it; a branch or tag is pinned to the "
+            "commit this machine's cache recorded for it (m31ctl pull), else resolved when the "
+            "download runs. --locked pins the lock's commit.",
         ),
     ] = "main",
     no_validate: NoValidateOpt = False,
@@ -278,6 +261,7 @@ def render(
     """Render deployment artifacts (bash script, Compose, Kubernetes, systemd) from the plan."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.render import files, get_target
+    from m31ctl.revision import pin_checkpoint
     from m31ctl.timeline import conflicts
 
     if check is not None and output is not None:
@@ -290,7 +274,9 @@ def render(
     if locked is not None:
         # Rendered files pin a registry digest only: a local image ID means nothing elsewhere.
         deployment = _pinned(deployment, request, locked, update_lock, by_id=False)
-    deployment = _pin_checkpoint(deployment, locked, revision)
+    deployment, unpinned = pin_checkpoint(deployment, target, locked, revision)
+    if unpinned is not None:
+        sys.stderr.write(f"m31ctl: warning: {unpinned}\n")
     for conflict in conflicts(deployment.timeline, dict(deployment.plan.settings.runtime.env)):
         sys.stderr.write(f"m31ctl: warning: {conflict.message}\n")
     artifacts = renderer(deployment)

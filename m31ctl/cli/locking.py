@@ -11,7 +11,7 @@ from typing import Any
 
 from m31ctl.cli.output import text_view, write_file
 from m31ctl.deployment import Deployment
-from m31ctl.lockfile import Drift, LockFile, apply, compare, current, drift_lines, to_text
+from m31ctl.lockfile import Drift, LockFile, apply, checkpoint_gap, compare, current, drift_lines, to_text
 
 
 def write_lock(path: Path, lock: LockFile) -> None:
@@ -51,14 +51,17 @@ def _checked_text(checked: LockChecked) -> None:
 
 @dataclass(frozen=True)
 class LockWritten:
-    """`lock -o FILE`: the lock written, and why its image is not pinned (`gap`) if it is not."""
+    """`lock -o FILE`: the lock written, why its image is not pinned (`gap`) if it is not, and
+    why it records no checkpoint commit (`checkpoint_gap`) if it does not."""
 
     path: Path
     lock: LockFile
     gap: str | None
+    checkpoint_gap: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"lock": str(self.path), **self.lock.model_dump(mode="json")}
+        warnings = [self.checkpoint_gap] if self.checkpoint_gap else []
+        return {"lock": str(self.path), **self.lock.model_dump(mode="json"), "warnings": warnings}
 
 
 @text_view(LockWritten)
@@ -66,6 +69,8 @@ def _written_text(written: LockWritten) -> None:
     lock, image = written.lock, written.lock.image
     pinned = image.digest or image.id or written.gap
     sys.stderr.write(f"wrote {written.path}: plan {lock.plan_hash}, image {image.reference} -> {pinned}\n")
+    if written.checkpoint_gap:
+        sys.stderr.write(f"m31ctl: warning: {written.checkpoint_gap}\n")
 
 
 def check_lock(path: Path, deployment: Deployment, files: tuple[Path, ...]) -> LockChecked:
@@ -76,4 +81,4 @@ def write_current(path: Path, deployment: Deployment, files: tuple[Path, ...]) -
     """The deployment's lock, written to `path`."""
     lock_file, gap = current(deployment, files)
     write_lock(path, lock_file)
-    return LockWritten(path, lock_file, gap)
+    return LockWritten(path, lock_file, gap, checkpoint_gap(deployment, lock_file.checkpoint))

@@ -5,18 +5,24 @@ covers the download at the link's speed (a slow link becomes a restart loop); ru
 own budget (timeline.download), it leaves the engine's start-up to loading and compiling. Every
 target runs the same command in the engine image, whose huggingface_hub is the library vLLM reads
 the cache with (Kubernetes: an init container; Compose: a one-shot service the engine depends on;
-the script and systemd: a `docker run --rm` before the engine). It fetches the one commit the
-deployment is pinned at, and the engine then serves that snapshot offline (engine/adapter.py), so
-a restart never downloads and a repo that moved cannot hand two pods different files.
+the script and systemd: a `docker run --rm` before the engine). It fetches the revision the
+deployment names (m31ctl/revision.py): a commit when the render could pin one, else a branch or
+tag, which snapshot_download resolves when it runs and records in the cache's refs/<revision>.
+The engine then serves offline (engine/adapter.py) with the same --revision: a commit's snapshot,
+or the commit refs/<revision> names, the one the download recorded. So a restart never
+downloads, and a repo that moves after the download cannot hand a pod other files.
 
-When the download is complete it leaves a marker in the cache; the other pods of a group that
-shares the claim wait for the marker instead of downloading the same bytes at once
-(twice the egress, and file locks over NFS).
+When the download is complete it leaves a marker in the cache, named repo@revision; the other
+pods of a group that shares the claim wait for the marker instead of downloading the same bytes
+at once (twice the egress, and file locks over NFS).
+A marker named after a branch stays from an earlier download: docs/decisions.md ("Renders
+without the hub") says what that means when the branch has moved.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+from urllib.parse import quote
 
 from m31ctl.checkpoint import repo_folder
 from m31ctl.deployment import HF_CACHE_IN_CONTAINER, Deployment
@@ -69,40 +75,42 @@ class DownloadStep(NamedTuple):
     env: tuple[tuple[str, str], ...]  # the engine's environment minus what only the engine reads
 
 
-def _marker(repo: str, commit: str) -> str:
-    return f"{HF_CACHE_IN_CONTAINER}/m31ctl/complete/{repo_folder(repo)}@{commit}"
+def _marker(repo: str, revision: str) -> str:
+    """repo@revision: a commit, or a branch or tag name (its `/` kept out of the path: %2F)."""
+    return f"{HF_CACHE_IN_CONTAINER}/m31ctl/complete/{repo_folder(repo)}@{quote(revision, safe='')}"
 
 
-def _pinned(deployment: Deployment) -> tuple[str, str] | None:
-    repo, commit = deployment.model.repo_id, deployment.model.commit
+def _named(deployment: Deployment) -> tuple[str, str] | None:
+    """The hub repo and the revision the deployment downloads; None for a local checkpoint."""
+    repo, revision = deployment.model.repo_id, deployment.model.commit
     if repo is None:
         return None
-    if commit is None:
-        # A rendered target serves offline at one commit: refuse to write a file that would not.
+    if revision is None:
+        # A rendered target downloads one revision and serves it offline: refuse a file that would not.
         raise InputError(
-            f"{repo} is not pinned to a commit: a rendered target downloads one commit and serves it offline",
-            hint="render through `m31ctl render` (it asks the hub, or takes --revision COMMIT)",
+            f"{repo} names no revision: a rendered target downloads one and serves it offline",
+            hint="render through `m31ctl render` (--revision, --locked, or this machine's cache name it)",
         )
-    return repo, commit
+    return repo, revision
 
 
 def download_step(deployment: Deployment, env: tuple[tuple[str, str], ...]) -> DownloadStep | None:
-    """`python3 -c SCRIPT REPO COMMIT BUDGET MARKER [SKIP...]` for the plan's hub checkpoint;
+    """`python3 -c SCRIPT REPO REVISION BUDGET MARKER [SKIP...]` for the plan's hub checkpoint;
     None for a local checkpoint directory (nothing to download). The draft's folder is skipped
     unless the plan drafts with it, as `m31ctl pull` does. `env`: the engine container's."""
-    pinned = _pinned(deployment)
-    if pinned is None:
+    named = _named(deployment)
+    if named is None:
         return None
-    repo, commit = pinned
+    repo, revision = named
     skipped = deployment.draft.skipped
     budget = str(max(1, deployment.timeline.download_s))
-    marker = _marker(repo, commit)
+    marker = _marker(repo, revision)
     command = [
         "python3",
         "-c",
         DOWNLOAD_SCRIPT,
         repo,
-        commit,
+        revision,
         budget,
         marker,
         *([skipped] if skipped else []),

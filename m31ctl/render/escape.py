@@ -12,9 +12,17 @@ from typing import Any
 from m31ctl.memo import memoized
 
 
+class ShellExpansion(str):
+    """Shell text m31ctl means the script's shell to expand when it runs ("$HF_CACHE"): written
+    verbatim by shell_word. Built only from fixed text and shell_word()s, never from a value."""
+
+
 def shell_word(value: object) -> str:
     """One shell word, taken literally (paths are absolute by now: the Deployment expanded `~`
-    once, so nothing here depends on who runs the script)."""
+    once), except a ShellExpansion, which the script expands when it runs (the script's cache
+    under the home of whoever runs it, render/script_cache.py)."""
+    if isinstance(value, ShellExpansion):
+        return str(value)
     return shlex.quote(str(value))
 
 

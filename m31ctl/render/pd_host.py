@@ -32,6 +32,7 @@ from m31ctl.redact import API_KEY_ENV
 from m31ctl.render.artifact import Artifact
 from m31ctl.render.common import header, health_command, health_command_on, render_template
 from m31ctl.render.pd import download_spec
+from m31ctl.render.script_cache import at_run_time, script_cache
 from m31ctl.render.targets import (
     ENV_FILE,
     ENV_FILE_FORMAT,
@@ -89,6 +90,7 @@ def network_ensure(docker: str, network: str, code: int, created: str) -> str:
 def _script_role(pair: DockerPair, role: PairRole) -> dict[str, Any]:
     spec = role.spec
     argv = docker_run_argv(spec._replace(secret_env=()), "detached", attachment=role.attachment)
+    argv = at_run_time(role.engine, argv)  # the cache in the home of whoever runs the script
     split = argv.index(spec.image)
     return {
         "var": role.key.upper(),
@@ -111,7 +113,7 @@ def render_script_pd(deployment: Deployment) -> list[Artifact]:
     fetch = download_spec(prefill.engine, prefill.spec)._replace(
         name=deployment.name, labels=labels_for(deployment.plan)
     )
-    download = download_argv(prefill.engine, fetch, token_by_name=False)
+    download = at_run_time(deployment, download_argv(prefill.engine, fetch, token_by_name=False))
     at = download.index(fetch.image) if download else 0
     router = router_run_argv(pair, "detached")
     content = render_template(
@@ -138,7 +140,8 @@ def render_script_pd(deployment: Deployment) -> list[Artifact]:
         secret_names=list(prefill.spec.secret_env),
         engine_secret_names=list(engine_secret_env(prefill.spec)),
         required_names=list(deployment.secrets.required),
-        host_dirs=sorted({d for spec in specs for d in writable_sources(spec)}),
+        host_dirs=at_run_time(deployment, sorted({d for spec in specs for d in writable_sources(spec)})),
+        hf_cache=script_cache(deployment),
         token_file=HF_TOKEN_FILE,
         token_path_env=HF_TOKEN_PATH_ENV,
         token_in_container=HF_TOKEN_IN_CONTAINER,

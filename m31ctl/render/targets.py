@@ -20,6 +20,7 @@ from m31ctl.render.download import download_step
 from m31ctl.render.escape import Interpolation, compose_escape, yaml_file
 from m31ctl.render.k8s import k8s_comments, k8s_documents
 from m31ctl.render.observability import render_monitoring
+from m31ctl.render.script_cache import at_run_time, script_cache
 
 ENV_FILE = "/etc/m31ctl/minimax-m31-flash.env"
 SERVED = "MiniMax-M3.1-Flash"  # what a unit's Description= names
@@ -112,9 +113,9 @@ def engine_secret_env(spec: ContainerSpec) -> tuple[str, ...]:
 
 def render_script(deployment: Deployment) -> list[Artifact]:
     spec = render_spec(deployment)
-    argv = docker_run_argv(spec._replace(secret_env=()), "detached")
+    argv = at_run_time(deployment, docker_run_argv(spec._replace(secret_env=()), "detached"))
     split = argv.index(spec.image)
-    download = download_argv(deployment, spec, token_by_name=False)
+    download = at_run_time(deployment, download_argv(deployment, spec, token_by_name=False))
     at = download.index(spec.image) if download else 0
     content = render_template(
         "script.sh.j2",
@@ -126,7 +127,8 @@ def render_script(deployment: Deployment) -> list[Artifact]:
         secret_names=list(spec.secret_env),
         engine_secret_names=list(engine_secret_env(spec)),
         required_names=list(deployment.secrets.required),
-        host_dirs=writable_sources(spec),
+        host_dirs=at_run_time(deployment, writable_sources(spec)),
+        hf_cache=script_cache(deployment),
         token_file=HF_TOKEN_FILE,
         token_path_env=HF_TOKEN_PATH_ENV,
         token_in_container=HF_TOKEN_IN_CONTAINER,

@@ -7,6 +7,8 @@
 set -euo pipefail
 
 ENV_FILE=${M31CTL_ENV_FILE:-/etc/m31ctl/minimax-m31-flash.env}
+# The Hugging Face cache (runtime.hf_cache) in the home of whoever runs this script.
+HF_CACHE="$HOME"/.cache/huggingface
 HF_TOKEN_FILE=${M31CTL_HF_TOKEN_FILE:-/etc/m31ctl/hf-token}
 NAME=m31ctl-minimax-m31-flash
 URL=http://127.0.0.1:8000/v1
@@ -65,7 +67,7 @@ for secret in "${engine_secrets[@]}"; do
 done
 
 # A bind mount (--mount) needs its source: create the cache as the user who runs this.
-mkdir -p /home/operator/.cache/huggingface
+mkdir -p "$HF_CACHE"
 
 # The checkpoint first, at the pinned commit, in the engine image, with its own budget of
 # 2001 s (runtime.download_mbps): the engine then serves that snapshot offline, so its
@@ -93,7 +95,7 @@ docker \
   --rm \
   --name m31ctl-minimax-m31-flash-download \
   --entrypoint python3 \
-  --mount type=bind,source=/home/operator/.cache/huggingface,target=/root/.cache/huggingface \
+  --mount "type=bind,\"source=${HF_CACHE//\"/\"\"}\",target=/root/.cache/huggingface" \
   "${token_args[@]}" \
   vllm/vllm-openai-rocm:minimax-m31-flash \
   -c 'import os, signal, sys
@@ -138,7 +140,7 @@ docker \
   --log-opt max-file=5 \
   --stop-timeout 60 \
   --publish 127.0.0.1:8000:8000 \
-  --mount type=bind,source=/home/operator/.cache/huggingface,target=/root/.cache/huggingface \
+  --mount "type=bind,\"source=${HF_CACHE//\"/\"\"}\",target=/root/.cache/huggingface" \
   --env HF_HUB_OFFLINE=1 \
   --env HIP_VISIBLE_DEVICES=0,1,2,3 \
   --env ROCR_VISIBLE_DEVICES=0,1,2,3 \

@@ -13,6 +13,8 @@
 set -euo pipefail
 
 ENV_FILE=${M31CTL_ENV_FILE:-/etc/m31ctl/minimax-m31-flash.env}
+# The Hugging Face cache (runtime.hf_cache) in the home of whoever runs this script.
+HF_CACHE="$HOME"/.cache/huggingface
 HF_TOKEN_FILE=${M31CTL_HF_TOKEN_FILE:-/etc/m31ctl/hf-token}
 NETWORK=m31ctl-minimax-m31-flash-pd
 PREFILL=m31ctl-minimax-m31-flash-prefill
@@ -75,7 +77,7 @@ done
 router_secret_args=()
 
 # A bind mount (--mount) needs its source: create the cache as the user who runs this.
-mkdir -p /home/operator/.cache/huggingface
+mkdir -p "$HF_CACHE"
 
 # The checkpoint first, once for both roles, at the pinned commit, in the engine image, with its
 # own budget of 2001 s (runtime.download_mbps): the engines then serve that snapshot
@@ -103,7 +105,7 @@ docker \
   --rm \
   --name m31ctl-minimax-m31-flash-download \
   --entrypoint python3 \
-  --mount type=bind,source=/home/operator/.cache/huggingface,target=/root/.cache/huggingface \
+  --mount "type=bind,\"source=${HF_CACHE//\"/\"\"}\",target=/root/.cache/huggingface" \
   --env VLLM_FLOAT32_MATMUL_PRECISION=high \
   "${token_args[@]}" \
   vllm/vllm-openai:minimax-m31-flash \
@@ -188,7 +190,7 @@ docker \
   --ip 10.231.36.10 \
   --network-alias prefill \
   --publish 127.0.0.1:8100:8000 \
-  --mount type=bind,source=/home/operator/.cache/huggingface,target=/root/.cache/huggingface \
+  --mount "type=bind,\"source=${HF_CACHE//\"/\"\"}\",target=/root/.cache/huggingface" \
   --env HF_HUB_OFFLINE=1 \
   --env UCX_TLS=cuda_copy,cuda_ipc,tcp \
   --env VLLM_ENGINE_READY_TIMEOUT_S=1200 \
@@ -241,7 +243,7 @@ docker \
   --ip 10.231.36.11 \
   --network-alias decode \
   --publish 127.0.0.1:8200:8000 \
-  --mount type=bind,source=/home/operator/.cache/huggingface,target=/root/.cache/huggingface \
+  --mount "type=bind,\"source=${HF_CACHE//\"/\"\"}\",target=/root/.cache/huggingface" \
   --env HF_HUB_OFFLINE=1 \
   --env UCX_TLS=cuda_copy,cuda_ipc,tcp \
   --env VLLM_ENGINE_READY_TIMEOUT_S=1200 \

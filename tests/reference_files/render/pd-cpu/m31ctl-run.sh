@@ -13,6 +13,8 @@
 set -euo pipefail
 
 ENV_FILE=${M31CTL_ENV_FILE:-/etc/m31ctl/minimax-m31-flash.env}
+# The Hugging Face cache (runtime.hf_cache) in the home of whoever runs this script.
+HF_CACHE="$HOME"/.cache/huggingface
 NETWORK=m31ctl-rehearsal-pd
 PREFILL=m31ctl-rehearsal-prefill
 DECODE=m31ctl-rehearsal-decode
@@ -74,7 +76,7 @@ done
 router_secret_args=()
 
 # A bind mount (--mount) needs its source: create the cache as the user who runs this.
-mkdir -p /home/operator/.cache/huggingface
+mkdir -p "$HF_CACHE"
 
 # From here on, a failure or an interrupt removes what this run started, so a rerun starts clean.
 started=()
@@ -137,7 +139,7 @@ docker \
   --ip 10.231.36.10 \
   --network-alias prefill \
   --publish 127.0.0.1:8100:8000 \
-  --mount type=bind,source=/home/operator/.cache/huggingface,target=/root/.cache/huggingface \
+  --mount "type=bind,\"source=${HF_CACHE//\"/\"\"}\",target=/root/.cache/huggingface" \
   --mount type=bind,source=/opt/m31ctl/rehearsal-model,target=/opt/m31ctl/rehearsal-model,readonly \
   --env UCX_TLS=tcp,self,sm \
   --env VLLM_CPU_KVCACHE_SPACE=1 \
@@ -181,7 +183,7 @@ docker \
   --ip 10.231.36.11 \
   --network-alias decode \
   --publish 127.0.0.1:8200:8000 \
-  --mount type=bind,source=/home/operator/.cache/huggingface,target=/root/.cache/huggingface \
+  --mount "type=bind,\"source=${HF_CACHE//\"/\"\"}\",target=/root/.cache/huggingface" \
   --mount type=bind,source=/opt/m31ctl/rehearsal-model,target=/opt/m31ctl/rehearsal-model,readonly \
   --env UCX_TLS=tcp,self,sm \
   --env VLLM_CPU_KVCACHE_SPACE=1 \
