@@ -48,6 +48,10 @@ STOP_MARGIN_S = 30
 # "Termination of Pods"; KServe and llm-d render a preStop sleep for this). Ten seconds covers
 # the endpoint propagation of a busy cluster; the grace period counts it (Timeline.pod_grace_s).
 ENDPOINT_REMOVAL_S = 10
+# The HorizontalPodAutoscaler's own bounds (autoscaling/v2 validation): a scaling policy's period
+# and a stabilization window at most.
+HPA_MAX_POLICY_PERIOD_S = 1800
+HPA_MAX_STABILIZATION_S = 3600
 # What a service manager allows beyond a step it waits on: removing an old container, the checks,
 # and `docker stop` returning after its own kill.
 MANAGER_MARGIN_S = 60
@@ -147,6 +151,26 @@ class Timeline(NamedTuple):
         rollout to an available pod, so it covers the image pull, the init container's
         download and the startup probe."""
         return IMAGE_PULL_S + self.start_s + MANAGER_MARGIN_S
+
+    @property
+    def copy_start_s(self) -> int:
+        """A copy added beside a running one: the image pull on a node that lacks it, then the
+        load; the checkpoint is in the shared claim already, so nothing is downloaded."""
+        return IMAGE_PULL_S + self.ready_s
+
+    @property
+    def scale_up_period_s(self) -> int:
+        """An autoscaler adds at most one copy per this many seconds: a new copy serves only after
+        its start, and until it does the load that called for it has not moved, so a shorter
+        period would add copy after copy for one burst. Capped at the HPA's limit for a policy
+        period (1800 s, autoscaling/v2 HPAScalingPolicy)."""
+        return min(self.copy_start_s, HPA_MAX_POLICY_PERIOD_S)
+
+    @property
+    def scale_down_window_s(self) -> int:
+        """How long the load must stay low before a copy is removed: as long as bringing one back
+        takes, capped at the HPA's limit for a stabilization window (3600 s)."""
+        return min(self.copy_start_s, HPA_MAX_STABILIZATION_S)
 
     @property
     def checkpoint_wait_s(self) -> int:

@@ -686,7 +686,7 @@ _LONG_MODULES = {
     "m31ctl.cli.app": 957,
     "m31ctl.plan.engine_rules": 938,
     "m31ctl.pull.transfer": 663,
-    "m31ctl.render.k8s": 619,
+    "m31ctl.render.k8s": 599,
     "m31ctl.runtime.docker": 588,
     "m31ctl.served.verify": 503,
 }

@@ -263,6 +263,21 @@ class CapacityAssumptions(_Frozen):
     runtime_reserve_gib: float = Field(10.0, ge=0)
 
 
+class AutoscalingSettings(_Frozen):
+    """Copies of one server scaled on vLLM's own load metrics by a KEDA ScaledObject
+    (`render --target monitoring` writes it: it reads what the PodMonitor scrapes)."""
+
+    # 1: one copy, no autoscaler. Above it, copies from 1 up to this many; never to zero (a copy
+    # takes the timeline's whole start to serve again).
+    max_replicas: StrictInt = Field(1, ge=1, le=64)
+    # Another copy starts when more requests than this wait per copy (vllm:num_requests_waiting).
+    waiting_per_replica: StrictInt = Field(8, ge=1)
+    # ...or when the copies' KV cache is this full on average (vllm:kv_cache_usage_perc, 0-1).
+    kv_cache_usage: float = Field(0.85, gt=0, le=1)
+    # The Prometheus KEDA queries: the Prometheus Operator's own Service for the Prometheus it runs.
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+
+
 class KubernetesSettings(_Frozen):
     """What `render --target k8s` needs beyond the container: scheduling and multi-node network."""
 
@@ -294,6 +309,7 @@ class KubernetesSettings(_Frozen):
     # (no second copy's GPUs needed; a start's downtime), surge starts one more copy and stops the
     # old only once the new one is ready (its GPUs must be free). render/k8s.py `ROLLOUTS`.
     rollout: Literal["recreate", "surge"] = "recreate"
+    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
 
 
 class VerifySettings(_Frozen):

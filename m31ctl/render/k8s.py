@@ -22,6 +22,7 @@ from m31ctl.plan.settings import KubernetesSettings
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
 from m31ctl.render.common import engine_secrets, health_command, in_comment, render_template
 from m31ctl.render.download import download_step, wait_command
+from m31ctl.render.k8s_copies import claim_shared_by, hf_cache_claim, replicas, rollout_note, rollout_of
 from m31ctl.render.kubelet_expansion import literal
 from m31ctl.timeline import ENDPOINT_REMOVAL_S, ENGINE_READY_ENV, VLLM_HANDSHAKE_S
 from m31ctl.units import k8s_quantity
@@ -31,8 +32,6 @@ from m31ctl.units import k8s_quantity
 SECRET_SUFFIX = "-secrets"
 HF_CACHE_CLAIM_SUFFIX = "-hf-cache"
 PROBE_PERIOD_S = 10
-HF_CACHE_SIZE_KEY = "kubernetes.hf_cache_size"
-UNDOWNLOADED_CACHE = "1Gi"  # the cache claim of a local checkpoint (claim_size)
 # The API Service's name: LeaderWorkerSet creates the group's headless Service under the LWS's
 # own name, and only when no Service has that name; the pods' DNS names (LWS_LEADER_ADDRESS,
 # <lws>-0.<lws>.<namespace>) come from it. vLLM's LWS example calls its API Service vllm-leader.
@@ -117,11 +116,12 @@ def _check(deployment: Deployment) -> None:
             hint=f"use a name that starts with a letter, at most {_MAX_LABEL - len(API_SERVICE_SUFFIX)} long",
         )
     k8s = deployment.plan.settings.kubernetes
-    if deployment.layout.spans_nodes and not k8s.hf_cache_storage_class:
+    shared_by = claim_shared_by(deployment)
+    if shared_by and not k8s.hf_cache_storage_class:
         raise InputError(
-            f"the plan spans {deployment.layout.nodes} nodes, which share the Hugging Face cache claim "
-            "(ReadWriteMany): with no storage class it takes the cluster's default, and a default "
-            "that is ReadWriteOnce-only leaves it Pending",
+            f"{shared_by}, which share the Hugging Face cache claim (ReadWriteMany): with no storage "
+            "class it takes the cluster's default, and a default that is ReadWriteOnce-only leaves "
+            "it Pending",
             hint="name a class that provisions ReadWriteMany volumes (NFS, CephFS, a cloud file "
             "store): --set kubernetes.hf_cache_storage_class=NAME",
         )
@@ -159,36 +159,12 @@ def k8s_documents(deployment: Deployment, group: Group | None = None) -> list[di
         workload = _deployment(pods)
         members = {"app.kubernetes.io/name": pods.name}
         api_selector = members
-    return [_hf_cache_claim(pods), workload, _api_service(pods, api_selector), _network_policy(pods, members)]
-
-
-def claim_size(deployment: Deployment) -> str:
-    """What the cache claim asks for: kubernetes.hf_cache_size where the checkpoint is downloaded
-    into it (or the plan sizes it); a local checkpoint is a hostPath and downloads nothing, so the
-    claim holds the hub's small files at most (the CPU rehearsal's 600 GiB default would leave it
-    Pending on a small cluster)."""
-    source = deployment.plan.provenance.get(HF_CACHE_SIZE_KEY)
-    if not deployment.model.local or (source is not None and source.layer != "defaults"):
-        return k8s_quantity(deployment.plan.settings.kubernetes.hf_cache_size)
-    return UNDOWNLOADED_CACHE
-
-
-def _hf_cache_claim(pods: Pods) -> dict[str, Any]:
-    """The claim the checkpoint is downloaded into. Pods of one group on several nodes share it,
-    so it must then be ReadWriteMany (a file system every node mounts)."""
-    k8s = pods.k8s
-    spec: dict[str, Any] = {
-        "accessModes": ["ReadWriteMany" if pods.deployment.layout.spans_nodes else "ReadWriteOnce"],
-        "resources": {"requests": {"storage": claim_size(pods.deployment)}},
-    }
-    if k8s.hf_cache_storage_class:
-        spec["storageClassName"] = k8s.hf_cache_storage_class
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {"name": pods.claim_name, "labels": pods.labels},
-        "spec": spec,
-    }
+    return [
+        hf_cache_claim(pods.deployment, pods.claim_name, pods.labels),
+        workload,
+        _api_service(pods, api_selector),
+        _network_policy(pods, members),
+    ]
 
 
 def _volumes(pods: Pods) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -376,40 +352,6 @@ def _pod_spec(pods: Pods, engine: dict[str, Any], leader: bool = True) -> dict[s
     return pod
 
 
-class Rollout(NamedTuple):
-    """What kubernetes.rollout renders for each workload kind."""
-
-    deployment: dict[str, Any]  # a Deployment's spec.strategy
-    leader_worker_set: dict[str, Any]  # a LeaderWorkerSet's spec.rolloutStrategy
-    note: str
-
-
-# recreate: the old copy stops before the new one starts, as a Deployment's Recreate does; an LWS
-# rolls with maxUnavailable 1 and maxSurge 0 (its defaults, stated: with one replica that is the
-# same stop-then-start). surge: one more copy starts, and the old one stops only once it is ready
-# (maxUnavailable 0), the zero-downtime pattern of KServe's "Availability" rollout mode and the
-# LWS rollout guide (kubernetes-sigs/lws site/content/en/docs/concepts/rollout-strategy).
-ROLLOUTS: dict[str, Rollout] = {
-    "recreate": Rollout(
-        {"type": "Recreate"},
-        {"type": "RollingUpdate", "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
-        "a changed plan stops the serving copy before its successor starts: about {start_s} s without "
-        "service (the timeline's start); kubernetes.rollout=surge starts the new copy first on {gpus} "
-        "spare GPUs and stops the old one once the new one is ready.",
-    ),
-    "surge": Rollout(
-        {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-        {"type": "RollingUpdate", "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
-        "a changed plan starts one more copy ({gpus} GPUs must be free for it) and stops the old one only "
-        "once the new one passes its probes, up to {start_s} s later; no request goes unserved.",
-    ),
-}
-
-
-def _rollout(pods: Pods) -> Rollout:
-    return ROLLOUTS[pods.k8s.rollout]
-
-
 def _deployment(pods: Pods) -> dict[str, Any]:
     template = {"metadata": {"labels": pods.labels, "annotations": pods.annotations}}
     return {
@@ -417,8 +359,8 @@ def _deployment(pods: Pods) -> dict[str, Any]:
         "kind": "Deployment",
         "metadata": {"name": pods.name, "labels": pods.labels, "annotations": pods.annotations},
         "spec": {
-            "replicas": 1,
-            "strategy": _rollout(pods).deployment,
+            **replicas(pods.deployment),
+            "strategy": rollout_of(pods.deployment).deployment,
             # The default 600 s would call every rollout failed (ProgressDeadlineExceeded) long
             # before the image pull, the download and the load are done (m31ctl/timeline.py).
             "progressDeadlineSeconds": pods.deployment.timeline.progress_deadline_s,
@@ -485,13 +427,13 @@ def _leader_worker_set(pods: Pods) -> dict[str, Any]:
         "kind": "LeaderWorkerSet",
         "metadata": {"name": pods.name, **meta},
         "spec": {
-            "replicas": 1,
+            **replicas(pods.deployment),
             # The workers start with the leader, not after it is Ready: the leader becomes Ready
             # only once the workers joined it (vLLM's DP handshake, Ray's node count), so
             # LeaderReady would deadlock. Each worker waits for the leader's address and port
             # itself (templates/lws-pod.sh.j2).
             "startupPolicy": "LeaderCreated",
-            "rolloutStrategy": _rollout(pods).leader_worker_set,
+            "rolloutStrategy": rollout_of(pods.deployment).leader_worker_set,
             "leaderWorkerTemplate": {
                 "size": pods.deployment.layout.nodes,
                 # One lost pod breaks the group's collectives: restart the whole group (each
@@ -598,11 +540,7 @@ def k8s_comments(deployment: Deployment, group: Group | None = None) -> list[str
         + f"terminationGracePeriodSeconds {deployment.timeline.pod_grace_s} is the preStop wait for the endpoints to "
         f"drop the pod ({ENDPOINT_REMOVAL_S} s), vLLM's drain (serving.shutdown_timeout) and the workers' exit."
     )
-    rollout = pods.k8s.rollout
-    notes.append(
-        f"Rollout (kubernetes.rollout={rollout}): "
-        + ROLLOUTS[rollout].note.format(start_s=deployment.timeline.start_s, gpus=deployment.serving_gpus)
-    )
+    notes.append(rollout_note(deployment))
     if spec.ulimits:
         wanted = ", ".join(f"{n}={'unlimited' if soft == -1 else soft}" for n, soft, _ in spec.ulimits)
         unit = " and ".join(

@@ -24,6 +24,7 @@ from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT, Deployment
 from m31ctl.errors import InputError
 from m31ctl.netaddr import local_url
 from m31ctl.render.artifact import Artifact
+from m31ctl.render.autoscaling import AUTOSCALING_FILE, autoscaled, autoscaling_notes, scaled_object
 from m31ctl.render.common import header
 from m31ctl.render.escape import yaml_file
 from m31ctl.render.k8s import PART_OF_LABEL, ROUTER_METRICS_PORT, Group, k8s_documents
@@ -404,6 +405,8 @@ def _labels_text(labels: dict[str, str]) -> str:
 
 def render_monitoring(deployment: Deployment) -> list[Artifact]:
     head = header(deployment, TARGET).splitlines()
+    # First: a plan the autoscaler refuses is refused whole, whatever else renders.
+    scaler = scaled_object(deployment, _selector(deployment)) if autoscaled(deployment) else None
     try:
         documents: list[dict[str, Any]] | None = k8s_monitoring_documents(deployment)
         refused = None
@@ -437,4 +440,7 @@ def render_monitoring(deployment: Deployment) -> list[Artifact]:
         "# network plugin enforces NetworkPolicy; edit both selectors if your Prometheus runs elsewhere).",
     ]
     made.append(Artifact("k8s-monitoring.yaml", yaml_file(k8s_notes, documents, explicit_start=True)))
+    if scaler is not None:
+        notes = [*head, *autoscaling_notes(deployment)]
+        made.append(Artifact(AUTOSCALING_FILE, yaml_file(notes, [scaler], explicit_start=True)))
     return made
