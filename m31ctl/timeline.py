@@ -184,7 +184,7 @@ class Timeline(NamedTuple):
         return self.join.seconds + IMAGE_PULL_S
 
     def rows(self) -> list[tuple[str, Clock]]:
-        """The timeline as a table (plan --explain, the README), in the order a start runs."""
+        """The timeline as a table (plan --explain, docs/operations.md), in the order a start runs."""
         return [
             ("download", self.download),
             ("load and compile", self.load),

@@ -11,7 +11,7 @@ process `launch` started (`--fault server`: in Docker the container's main proce
 
 - docker: the container's restart policy (`unless-stopped`) is what brings it back; the soak only
   watches.
-- native: the README promises no restart (a native server is a supervised process whose record
+- native: docs/operations.md promises no restart (a native server is a supervised process whose record
   says whether it runs); it promises that `status` tells the truth and that the next `launch`
   converges. The soak waits until `status` no longer reports it running, then runs the same
   `launch` again.
@@ -246,10 +246,22 @@ class Fault:
     relaunch: dict[str, Any] | None = None
 
 
+def _result(stdout: str) -> Any:
+    """What `m31ctl ... --json` ended with: its envelope's data (docs/json.md), the whole of stdout
+    (one document) or a stream's last line; ValueError for anything else (an error's envelope)."""
+    try:
+        envelope = json.loads(stdout)
+    except ValueError:
+        envelope = json.loads((stdout.strip().splitlines() or [""])[-1])
+    if not isinstance(envelope, dict) or envelope.get("m31ctl") != 1 or envelope.get("ok") is not True:
+        raise ValueError(f"not a result: {str(envelope)[:200]}")
+    return envelope["data"]
+
+
 def _status_answer(env: dict[str, str], name: str, runtime: str) -> dict[str, Any]:
     done = m31ctl("status", "--runtime", runtime, "--json", env=env, timeout=120)
     try:
-        rows = json.loads(done.stdout)["containers"]
+        rows = _result(done.stdout)["containers"]
     except (ValueError, KeyError, TypeError):
         return {"exit": done.returncode, "error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
     row = next((r for r in rows if r.get("name") == name), None)
@@ -272,7 +284,7 @@ def _outage(
     processes: Processes,
 ) -> None:
     """Watch `status` until a completion sent after the kill succeeds; natively, relaunch once
-    status no longer says it runs (the README's promise: the next launch converges)."""
+    status no longer says it runs (docs/operations.md: the next launch converges)."""
     deadline = killed_at + RECOVERY_LIMIT_S
     relaunch: threading.Thread | None = None
     while time.monotonic() < deadline:
@@ -297,7 +309,7 @@ def _relaunch(env: dict[str, str], launch_args: list[str], fault: Fault, killed_
     started = time.monotonic()
     done = m31ctl(*launch_args, env=env)
     try:
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result = _result(done.stdout)
     except (ValueError, IndexError):
         result = {}
     fault.relaunch = {
