@@ -353,8 +353,30 @@ def k8s_pd_documents(deployment: Deployment) -> list[dict[str, Any]]:
     member = Group(deployment.name)
     documents: list[dict[str, Any]] = []
     for role in group.roles:
-        documents += k8s_documents(role, member)
+        documents += [_near_the_peer(doc, group) for doc in k8s_documents(role, member)]
     return documents + _k8s_router(deployment, group)
+
+
+def _near_the_peer(document: dict[str, Any], group: Disaggregated) -> dict[str, Any]:
+    """A role's Deployment asks to share a node with its peer where both fit one (the KV then
+    crosses no network: NVLink or the node's loopback instead of the data-centre fabric);
+    preferred, not required, so a full node never leaves a role Pending. Roles that span nodes
+    (LeaderWorkerSets) are placed by LWS; the header says when the pair cannot share a node."""
+    if document.get("kind") != "Deployment" or not group.fits_one_host:
+        return document
+    roles = [role.name for role in group.roles]
+    term = {
+        "weight": 100,
+        "podAffinityTerm": {
+            "labelSelector": {
+                "matchExpressions": [{"key": "app.kubernetes.io/name", "operator": "In", "values": roles}]
+            },
+            "topologyKey": "kubernetes.io/hostname",
+        },
+    }
+    pod = document["spec"]["template"]["spec"]
+    pod["affinity"] = {"podAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [term]}}
+    return document
 
 
 def render_k8s_pd(deployment: Deployment) -> list[Artifact]:
@@ -376,7 +398,16 @@ def render_k8s_pd(deployment: Deployment) -> list[Artifact]:
             if API_KEY_ENV in k8s_secrets(group.prefill)[1]
             else ""
         )
-        + ": its NetworkPolicy is the guard."
+        + ": its NetworkPolicy is the guard. "
+        + (
+            "Placement: the roles prefer one node (podAffinity on kubernetes.io/hostname), where the KV "
+            "crosses no network."
+            if group.fits_one_host
+            else "Placement: the pair needs more GPUs than one node has, so the KV crosses the network "
+            "between nodes, over UCX's TCP transport unless the roles' environment names an RDMA one "
+            "(disaggregation.prefill.env and .decode.env: UCX_TLS, UCX_NET_DEVICES); m31ctl renders no "
+            "RDMA device resource for the roles yet."
+        )
     )
     comments = [
         *header(deployment, "k8s").splitlines(),
