@@ -191,6 +191,7 @@ def install() -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         state.signum, state.raised, state.during_cleanup = None, False, 0
+        state.at_once, state.line = False, f"error: {INTERRUPTED_LINE}"  # until command() says
         for sig in _SIGNALS:
             current = signal.getsignal(sig)
             # m31ctl.cli's own first handler (it records until this one takes over) counts as Python's
