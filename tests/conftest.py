@@ -252,9 +252,9 @@ def cpu_server(vllm_py: str, tiny_model: Path, tmp_path_factory: pytest.TempPath
 
 def last_json(stdout: str) -> Any:
     """The result object of a JSON Lines stream (launch --json prints phase events first)."""
-    import json
+    from tests.support.cli_json import data
 
-    return json.loads(stdout.strip().splitlines()[-1])
+    return data(stdout)
 
 
 # The commit the tests pin a rendered hub checkpoint at: the goldens carry this one.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from m31ctl.probe.nvidia import NvmlProbe
 from m31ctl.render import get_target
 from tests.conftest import PINNED_COMMIT
 from tests.fakes import FakeNvml
+from tests.support import cli_json
 
 H200X1 = Path(__file__).parent / "fixtures" / "gpu" / "device-h200x1"
 
@@ -155,7 +155,7 @@ def test_plan_json_says_how_many_nodes(cli):
         "--set", "parallelism.nodes=2", "--set", "parallelism.data=8", "--set", "parallelism.tensor=1",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["nodes"] == 2
+    assert cli_json.data(result.stdout)["nodes"] == 2
 
 
 def test_doctor_on_the_replayed_h200_finds_what_the_real_host_reported():
@@ -165,7 +165,7 @@ def test_doctor_on_the_replayed_h200_finds_what_the_real_host_reported():
     from m31ctl.doctor import diagnose
     from m31ctl.errors import DockerUnreachable
 
-    recorded = json.loads((H200X1 / "doctor-probed-2026-12-01.json").read_text())
+    recorded = cli_json.captured((H200X1 / "doctor-probed-2026-12-01.json").read_text())
     probe = detect([NvmlProbe(FakeNvml.from_file(H200X1 / "nvml-capture.json"))], env={})
 
     def no_engine() -> None:

@@ -16,6 +16,7 @@ import pytest
 from m31ctl.checks import CheckStatus
 from m31ctl.errors import RuleViolation
 from m31ctl.rehearsal import make_tiny_m3
+from tests.support import cli_json
 
 CAPTURE = Path(__file__).parent / "fixtures" / "gpu" / "h200-m3-vllm026"
 V026 = "engine.image=vllm/vllm-openai:v0.26.0"
@@ -216,7 +217,7 @@ CASES = ("hopper-u0.92", "hopper-u0.5", "hopper-u0.3", "eager-u0.3")  # every la
 
 
 def _json(name: str) -> dict:
-    return json.loads((CAPTURE / name).read_text())
+    return cli_json.captured((CAPTURE / name).read_text())  # type: ignore[no-any-return]
 
 
 def _text(name: str) -> str:
@@ -237,7 +238,7 @@ def _exits(name: str = "exits.txt", capture: Path = CAPTURE) -> dict[str, int]:
 
 
 def _lines(name: str) -> list[dict]:
-    return [json.loads(line) for line in _text(name).splitlines() if line.startswith("{")]
+    return cli_json.captured_lines(_text(name))
 
 
 def test_the_capture_ran_vllm_026_with_flashinfer_on_an_h200():
@@ -338,7 +339,7 @@ def test_the_prediction_is_replayed_here_from_the_checkpoints_config(cli, tmp_pa
         result = cli(*argv)
         assert result.returncode == 0, result.stderr
         assert (
-            json.loads(result.stdout)["fit"]["kv_cache_tokens"]
+            cli_json.data(result.stdout)["fit"]["kv_cache_tokens"]
             == _json(f"capacity-{case}.json")["fit"]["kv_cache_tokens"]
         )
 
@@ -482,7 +483,7 @@ def test_kv_tokens_on_a_tp8_ranks_geometry_within_0_3_percent():
     from m31ctl.capacity.reserve import GIB
     from m31ctl.engine.startup_log import read_startup_log
 
-    printed = json.loads((RANK / "capacity-hopper-u0.92.json").read_text())["fit"]
+    printed = cli_json.captured((RANK / "capacity-hopper-u0.92.json").read_text())["fit"]
     logged = read_startup_log((RANK / "engine-hopper-u0.92.log").read_text())
     assert printed["kv_bytes_per_token"]["total"] == 1792.0
     assert abs(logged.available_kv_gib * GIB / logged.kv_cache_tokens - 1792) < 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 from m31ctl.plan.catalog import select_recipe
 from m31ctl.probe import detect
 from m31ctl.probe.nvidia import NvidiaSmiProbe, NvmlProbe
+from tests.support import cli_json
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +51,7 @@ def test_nvml_and_nvidia_smi_agree():
 
 def test_visible_devices_on_real_host(cli):
     result = cli("probe", "--json", env={"CUDA_VISIBLE_DEVICES": "0"})
-    data = json.loads(result.stdout)
+    data = cli_json.data(result.stdout)
     assert data["hardware"]["count"] == 1 and data["hardware"]["nvlink"] is None
 
 
@@ -97,7 +97,7 @@ def test_gpu_rehearsal_serves_and_verifies_on_this_gpu(cli, tmp_path):
     try:
         assert launched.returncode == 0, launched.stderr[-2000:]
         verified = cli("verify", *plan, "--runtime", "native", "--json", env=env)
-        checks = {c["id"]: c for c in json.loads(verified.stdout)["checks"]}
+        checks = {c["id"]: c for c in cli_json.data(verified.stdout)["checks"]}
         assert checks["kv-cache-dtype"]["status"] == "ok" and checks["block-size"]["status"] == "ok"
     finally:
         cli("stop", "--runtime", "native", env=env)

@@ -16,6 +16,7 @@ from m31ctl.capacity.reserve import GIB, model_shape, reserve
 from m31ctl.checks import CheckResult, CheckStatus
 from m31ctl.engine.startup_log import read_startup_log
 from m31ctl.runtime.phases import Phase, latest_phase
+from tests.support import cli_json
 
 CAPTURE = Path(__file__).parent / "fixtures" / "gpu" / "h200-vllm026"
 KINDS = ("bf16", "fp8b128", "fp8graphs")
@@ -25,11 +26,11 @@ SERVED = [f"{kind}-u0.1" for kind in KINDS]  # launch, verify, bench, capacity, 
 
 
 def _json(name: str) -> dict:
-    return json.loads((CAPTURE / name).read_text())
+    return cli_json.captured((CAPTURE / name).read_text())  # type: ignore[no-any-return]
 
 
 def _jsonl(name: str) -> list[dict]:
-    return [json.loads(line) for line in (CAPTURE / name).read_text().splitlines() if line.startswith("{")]
+    return cli_json.captured_lines((CAPTURE / name).read_text())
 
 
 def _log(case: str):
@@ -113,7 +114,7 @@ def _predicted(cli, case: str, model: Path, *extra: str) -> dict:
         argv += ["--set", value]
     result = cli(*argv)
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)["fit"]
+    return cli_json.data(result.stdout)["fit"]
 
 
 def test_the_readmes_capacity_section_shows_the_h200s_figures():

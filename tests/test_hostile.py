@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, run_cli, run_cli_process
+from tests.support import cli_json
 
 INJECTION = "x\n[Service]\nExecStartPre=/usr/bin/id\n#"
 
@@ -94,7 +95,7 @@ def test_native_stop_never_signals_a_reused_pid(tmp_path):
         assert real is not None
         boot, start, command = real.split(":")
         env = _state(tmp_path, "m31ctl-stale", bystander.pid, f"{boot}:{int(start) + 1}:{command}")
-        status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)
+        status = cli_json.data(run_cli("status", "--runtime", "native", "--json", env=env).stdout)
         assert [(s["name"], s["state"]) for s in status["containers"]] == [("m31ctl-stale", "exited")]
         stopped = run_cli("stop", "--runtime", "native", "--name", "m31ctl-stale", env=env)
         assert stopped.returncode == 0, stopped.stderr
@@ -112,7 +113,7 @@ def test_native_recorded_identity_matches_the_live_process(tmp_path):
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         env = _state(tmp_path, "m31ctl-live", bystander.pid, process_identity(bystander.pid))
-        status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)
+        status = cli_json.data(run_cli("status", "--runtime", "native", "--json", env=env).stdout)
         assert [(s["name"], s["state"]) for s in status["containers"]] == [("m31ctl-live", "running")]
     finally:
         bystander.kill()
@@ -283,7 +284,7 @@ def test_smoke_against_a_broken_stream():
     with fake_server("broken") as url:
         result = run_cli("smoke", "--url", url, "--json")
     assert result.returncode == 1, result.stderr
-    report = json.loads(result.stdout)
+    report = cli_json.data(result.stdout)
     checks = {c["id"]: c for c in report["checks"]}
     assert checks["chat"]["status"] == checks["stream"]["status"] == "fail", checks
     assert "internal error" not in result.stderr
@@ -367,7 +368,7 @@ def test_corrupt_native_state_file_is_ignored(tmp_path):
     (directory / "..evil.json").write_text("{}")
     env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
     result = run_cli("status", "--runtime", "native", "--json", env=env)
-    assert result.returncode == 0 and json.loads(result.stdout)["containers"] == [], result.stderr
+    assert result.returncode == 0 and cli_json.data(result.stdout)["containers"] == [], result.stderr
 
 
 def test_render_check_refuses_an_output_directory_too(tmp_path):
@@ -428,7 +429,7 @@ def test_secret_flag_in_an_override_file_is_not_echoed(tmp_path):
     site.write_text(f"engine:\n  extra_args: ['--api_key={SECRET_VALUE}']\n")
     result = run_cli("plan", "--hardware", "b300x4", "-f", str(site), "--json")
     assert result.returncode == 2 and SECRET_VALUE not in result.stderr + result.stdout, result.stderr
-    assert json.loads(result.stdout)["exit_code"] == 2
+    assert cli_json.error(result.stdout)["exit_code"] == 2
 
 
 def test_ordinary_flags_and_prefix_free_words_are_not_secret():
@@ -918,5 +919,5 @@ def test_redaction_leaves_an_ordinary_plan_alone():
     ):
         result = run_cli("plan", "--hardware", "b300x4", *args)
         assert result.returncode == 0 and "***" not in result.stdout, result.stderr
-    data = json.loads(run_cli("plan", "--hardware", "b300x4", "--json").stdout)
+    data = cli_json.data(run_cli("plan", "--hardware", "b300x4", "--json").stdout)
     assert data["provenance"]["runtime.api_key"] == "schema default"

@@ -14,7 +14,6 @@ the first millisecond"):
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
+from tests.support import cli_json
 
 PIN = "0123456789abcdef0123456789abcdef01234567"  # render pinned: no hub round trip
 MOMENTS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)  # seconds after the start; "loaded" below is another
@@ -129,7 +129,7 @@ def _stop(command: str, moment: float | str, out: Path) -> str:
     assert code == 130, where
     assert stderr.splitlines() == [LINES[command]], where
     if stdout:  # printed whole or not at all
-        assert command != "render" and json.loads(stdout), where
+        assert command != "render" and cli_json.data(stdout), where
     if command == "render":
         assert written in ([], ["compose.yaml"]), where
         if written:

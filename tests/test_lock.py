@@ -15,6 +15,7 @@ import pytest
 
 from tests.conftest import ROOT, run_cli
 from tests.ports import free_port
+from tests.support import cli_json
 
 
 def _lock(tmp_path: Path, *args: str) -> Path:
@@ -54,7 +55,7 @@ def test_a_different_host_is_hardware_drift(tmp_path):
     lock = _lock(tmp_path, "--hardware", "b300x4")
     result = run_cli("lock", "--hardware", "b200x4", "--check", str(lock), "--json")
     assert result.returncode == 1
-    changed = {d["what"] for d in json.loads(result.stdout)["drift"]}
+    changed = {d["what"] for d in cli_json.data(result.stdout)["drift"]}
     assert {"hardware product", "hardware source"} <= changed
 
 
@@ -184,7 +185,7 @@ def test_launch_locked_refuses_a_rebuilt_image_under_the_same_tag(tmp_path):
         doctor = run_cli(
             "doctor", "--hardware", "cpu", "--set", f"engine.image={tag}", "--locked", str(lock), "--json"
         )
-        checks = {c["id"]: c for c in json.loads(doctor.stdout)["checks"]}
+        checks = {c["id"]: c for c in cli_json.data(doctor.stdout)["checks"]}
         assert checks["lock"]["status"] == "fail" and second_id in checks["lock"]["message"]
     finally:
         with contextlib.suppress(Exception):
@@ -209,5 +210,5 @@ def test_the_lock_records_the_checkpoint_commit_and_a_moved_cache_drifts(tmp_pat
     ref.write_text("b" * 40)
     drifted = run_cli("lock", *sets, "--check", str(lock), "--json")
     assert drifted.returncode == 1
-    (found,) = [d for d in json.loads(drifted.stdout)["drift"] if d["what"] == "checkpoint commit"]
+    (found,) = [d for d in cli_json.data(drifted.stdout)["drift"] if d["what"] == "checkpoint commit"]
     assert (found["old"], found["new"]) == ("a" * 40, "b" * 40)

@@ -49,7 +49,8 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from m31ctl import interrupt
-from m31ctl.cli.output import GuardedStdout, emit_json_line
+from m31ctl.cli import output
+from m31ctl.cli.output import GuardedStdout, emit_error
 from m31ctl.errors import ExitCode, M31Error, OutputError
 from m31ctl.redact import redact
 
@@ -61,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = ["--help"]  # bare `m31ctl`: help, exit 0
     interrupt.install()  # Ctrl-C and SIGTERM are recorded; the command stops at its own checks
     interrupt.command(args)  # ... or at once, for one with nothing to clean up (plan, render)
+    output.COMMAND = output.command_name(args)  # what --json's envelopes name (docs/json.md)
     stdout = _standard_streams()
     try:
         # lazy: the app (typer) loads after interrupt.install(), so a Ctrl-C meanwhile is handled
@@ -195,10 +197,11 @@ def _click_exceptions() -> tuple[tuple[type[BaseException], ...], tuple[type[Bas
 
 def _fail(exc: M31Error, as_json: bool) -> int:
     if as_json:
-        # One JSON object on one line, as every event and result is: a consumer of launch's (or
-        # pull's, or bench's) JSON Lines reads an error with the same `json.loads(line)`.
+        # Its envelope on one line (docs/json.md), as every event and a stream's result is: a
+        # consumer of launch's (or pull's, or bench's) JSON Lines reads an error with the same
+        # `json.loads(line)`, and tells it by "ok": false.
         try:
-            emit_json_line(exc.to_json())
+            emit_error(exc.to_json())
         except (BrokenPipeError, OutputError):  # the exit code and stderr still tell
             _silence_stdout()
     for line in exc.details:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from m31ctl.cli import bench_plot
 from m31ctl.cli.figure import check_path
-from m31ctl.cli.output import console, emit, emit_json_line, json_text, table, text_view, write_file
+from m31ctl.cli.output import console, emit, emit_event, json_text, table, text_view, write_file
 from m31ctl.errors import ExitCode, InputError
 from m31ctl.redact import redact
 from m31ctl.served import bench_run
@@ -113,7 +113,6 @@ class _Progress:
             self._start()
         if self.as_json:
             data: dict[str, Any] = {
-                "event": "point" if event.kind == "point" else "point-start",
                 "concurrency": event.concurrency,
                 "index": event.step + 1,
                 "of": event.total,
@@ -121,7 +120,7 @@ class _Progress:
             }
             if event.point is not None:
                 data["point"] = event.point.to_json()
-            emit_json_line(data)
+            emit_event("point" if event.kind == "point" else "point-start", data)
         elif self.live is not None:
             if self.task is None:
                 self.task = self.live.add_task("", total=event.total)

@@ -13,7 +13,7 @@ import typer
 
 from m31ctl.capacity.fit import plan_fit
 from m31ctl.cli import output
-from m31ctl.cli.output import console, emit_json_line, table, text_view
+from m31ctl.cli.output import console, emit_event, table, text_view
 from m31ctl.cli.views import plan_json, print_plan
 from m31ctl.deployment import Deployment
 from m31ctl.runtime import Survey
@@ -136,7 +136,7 @@ def phase_events() -> Callable[[Phase, float], None]:
     """launch --json: each startup phase as one JSON line on stdout, as it begins (for CI logs)."""
 
     def on_phase(phase: Phase, elapsed: float) -> None:
-        emit_json_line({"event": "phase", "phase": phase.value, "elapsed_s": round(elapsed, 3)})
+        emit_event("phase", {"phase": phase.value, "elapsed_s": round(elapsed, 3)})
 
     return on_phase
 

@@ -116,13 +116,53 @@ def text_view(kind: type[R]) -> Callable[[Callable[[R], None]], Callable[[R], No
     return register
 
 
+# --json: every line m31ctl prints on stdout is one envelope (docs/json.md). Its version says
+# what a consumer may rely on: additive changes (a new key, a new event, a new command) keep it,
+# a breaking one (a key removed, renamed or changing meaning) bumps it.
+JSON_VERSION = 1
+# The command the envelope names ("plan", "recipes show", "bench compare"): set by cli.main.
+COMMAND: str | None = None
+
+
+def command_name(argv: list[str]) -> str | None:
+    """The command an envelope names: the first word that is not an option, and for a group
+    (`recipes`, `bench compare`) its subcommand too."""
+    words = [(i, a) for i, a in enumerate(argv) if not a.startswith("-")]
+    if not words:
+        return None
+    i, name = words[0]
+    after = argv[i + 1] if i + 1 < len(argv) else None
+    if (name == "recipes" and after and not after.startswith("-")) or (
+        name == "bench" and after == "compare"
+    ):
+        return f"{name} {after}"
+    return name
+
+
+def envelope(**body: Any) -> dict[str, Any]:
+    """{"m31ctl": 1, "command": ..., **body}: a result ({"ok": true, "data"}), an error ({"ok":
+    false, "error"}) or an event of a stream ({"event", "data"})."""
+    return {"m31ctl": JSON_VERSION, "command": COMMAND, **body}
+
+
+def result_envelope(data: Any) -> dict[str, Any]:
+    return envelope(ok=True, data=data)
+
+
+def error_envelope(error: dict[str, Any]) -> dict[str, Any]:
+    """An M31Error's to_json() under "error", its class name as "type"."""
+    fields = dict(error)
+    return envelope(ok=False, error={"type": fields.pop("error", None), **fields})
+
+
 def emit(result: Result, as_json: bool, *, line: bool = False) -> None:
-    """The one output path of a command's result: `to_json()` under --json (one compact line with
-    `line`, the last of a JSON Lines stream: launch, bench, pull), else its type's text view.
-    Printed whole or not at all: an interruption waits for its end (interrupt.deferred)."""
+    """The one output path of a command's result: under --json its envelope with `to_json()` as
+    data (one compact line with `line`, the last of a JSON Lines stream: launch, bench, pull),
+    else its type's text view. Printed whole or not at all: an interruption waits for its end
+    (interrupt.deferred)."""
     with interrupt.deferred():
         if as_json:
-            (emit_json_line if line else emit_json)(result.to_json())
+            (_emit_json_line if line else _emit_json)(result_envelope(result.to_json()))
             return
         view = next((_TEXT_VIEWS[kind] for kind in type(result).__mro__ if kind in _TEXT_VIEWS), None)
         if view is None:  # a command whose view module was not imported: a bug, said as one
@@ -130,20 +170,34 @@ def emit(result: Result, as_json: bool, *, line: bool = False) -> None:
         view(result)
 
 
-def emit_json(payload: Any) -> None:
-    sys.stdout.write(json_text(payload))
+def emit_event(kind: str, data: dict[str, Any]) -> None:
+    """One event of a JSON Lines stream (launch's phases, pull's progress, bench's points): a line
+    {"m31ctl": 1, "command", "event": kind, "data"}; the stream's last line is its result's or
+    its error's envelope (the one line with "ok")."""
+    _emit_json_line(envelope(event=kind, data=data))
+
+
+def emit_error(error: dict[str, Any]) -> None:
+    """An error under --json: its envelope on one line (the last line of a stream, or the only one)."""
+    _emit_json_line(error_envelope(error))
+
+
+def _emit_json(payload: Any) -> None:
+    sys.stdout.write(json.dumps(redact_data(payload), indent=2, sort_keys=True) + "\n")
 
 
 def json_text(payload: Any) -> str:
-    """A saved report (`-o FILE`): the JSON --json prints, redacted alike (a report quotes the
-    server's answers, which may echo the API key it was sent)."""
+    """A saved report (`-o FILE`): the command's data as --json prints it, redacted alike (a report
+    quotes the server's answers, which may echo the API key it was sent), without the envelope: a
+    report is a document of its own that `bench compare` and other tools read back."""
     return json.dumps(redact_data(payload), indent=2, sort_keys=True) + "\n"
 
 
-def emit_json_line(payload: Any) -> None:
+def _emit_json_line(payload: Any) -> None:
     """One compact JSON object on one line (a stream of events: JSON Lines)."""
-    sys.stdout.write(json.dumps(redact_data(payload), sort_keys=True, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
+    with interrupt.deferred():
+        sys.stdout.write(json.dumps(redact_data(payload), sort_keys=True, separators=(",", ":")) + "\n")
+        sys.stdout.flush()
 
 
 def console(stderr: bool = False) -> Any:

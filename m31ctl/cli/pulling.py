@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from m31ctl.cli.output import console, emit, emit_json_line, text_view
+from m31ctl.cli.output import console, emit, emit_error, emit_event, text_view
 from m31ctl.errors import ExitCode, InputError, M31Error
 from m31ctl.interrupt import StoppedAsAsked
 from m31ctl.pull import (
@@ -68,7 +68,7 @@ class PullShown:
     result: PullResult
 
     def to_json(self) -> dict[str, Any]:
-        return {"event": "result", **dataclasses.asdict(self.result)}
+        return dataclasses.asdict(self.result)
 
 
 @text_view(PullShown)
@@ -171,11 +171,11 @@ class _View:
 
 class _JsonView(_View):
     def on_event(self, event: PullEvent) -> None:
-        payload: dict[str, Any] = {"event": event.kind, **dataclasses.asdict(event)}
+        payload: dict[str, Any] = dataclasses.asdict(event)
         if isinstance(event, Progress):
             payload["rate_bps"] = round(event.rate_bps)
             payload["eta_s"] = None if event.eta_s is None else round(event.eta_s, 1)
-        emit_json_line(payload)
+        emit_event(event.kind, payload)
 
 
 class _PlainView(_View):
@@ -271,7 +271,7 @@ def _short(path: str, width: int = 40) -> str:
 
 
 def _json_error(exc: M31Error) -> int:
-    emit_json_line({"event": "error", **exc.to_json()})
+    emit_error(exc.to_json())
     for line in exc.details:
         sys.stderr.write(f"m31ctl: {redact(line)}\n")
     sys.stderr.write(f"m31ctl: error: {redact(exc.one_line())}\n")

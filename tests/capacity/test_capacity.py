@@ -14,6 +14,7 @@ from m31ctl.errors import InputError
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.catalog import get_model
+from tests.support import cli_json
 
 CTX_256K = 262144
 DEP4 = Sharding(tensor=1, data=4, expert=True)
@@ -221,7 +222,6 @@ def test_comparison_respects_recipe_rules_and_lists_m3():
 
 
 def test_capacity_cli_and_plot(cli, tmp_path):
-    import json
 
     result = cli(
         "capacity",
@@ -238,7 +238,7 @@ def test_capacity_cli_and_plot(cli, tmp_path):
         str(tmp_path / "cap.png"),
     )
     assert result.returncode == 0, result.stderr
-    data = json.loads(result.stdout)
+    data = cli_json.data(result.stdout)
     assert data["fit"]["sequences_published_basis"] == 76 and data["layout"] == "DEP4"
     assert data["fit"]["sequences"] <= 76 and data["fit"]["kv_cache_tokens"] > 0
     assert set(data["fit"]["kv_bytes_per_token"]) >= {"main_attention", "indexer", "total"}
@@ -364,7 +364,7 @@ def test_a_pd_plan_states_each_roles_capacity():
             "--set", "disaggregation.decode.data=2"]  # fmt: skip
     shown = run_cli("capacity", "--hardware", "b300x8", *sets, "--json")
     assert shown.returncode == 0, shown.stderr
-    roles = json.loads(shown.stdout)["roles"]
+    roles = cli_json.data(shown.stdout)["roles"]
     assert sorted(roles) == ["decode", "prefill"]
     assert roles["prefill"]["layout"] == "TP4" and roles["decode"]["layout"] != roles["prefill"]["layout"]
     assert roles["prefill"]["kv_cache_tokens"] > 0 and roles["decode"]["sequences"] > 0
@@ -372,7 +372,7 @@ def test_a_pd_plan_states_each_roles_capacity():
     assert "prefill (TP4): " in text and "prompt tokens it holds in flight" in text
     assert f"decode ({roles['decode']['layout']}): {roles['decode']['sequences']} sequences" in text
     alone = run_cli("capacity", "--hardware", "b300x8", "--json")
-    assert json.loads(alone.stdout)["roles"] is None
+    assert cli_json.data(alone.stdout)["roles"] is None
 
 
 def test_without_context_capacity_asks_what_the_plan_can_serve(cli):
@@ -380,8 +380,8 @@ def test_without_context_capacity_asks_what_the_plan_can_serve(cli):
     2,048 positions used to be refused as '--context 256k', a flag the user never typed."""
     shown = cli("capacity", "--recipe", "cpu", "--hardware", "cpu", "--json")
     assert shown.returncode == 0, shown.stderr
-    assert json.loads(shown.stdout)["fit"]["context"] == 2048
+    assert cli_json.data(shown.stdout)["fit"]["context"] == 2048
     gpu = cli("capacity", "--hardware", "b300x4", "--json")
-    assert json.loads(gpu.stdout)["fit"]["context"] == 262144
+    assert cli_json.data(gpu.stdout)["fit"]["context"] == 262144
     asked = cli("capacity", "--recipe", "cpu", "--hardware", "cpu", "--context", "256k")
     assert asked.returncode == 2 and "--context 256k (262,144 tokens) is beyond" in asked.stderr

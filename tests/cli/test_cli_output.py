@@ -10,6 +10,7 @@ import pytest
 
 from m31ctl.cli import output
 from m31ctl.cli.output import emit, text_view
+from tests.support import cli_json
 
 
 @dataclass(frozen=True)
@@ -35,15 +36,54 @@ def _found_text(found: _Found) -> None:
     print(f"found {found.name}")
 
 
-def test_json_is_to_json_sorted_and_indented(capsys):
+def test_json_is_to_json_in_its_envelope_sorted_and_indented(capsys, monkeypatch):
+    monkeypatch.setattr(output, "COMMAND", "plan")
     emit(_Found("x"), as_json=True)
     out = capsys.readouterr().out
-    assert out == json.dumps({"a": "1", "b": "2", "name": "x"}, indent=2, sort_keys=True) + "\n"
+    envelope = {"m31ctl": 1, "command": "plan", "ok": True, "data": {"a": "1", "b": "2", "name": "x"}}
+    assert out == json.dumps(envelope, indent=2, sort_keys=True) + "\n"
+    assert cli_json.data(out) == {"a": "1", "b": "2", "name": "x"}
 
 
-def test_a_json_line_is_one_compact_line(capsys):
+def test_a_json_line_is_one_compact_line(capsys, monkeypatch):
+    monkeypatch.setattr(output, "COMMAND", "launch")
     emit(_Found("x"), as_json=True, line=True)
-    assert capsys.readouterr().out == '{"a":"1","b":"2","name":"x"}\n'
+    out = capsys.readouterr().out
+    assert out == '{"command":"launch","data":{"a":"1","b":"2","name":"x"},"m31ctl":1,"ok":true}\n'
+
+
+def test_a_stream_is_events_then_its_result_each_an_envelope(capsys, monkeypatch):
+    monkeypatch.setattr(output, "COMMAND", "launch")
+    output.emit_event("phase", {"phase": "loading weights", "elapsed_s": 1.5})
+    emit(_Found("x"), as_json=True, line=True)
+    out = capsys.readouterr().out
+    first, last = out.splitlines()
+    assert json.loads(first) == {
+        "m31ctl": 1,
+        "command": "launch",
+        "event": "phase",
+        "data": {"phase": "loading weights", "elapsed_s": 1.5},
+    }
+    assert cli_json.events(out) == [{"event": "phase", "phase": "loading weights", "elapsed_s": 1.5}]
+    assert cli_json.data(out) == {"a": "1", "b": "2", "name": "x"} and json.loads(last)["ok"] is True
+
+
+def test_an_error_under_json_is_its_envelope_with_the_exit_code(tmp_path):
+    from tests.conftest import run_cli
+
+    done = run_cli("plan", "--hardware", "bogus9", "--json")
+    (line,) = done.stdout.splitlines()  # one line, as a stream's last line would be
+    assert done.returncode == 2 and json.loads(line)["command"] == "plan"
+    error = cli_json.error(done.stdout)
+    assert error["type"] == "InputError" and error["exit_code"] == 2 and "bogus9" in error["message"]
+
+
+def test_every_command_names_itself_in_the_envelope():
+    assert output.command_name(["--quiet", "plan", "--hardware", "b300x4"]) == "plan"
+    assert output.command_name(["recipes", "show", "hopper"]) == "recipes show"
+    assert output.command_name(["bench", "compare", "a.json"]) == "bench compare"
+    assert output.command_name(["bench", "--url", "http://x"]) == "bench"
+    assert output.command_name(["--help"]) is None
 
 
 def test_json_is_redacted(capsys, monkeypatch):

@@ -18,6 +18,7 @@ from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.catalog import builtin_recipes
 from tests.conftest import ROOT
+from tests.support import cli_json
 
 PLANS = Path(__file__).parent.parent / "reference_files" / "plans"
 HOST_FOR = {"blackwell": "b300x4", "rubin": "rubinx4", "hopper": "h200x8", "mi355x": "mi355xx8", "cpu": "cpu"}
@@ -46,7 +47,7 @@ def test_golden_plan(recipe, variant, profile):
 def test_plan_json_contract(cli):
     result = cli("plan", "--hardware", "b300x4", "--json")
     assert result.returncode == 0
-    data = json.loads(result.stdout)
+    data = cli_json.data(result.stdout)
     for key in ("recipe", "variant", "profile", "hardware", "image", "argv", "env", "provenance"):
         assert key in data
     assert data["argv"][0] == "MiniMaxAI/MiniMax-M3.1-Flash"
@@ -61,7 +62,7 @@ def test_plan_json_contract(cli):
 def test_every_moe_plan_states_its_moe_layout(cli):
     """The MoE layer vLLM builds (FusedMoEParallelConfig.make) is in the plan for every layout, a
     TP-only one included: its expert and tensor groups, experts per GPU, and why EP is on or off."""
-    data = json.loads(cli("plan", "--hardware", "b300x4", "--json").stdout)
+    data = cli_json.data(cli("plan", "--hardware", "b300x4", "--json").stdout)
     assert data["moe_layout"] == {
         "ranks": 4,
         "expert_parallel": False,
@@ -77,7 +78,7 @@ def test_every_moe_plan_states_its_moe_layout(cli):
     }
     text = cli("plan", "--hardware", "b300x4", "--brief", env={"COLUMNS": "400"}).stdout
     assert "MoE layout: every expert's tensor parallelism flattened over DP x TP = 4 ranks" in text
-    assert json.loads(cli("plan", "--hardware", "cpu", "--json").stdout)["moe_layout"] is None  # dense
+    assert cli_json.data(cli("plan", "--hardware", "cpu", "--json").stdout)["moe_layout"] is None  # dense
 
 
 # Which layer wins serving.max_model_len, lowest first: defaults, recipe, variant, profile, file, --set.
@@ -187,13 +188,13 @@ def test_unsupported_hardware_exit_code_is_host_precondition(cli):
 def test_json_errors_are_json(cli):
     result = cli("plan", "--hardware", "b300x4", "--set", "cache.block_size=64", "--json")
     assert result.returncode == 2
-    assert json.loads(result.stdout)["error"] == "RuleViolation"
+    assert cli_json.error(result.stdout)["type"] == "RuleViolation"
 
 
 def test_recipes_commands(cli, tmp_path):
-    listing = json.loads(cli("recipes", "list", "--json").stdout)
+    listing = cli_json.data(cli("recipes", "list", "--json").stdout)
     assert [r["name"] for r in listing["recipes"]] == ["blackwell", "cpu", "hopper", "mi355x", "rubin"]
-    show = json.loads(cli("recipes", "show", "hopper", "--json").stdout)
+    show = cli_json.data(cli("recipes", "show", "hopper", "--json").stdout)
     assert {r["id"] for r in show["rules"]} >= {"hopper-no-dspark", "hopper-no-video", "hopper-marlin-moe"}
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
         if path.stem not in ("models", "defaults"):
@@ -254,7 +255,7 @@ def test_installed_wheel_finds_its_recipes_outside_the_repo(tmp_path):
     )
     assert listing.returncode == 0, listing.stderr
     assert "m31ctl/_data/recipes/blackwell.yaml" not in listing.stdout  # paths shown relative to the data dir
-    assert len(json.loads(listing.stdout)["recipes"]) == 5
+    assert len(cli_json.data(listing.stdout)["recipes"]) == 5
     rendered = subprocess.run(
         [sys.executable, "-m", "m31ctl", "render", "--target", "k8s", "--hardware", "b300x4"],
         cwd=outside,
@@ -308,7 +309,7 @@ def test_empty_hardware_is_refused_not_probed(cli):
 def test_launch_name_is_a_value_not_json(cli):
     result = cli("launch", "--hardware", "cpu", "--name", "true", "--dry-run", "--json")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["container"]["name"] == "true"
+    assert cli_json.data(result.stdout)["container"]["name"] == "true"
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "0", "-5"])
@@ -338,7 +339,7 @@ def test_quick_commands_skip_teardown_and_lose_nothing(tmp_path):
     assert (tmp_path / "out.yaml").read_text() == expected
     piped = process("capacity", "--hardware", "b300x4", "--json")
     assert piped.returncode == 0
-    assert json.loads(piped.stdout) == json.loads(
+    assert cli_json.data(piped.stdout) == cli_json.data(
         run_cli("capacity", "--hardware", "b300x4", "--json").stdout
     )
     written = process("render", "--target", "compose", "--hardware", "b300x4", "-o", str(tmp_path / "c"))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES, run_cli, run_cli_process
+from tests.support import cli_json
 
 COMMANDS = ("plan", "probe", "capacity", "render", "lock", "validate", "doctor", "launch", "status", "logs",
             "stop", "smoke", "verify", "bench", "pull", "rehearse", "version")  # fmt: skip
@@ -25,7 +26,7 @@ def test_version_command_and_flag():
     from m31ctl import __version__
 
     assert run_cli("version").stdout == run_cli("--version").stdout == f"m31ctl {__version__}\n"
-    assert json.loads(run_cli("version", "--json").stdout) == {"version": __version__}
+    assert cli_json.data(run_cli("version", "--json").stdout) == {"version": __version__}
 
 
 def test_shell_completion_is_on():
@@ -140,7 +141,7 @@ def test_launch_json_failure_is_one_object_a_line(tmp_path):
     )
     assert result.returncode == 2
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == 1 and json.loads(lines[0])["exit_code"] == 2
+    assert len(lines) == 1 and cli_json.error(lines[0])["exit_code"] == 2
 
 
 # --- 3: phases ----------------------------------------------------------------------------------
@@ -232,7 +233,7 @@ def test_capacity_refuses_a_context_the_engine_refuses():
 
 
 def test_capacity_longest_context_is_capped_at_the_positions():
-    data = json.loads(run_cli("capacity", "--hardware", "b300x4", "--sequences", "1", "--json").stdout)
+    data = cli_json.data(run_cli("capacity", "--hardware", "b300x4", "--sequences", "1", "--json").stdout)
     longest = data["longest_context"]
     assert longest["tokens"] == longest["limit_tokens"] == 524288 < longest["memory_tokens"]
     text = run_cli("capacity", "--hardware", "b300x4", "--sequences", "1").stdout

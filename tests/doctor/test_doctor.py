@@ -21,6 +21,7 @@ from m31ctl.runtime.gates import CheckId
 from tests.conftest import run_cli
 from tests.fakes import GPU_FIXTURES, FakeNvml
 from tests.ports import free_port
+from tests.support import cli_json
 
 DEVICE = GPU_FIXTURES / "device-h200x2"
 CANARY = "hf_CANARY_doctor_0123456789"
@@ -218,7 +219,7 @@ def test_a_raising_check_fails_alone_and_a_hanging_one_times_out():
 def test_json_is_stable_and_secret_free(cli):
     result = cli("doctor", "--hardware", "cpu", "--json", env={"HF_TOKEN": CANARY})
     assert CANARY not in result.stdout + result.stderr
-    data = json.loads(result.stdout)
+    data = cli_json.data(result.stdout)
     assert set(data) == {"plan_hash", "recipe", "plan_error", "checks", "summary", "ok"}
     assert [c["id"] for c in data["checks"]] == [c.id for c in all_checks() if not c.deep and not c.locked]
     for check in data["checks"]:
@@ -230,11 +231,11 @@ def test_json_is_stable_and_secret_free(cli):
 def test_against_this_machine(cli):
     """The real Docker Engine (.ci/run starts it), no GPU: docker passes, GPU checks say why."""
     cpu = cli("doctor", "--hardware", "cpu", "--json", "--set", PORT)
-    data = {c["id"]: c for c in json.loads(cpu.stdout)["checks"]}
+    data = {c["id"]: c for c in cli_json.data(cpu.stdout)["checks"]}
     assert data["docker"]["status"] == "ok" and "API" in data["docker"]["message"]
     assert data["gpus"]["status"] == "ok" and data["gpu-runtime"]["status"] == "ok"
     host = run_cli("doctor", "--json")
-    checks = {c["id"]: c for c in json.loads(host.stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(host.stdout)["checks"]}
     assert (
         host.returncode == 1
         and checks["gpus"]["status"] == "fail"
@@ -242,7 +243,7 @@ def test_against_this_machine(cli):
     )
     assert checks["docker"]["status"] == "ok"
     gpu_plan = run_cli("doctor", "--hardware", "b300x4", "--json")
-    checks = {c["id"]: c for c in json.loads(gpu_plan.stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(gpu_plan.stdout)["checks"]}
     assert checks["gpu-runtime"]["status"] == "fail" and checks["gpus"]["status"] == "fail"
     # Without GPUs the GPU checks answer at once rather than waiting out a probe (a hung one is
     # given 300 s): a bound far above a loaded host's few seconds, so speed decides nothing.
@@ -321,7 +322,7 @@ def test_ulimits_are_tried_for_real_with_the_engine(tmp_path):
         "doctor", "--hardware", "cpu", "--set", f"engine.image={image}", "--set", f"model.path={tmp_path}",
         "--set", 'runtime.ulimits={"memlock": -1}', "--json",
     )  # fmt: skip
-    check = next(c for c in json.loads(result.stdout)["checks"] if c["id"] == "memlock")
+    check = next(c for c in cli_json.data(result.stdout)["checks"] if c["id"] == "memlock")
     if truth.returncode == 0:
         assert check["status"] == "ok", check
     else:
@@ -406,7 +407,7 @@ def test_doctor_deep_json_matches_the_report_recorded_on_the_h200(tmp_path):
     """`doctor --deep --runtime native --json` as recorded on the lent 2x H200, against this
     code on that host's captures (NVML, the collective's output): the same keys, the same
     checks, and the same findings for every check that depends only on what was captured."""
-    recorded = json.loads((DEVICE / "doctor-deep-h200x2.json").read_text())
+    recorded = cli_json.captured((DEVICE / "doctor-deep-h200x2.json").read_text())
     sets = ("parallelism.tensor=2", "serving.max_model_len=8192", f"runtime.hf_cache={tmp_path}", PORT)
     _by_id, report = deep_results(Replay(H200_COLLECTIVE), sets)
     from m31ctl.doctor import report_json
@@ -479,7 +480,7 @@ def test_a_native_doctor_needs_no_docker_engine(rehearsal_model):
     """On the H200 `doctor --deep --runtime native` exited 1 with the docker check its one failure
     (the host has no Docker Engine; exits.txt, doctor-deep-bf16-u0.1.json). The native runtime
     runs vLLM as a process: the checks only a container needs skip, saying why, and nothing fails."""
-    recorded = json.loads((REHEARSAL / "doctor-deep-bf16-u0.1.json").read_text())
+    recorded = cli_json.captured((REHEARSAL / "doctor-deep-bf16-u0.1.json").read_text())
     assert [c["id"] for c in recorded["checks"] if c["status"] == "fail"] == ["docker"]
     by_id, report = _rehearsal_doctor(rehearsal_model, _no_docker)
     assert not report.failed, [(r.id, r.message) for r in report.results if r.failed]
@@ -571,7 +572,7 @@ def test_doctor_deep_runs_the_collective_for_real(runtime, vllm_py, tiny_model):
         "doctor", "--hardware", "cpu", "--deep", "--runtime", runtime, "--set", f"model.path={tiny_model}",
         "--set", f"runtime.native_python={vllm_py}", *TP2_ON_TWO_CORES, "--json",
     )  # fmt: skip
-    checks = {c["id"]: c for c in json.loads(result.stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(result.stdout)["checks"]}
     assert checks["engine-image"]["status"] == "ok" and "vLLM 0.32.0" in checks["engine-image"]["message"]
     config = checks["engine-config"]
     assert config["status"] == "ok", config
@@ -624,7 +625,7 @@ def test_doctor_deep_reports_a_real_hung_collective(runtime, vllm_py, tmp_path):
     if runtime == "docker":
         assert any(line.endswith("/start") for line in slow.held), slow.held  # the slow engine held them
     assert result.returncode == 1, result.stderr
-    checks = {c["id"]: c for c in json.loads(result.stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(result.stdout)["checks"]}
     assert checks["collective"]["status"] == "fail" and "hung past 5 s" in checks["collective"]["message"]
     assert checks["engine-image"]["status"] == "ok"  # the engine answered before the collective hung
     assert _processes_with(marker) == []
@@ -782,7 +783,7 @@ def test_engine_config_reports_a_real_vllm_refusal(runtime, vllm_py, tiny_model)
         "--set", f"runtime.native_python={vllm_py}", *TP2_ON_TWO_CORES, "--json",
     )  # fmt: skip
     refused = run_cli(*base, "--set", "serving.max_num_seqs=4096")
-    checks = {c["id"]: c for c in json.loads(refused.stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(refused.stdout)["checks"]}
     check = checks["engine-config"]
     assert refused.returncode == 1 and check["status"] == "fail", check
     assert check["message"].startswith("vLLM 0.32.0 refuses the plan's configuration")

@@ -4,7 +4,6 @@ transports against a host, a fake sysfs tree built in tmp_path for the cases thi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from m31ctl.plan import PlanRequest, resolve
 from m31ctl.probe import NO_GPU, ProbeReport
 from m31ctl.probe.snapshot import CommandResult, ProbeUnavailable
 from m31ctl.runtime.gates import CheckId
+from tests.support import cli_json
 
 
 def fake_host(
@@ -201,7 +201,7 @@ def test_this_host_passes_on_loopback_and_fails_an_rdma_device_it_lacks():
         pytest.skip("this host has mlx5_0")
     base = ("doctor", "--hardware", "cpu", "--variant", "pd", "--runtime", "native", "--json")
     lo = run_cli(*base, "--set", "disaggregation.ucx_net_devices=lo")
-    checks = {c["id"]: c for c in json.loads(lo.stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(lo.stdout)["checks"]}
     assert checks["fabric"]["status"] == "ok", checks["fabric"]
     assert checks["fabric"]["title"] == "KV-transfer fabric (UCX)"
     assert (
@@ -209,7 +209,7 @@ def test_this_host_passes_on_loopback_and_fails_an_rdma_device_it_lacks():
         in checks["fabric"]["message"]
     )
     rdma = run_cli(*base, "--set", "disaggregation.ucx_net_devices=mlx5_0:1")
-    data = json.loads(rdma.stdout)
+    data = cli_json.data(rdma.stdout)
     check = next(c for c in data["checks"] if c["id"] == "fabric")
     assert rdma.returncode == 1 and not data["ok"]
     assert check["status"] == "fail" and check["message"] == (
@@ -217,5 +217,5 @@ def test_this_host_passes_on_loopback_and_fails_an_rdma_device_it_lacks():
         "no RDMA device mlx5_0 on this host (/sys/class/infiniband: none)"
     )
     assert check["remedy"].endswith("--set disaggregation.ucx_net_devices=...")
-    aggregated = json.loads(run_cli("doctor", "--hardware", "cpu", "--runtime", "native", "--json").stdout)
+    aggregated = cli_json.data(run_cli("doctor", "--hardware", "cpu", "--runtime", "native", "--json").stdout)
     assert "fabric" not in [c["id"] for c in aggregated["checks"]]

@@ -15,6 +15,7 @@ from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.catalog import builtin_recipes
 from tests.conftest import ROOT
+from tests.support import cli_json
 
 SCHEMA = ROOT / "m31ctl" / "engine" / "schemas" / "vllm-0.32.0.json"
 HOST_FOR = {"blackwell": "b300x4", "rubin": "rubinx4", "hopper": "h200x8", "mi355x": "mi355xx8", "cpu": "cpu"}
@@ -125,7 +126,7 @@ def test_flashinfer_ts_is_an_image_extension_only():
 
 def test_cli_validate_and_default_validation(cli):
     ok = cli("validate", "--hardware", "mi355xx8", "--variant", "aiter", "--json")
-    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True
+    assert ok.returncode == 0 and cli_json.data(ok.stdout)["ok"] is True
     bad = cli(
         "validate",
         "--hardware",
@@ -134,7 +135,9 @@ def test_cli_validate_and_default_validation(cli):
         'engine.extra_args=["--max-num-batched-tok","8"]',
         "--json",
     )
-    assert bad.returncode == 2 and json.loads(bad.stdout)["findings"][0]["token"] == "--max-num-batched-tok"
+    assert (
+        bad.returncode == 2 and cli_json.data(bad.stdout)["findings"][0]["token"] == "--max-num-batched-tok"
+    )
     for command in ("plan", "render", "launch"):
         extra = ["--target", "k8s"] if command == "render" else (["--dry-run"] if command == "launch" else [])
         result = cli(
@@ -297,7 +300,7 @@ def test_validate_checks_each_role_of_a_pd_group():
 
     good = run_cli("validate", "--hardware", "cpu", "--variant", "pd", "--json")
     assert good.returncode == 0, good.stderr
-    assert sorted(json.loads(good.stdout)["roles"]) == ["decode", "prefill"]
+    assert sorted(cli_json.data(good.stdout)["roles"]) == ["decode", "prefill"]
     bad = run_cli(
         "validate",
         "--hardware",

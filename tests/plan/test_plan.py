@@ -14,6 +14,7 @@ from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.catalog import builtin_recipes, select_recipe
 from tests.conftest import ROOT
+from tests.support import cli_json
 
 
 def plan_for(hw: str, **kw):  # type: ignore[no-untyped-def]
@@ -247,15 +248,15 @@ def test_every_gpu_plan_carries_128_token_blocks_and_the_amd_backend():
 
 def test_blackwell_and_rubin_plans_state_cuda_13_4(cli):
     for host in ("b300x4", "b200x8", "gb300x4", "rubinx4"):
-        data = json.loads(cli("plan", "--hardware", host, "--json").stdout)
+        data = cli_json.data(cli("plan", "--hardware", host, "--json").stdout)
         assert data["requirements"] == {"cuda_driver": "13.4"}, host
         assert "Requires: a driver supporting CUDA 13.4" in cli("plan", "--hardware", host).stdout
-    assert json.loads(cli("plan", "--hardware", "h200x8", "--json").stdout)["requirements"] == {}
+    assert cli_json.data(cli("plan", "--hardware", "h200x8", "--json").stdout)["requirements"] == {}
 
 
 def test_every_rule_has_a_source_shown_by_recipes_show(cli):
     for recipe in builtin_recipes().values():
-        shown = json.loads(cli("recipes", "show", recipe.recipe, "--json").stdout)
+        shown = cli_json.data(cli("recipes", "show", recipe.recipe, "--json").stdout)
         for rule in shown["rules"]:
             assert len(rule["source"]) > 8, (recipe.recipe, rule["id"])
         text = cli("recipes", "show", recipe.recipe).stdout
@@ -291,7 +292,7 @@ def test_blocking_128_cannot_be_overridden_on_amd(cli):
 
 
 def test_aiter_variant_says_what_it_switches_on(cli):
-    data = json.loads(cli("plan", "--hardware", "mi355xx8", "--variant", "aiter", "--json").stdout)
+    data = cli_json.data(cli("plan", "--hardware", "mi355xx8", "--variant", "aiter", "--json").stdout)
     notes = " ".join(data["engine_notes"])
     assert "RMSNorm" in notes and "custom all-reduce" in notes
     assert data["settings"]["moe"]["expert_requantization"] == "none"
@@ -299,7 +300,9 @@ def test_aiter_variant_says_what_it_switches_on(cli):
 
 @pytest.mark.parametrize(("host", "tensor"), [("b200x8", 4), ("mi355xx8", 4)])
 def test_fill_host_uses_every_gpu_with_data_parallel_replicas(host, tensor, cli, tmp_path):
-    data = json.loads(cli("plan", "--hardware", host, "--set", "parallelism.fill_host=true", "--json").stdout)
+    data = cli_json.data(
+        cli("plan", "--hardware", host, "--set", "parallelism.fill_host=true", "--json").stdout
+    )
     args = data["argv"]
     assert data["gpus_needed"] == 8 and not any("plan uses 4" in w for w in data["warnings"])
     assert args[args.index("--tensor-parallel-size") + 1] == str(tensor)
@@ -314,8 +317,8 @@ def test_fill_host_uses_every_gpu_with_data_parallel_replicas(host, tensor, cli,
     assert layout["tensor_parallel_size"] == 1
     assert layout["expert_parallel_source"].startswith("runtime shape: data parallelism on a MoE")
     assert not any(w.startswith("MoE layout") for w in data["warnings"])
-    alone = json.loads(cli("capacity", "--hardware", host, "--json").stdout)["fit"]
-    filled = json.loads(
+    alone = cli_json.data(cli("capacity", "--hardware", host, "--json").stdout)["fit"]
+    filled = cli_json.data(
         cli("capacity", "--hardware", host, "--set", "parallelism.fill_host=true", "--json").stdout
     )["fit"]
     assert filled["sequences"] > 2 * alone["sequences"]
@@ -326,7 +329,7 @@ def test_fill_host_uses_every_gpu_with_data_parallel_replicas(host, tensor, cli,
         )
         assert rendered.returncode == 0, (target, rendered.stderr)
         assert "--data-parallel-size" in rendered.stdout
-    dry = json.loads(
+    dry = cli_json.data(
         cli("launch", "--hardware", host, "--set", "parallelism.fill_host=true", "--dry-run", "--json").stdout
     )
     run = dry["docker_run"]
@@ -337,18 +340,18 @@ def test_fill_host_uses_every_gpu_with_data_parallel_replicas(host, tensor, cli,
 
 
 def test_text_only_and_encoder_data_parallel_are_named_and_exclusive(cli):
-    text = json.loads(
+    text = cli_json.data(
         cli("plan", "--hardware", "b300x4", "--set", "multimodal.text_only=true", "--json").stdout
     )
     assert "--language-model-only" in text["argv"]
-    enc = json.loads(
+    enc = cli_json.data(
         cli(
             "plan", "--hardware", "mi355xx8", "--set", "multimodal.encoder_data_parallel=true", "--json"
         ).stdout
     )["argv"]
     assert enc[enc.index("--mm-encoder-attn-backend") + 1] == "ROCM_AITER_FA"
     assert enc[enc.index("--mm-encoder-tp-mode") + 1] == "data" and "shm" in enc
-    nv = json.loads(
+    nv = cli_json.data(
         cli("plan", "--hardware", "h200x8", "--set", "multimodal.encoder_data_parallel=true", "--json").stdout
     )["argv"]
     assert nv[nv.index("--mm-encoder-attn-backend") + 1] == "FLASHINFER"

@@ -21,6 +21,7 @@ from m31ctl.probe.nvidia import (
 )
 from m31ctl.probe.snapshot import CommandResult
 from tests.fakes import GPU_FIXTURES, FakeAmdSmi, FakeNvml, FakeRunner
+from tests.support import cli_json
 
 H200 = GPU_FIXTURES / "nvidia-h200x2"
 H200_MEM = 150754820096
@@ -263,7 +264,7 @@ def test_cli_probe_without_gpu_exits_zero(cli, tmp_path):
     methods = "nvidia-smi,amd-smi,rocm-smi"
     result = cli("probe", "--json", env={"PATH": str(tmp_path), "M31CTL_PROBE_METHODS": methods})
     assert result.returncode == 0, result.stderr
-    data = json.loads(result.stdout)
+    data = cli_json.data(result.stdout)
     assert data["hardware"]["count"] == 0 and data["recipe"]["name"] is None
     assert [a["method"] for a in data["attempts"]] == methods.split(",")
     assert not any(a["ok"] for a in data["attempts"])
@@ -286,12 +287,12 @@ def _as_recorded(actual: dict, recorded: dict) -> dict:  # type: ignore[type-arg
 def test_replay_of_device_capture_matches_what_the_real_probe_printed():
     """The fake replays the NVML capture; its answer must equal the real probe's on that host."""
     capture = json.loads((DEVICE / "nvml-capture.json").read_text())
-    recorded = json.loads((DEVICE / "probe-2gpu.json").read_text())["hardware"]
+    recorded = cli_json.captured((DEVICE / "probe-2gpu.json").read_text())["hardware"]
     hw = detect([NvmlProbe(FakeNvml(capture))], env={"NVIDIA_VISIBLE_DEVICES": "all"}).hardware
     from m31ctl.cli.views import hardware_json
 
     assert _as_recorded(hardware_json(hw), recorded) == recorded
-    one = json.loads((DEVICE / "probe-1gpu.json").read_text())["hardware"]
+    one = cli_json.captured((DEVICE / "probe-1gpu.json").read_text())["hardware"]
     hw1 = detect([NvmlProbe(FakeNvml(capture))], env={"CUDA_VISIBLE_DEVICES": "0"}).hardware
     assert _as_recorded(hardware_json(hw1), one) == one
 
@@ -323,7 +324,7 @@ def test_device_smi_capture_agrees_with_nvml_capture():
 def test_replay_of_single_gpu_device_capture():
     single = GPU_FIXTURES / "device-h200x1"
     capture = json.loads((single / "nvml-capture.json").read_text())
-    recorded = json.loads((single / "probe-1gpu.json").read_text())["hardware"]
+    recorded = cli_json.captured((single / "probe-1gpu.json").read_text())["hardware"]
     hw = detect([NvmlProbe(FakeNvml(capture))], env={"NVIDIA_VISIBLE_DEVICES": "all"}).hardware
     from m31ctl.cli.views import hardware_json
 

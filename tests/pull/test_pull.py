@@ -4,7 +4,6 @@ huggingface_hub: the cache it lays out, progress, resume after a kill, Ctrl-C, t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,8 @@ from typing import Any
 import pytest
 from conftest import ROOT, last_json, run_cli
 from standin_hub import StandinHub, small_checkpoint, standin_hub
+
+from tests.support import cli_json
 
 CANARY = "hf_PullCanaryToken0123456789abcdefgh"
 SHARD = "model-00002-of-00003.safetensors"
@@ -55,7 +56,7 @@ def pull(
 
 
 def events(stdout: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+    return cli_json.stream(stdout)
 
 
 def repo_dir(cache: Path, hub: StandinHub) -> Path:
@@ -125,8 +126,8 @@ def test_a_disk_too_small_is_refused_before_the_first_byte(hub, tmp_path, monkey
     cache = tmp_path / "hf"
     done = pull(hub, cache, "--json")
     assert done.returncode == 6, done.stderr
-    error = last_json(done.stdout)
-    assert error["event"] == "error" and error["exit_code"] == 6
+    error = cli_json.error(done.stdout)  # the stream's last line: the error's envelope
+    assert error["type"] == "HostPreconditionError" and error["exit_code"] == 6
     short = (hub.repo.size() - 5 * MIB) / 1e9
     assert f"short by {short:.1f} GB" in error["message"]
     assert not [r for r in hub.requests if r[0] == "GET"] and not hub.bytes_sent

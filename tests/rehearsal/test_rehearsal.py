@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import ROOT, last_json, run_cli
 from tests.ports import free_port
+from tests.support import cli_json
 from tests.support.readme import readme_command, run_as_written
 
 IMAGE = "m31ctl/vllm-cpu:0.32.0"
@@ -64,7 +65,7 @@ def assert_capacity_matches_engine(log: str, model_dir: Path, *sets: str) -> Non
     args = ["capacity", "--hardware", "cpu", "--set", f"model.path={model_dir}", "--context", str(length)]
     for item in sets:
         args += ["--set", item]
-    predicted = json.loads(run_cli(*args, "--json").stdout)["fit"]
+    predicted = cli_json.data(run_cli(*args, "--json").stdout)["fit"]
     print(
         f"engine: {tokens:,} KV tokens, {concurrency}x; m31ctl: {predicted['kv_cache_tokens']:,}, {predicted['sequences']}"
     )
@@ -92,17 +93,17 @@ def test_native_launch_smoke_verify(cpu_server, tmp_path):
     again = run_cli(*cpu_server.launch_args, "--json", env=env)
     assert last_json(again.stdout)["action"] == "unchanged"
     assert "deep checks passed at " in again.stderr and "for this plan, engine and host" in again.stderr
-    status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"]
+    status = cli_json.data(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"]
     assert [r["name"] for r in status] == [name] and status[0]["health"] == 200
     smoke = run_cli("smoke", "--runtime", "native", "--json", env=env)
-    report = json.loads(smoke.stdout)
+    report = cli_json.data(smoke.stdout)
     assert smoke.returncode == 0 and report["ok"], report
     assert report["completion_tokens"] == 16 and report["ttft_s"] > 0
     print(f"native smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
     plan_options = list(cpu_server.plan)
     report_path = tmp_path / "verify.json"
     verified = run_cli("verify", *plan_options, "--json", "-o", str(report_path), env=env)
-    report = json.loads(verified.stdout)
+    report = cli_json.data(verified.stdout)
     assert verified.returncode == 0 and report["ok"], report
     assert report["bench"]["completed"] == 4 and report["bench"]["p99_ttft_ms"] > 0
     assert report["facts"]["kv_cache_tokens"] == report["facts"]["kv_cache_tokens_predicted"] == 524288
@@ -112,15 +113,15 @@ def test_native_launch_smoke_verify(cpu_server, tmp_path):
     # A bare `verify --name` with no plan options verifies the plan recorded with the server (it
     # used to plan for this host instead, and exit 6: no GPU found).
     bare = run_cli("verify", "--name", name, "--no-load", "--json", env=env)
-    bare_report = json.loads(bare.stdout)
+    bare_report = cli_json.data(bare.stdout)
     assert bare.returncode == 0 and bare_report["ok"], (bare_report, bare.stderr[-2000:])
     assert bare_report["plan_hash"] == result["plan_hash"]
     assert {c["id"]: c["status"] for c in bare_report["checks"]}["plan"] == "ok"
     # A pass mark the CPU cannot meet, and a plan that says another KV dtype: exit 1, named.
     slow = run_cli("verify", *plan_options, "--set", "verify.ttft_p99_ms=0.001", "--json", env=env)
-    assert slow.returncode == 1 and json.loads(slow.stdout)["failed"] == ["ttft-p99"]
+    assert slow.returncode == 1 and cli_json.data(slow.stdout)["failed"] == ["ttft-p99"]
     wrong = run_cli("verify", *plan_options, "--set", "cache.kv_dtype=fp8", "--no-load", "--json", env=env)
-    assert wrong.returncode == 1 and "kv-cache-dtype" in json.loads(wrong.stdout)["failed"]
+    assert wrong.returncode == 1 and "kv-cache-dtype" in cli_json.data(wrong.stdout)["failed"]
     # The regression check against the first run's report. Its verdict on a 10 % tolerance
     # would measure this host's load between two runs (a loaded CI host is slower the second
     # time as often as not), so the tolerance is wide: what is proven is that the baseline is
@@ -128,7 +129,7 @@ def test_native_launch_smoke_verify(cpu_server, tmp_path):
     again = run_cli(
         "verify", *plan_options, "--baseline", str(report_path), "--tolerance", "1000", "--json", env=env
     )
-    checks = {c["id"]: c for c in json.loads(again.stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(again.stdout)["checks"]}
     assert again.returncode == 0 and checks["regression"]["status"] == "ok", checks["regression"]
     logs = run_cli("logs", "--runtime", "native", "--tail", "5000", env=env)
     assert "POST /v1/chat/completions" in logs.stdout
@@ -174,11 +175,11 @@ def test_container_launch_smoke_stop(tiny_model, rehearsal_image, tmp_path):
         assert result["action"] == "created" and result["runtime"] == "docker", result
         print(f"container ready after {result['timings_s']['ready']:.1f} s")
         smoke = run_cli("smoke", "--name", name, "--json")
-        report = json.loads(smoke.stdout)
+        report = cli_json.data(smoke.stdout)
         assert smoke.returncode == 0 and report["ok"], report
         print(f"container smoke: ttft {report['ttft_s']} s, {report['tokens_per_s']} tokens/s")
         verified = run_cli("verify", *plan, "--set", f"runtime.port={port}", "--json")
-        result = json.loads(verified.stdout)
+        result = cli_json.data(verified.stdout)
         assert verified.returncode == 0 and result["ok"], result
         assert result["bench"]["completed"] == 4  # vllm bench serve from the image's own vLLM
         print(f"container verify: p99 TTFT {result['bench']['p99_ttft_ms']:.1f} ms")
@@ -218,26 +219,26 @@ def test_doctor_asks_the_image_own_vllm(tiny_model, tmp_path, rehearsal_image):
         f"runtime.port={free_port()}",
         "--json",
     ]
-    good = {c["id"]: c for c in json.loads(run_cli(*base, env=env).stdout)["checks"]}
+    good = {c["id"]: c for c in cli_json.data(run_cli(*base, env=env).stdout)["checks"]}
     assert (
         good["engine"]["status"] == "ok"
         and "vLLM 0.32.0 inside m31ctl/vllm-cpu:0.32.0" in good["engine"]["message"]
     )
     assert list((tmp_path / "cache" / "m31ctl" / "engine-schemas").glob("*.json"))  # cached per image id
     bad = run_cli(*base, "--set", 'engine.extra_args=["--max-num-batched-tokens","many"]', env=env)
-    checks = {c["id"]: c for c in json.loads(bad.stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(bad.stdout)["checks"]}
     assert (
         bad.returncode == 1
         and checks["engine"]["status"] == "fail"
         and "'many'" in checks["engine"]["message"]
     )
     absent = run_cli(*base, "--set", "engine.image=m31ctl-test/absent:1", env=env)
-    checks = {c["id"]: c for c in json.loads(absent.stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(absent.stdout)["checks"]}
     assert checks["engine"]["status"] == "skip" and "not present locally" in checks["engine"]["message"]
     # A P/D group: each role's argv against its image's vLLM (it was one failure, "a group's
     # engines are its roles"), and one role's bad flag fails the check naming that role.
     pair = [*base, "--variant", "pd"]
-    checks = {c["id"]: c for c in json.loads(run_cli(*pair, env=env).stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(run_cli(*pair, env=env).stdout)["checks"]}
     engine = checks["engine"]
     assert (
         engine["status"] == "ok"
@@ -245,7 +246,7 @@ def test_doctor_asks_the_image_own_vllm(tiny_model, tmp_path, rehearsal_image):
         and "decode: argv" in engine["message"]
     )
     bad_pair = run_cli(*pair, "--set", 'disaggregation.decode.env.VLLM_NOT_A_VARIABLE="1"', env=env)
-    engine = {c["id"]: c for c in json.loads(bad_pair.stdout)["checks"]}["engine"]
+    engine = {c["id"]: c for c in cli_json.data(bad_pair.stdout)["checks"]}["engine"]
     assert engine["status"] in ("fail", "warn") and "decode: the image's vLLM" in engine["message"], engine
 
 

@@ -5,7 +5,6 @@ same factor, and a leader that starts late."""
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from m31ctl.rehearsal.session import Options
 from m31ctl.rehearsal.twin import HANDSHAKE_ENV, LOAD_DELAY_ENV
 from m31ctl.timeline import VLLM_DEFAULT_ENGINE_READY_S, VLLM_HANDSHAKE_S
 from tests.conftest import ROOT
+from tests.support import cli_json
 from tests.support.rehearsal import DP_DENSE, RWX, leftovers, needs_image, set_flags
 
 SCALE = 0.05
@@ -89,7 +89,7 @@ def test_a_slow_load_and_a_late_leader_serve_at_the_scaled_clock():
     try:
         done = _run(*set_flags(*DP_DENSE, *RWX), "--clock-scale", str(SCALE), "--leader-delay", "25",
                     "--timeout", str(TIMEOUT), "--keep")  # fmt: skip
-        result = json.loads(done.stdout)
+        result = cli_json.data(done.stdout)
         assert done.returncode == 0 and result["served"], done.stderr[-2000:]
         logs = {
             node["role"]: subprocess.run(
@@ -129,7 +129,7 @@ def test_the_same_load_under_vllms_default_limit_fails_in_vllms_words():
     try:
         done = _run(*set_flags(*DP_DENSE, *RWX, f"runtime.env.VLLM_ENGINE_READY_TIMEOUT_S={default}"),
                     "--clock-scale", str(SCALE), "--timeout", str(TIMEOUT))  # fmt: skip
-        result = json.loads(done.stdout)
+        result = cli_json.data(done.stdout)
         assert done.returncode == 5 and not result["served"]
         assert "Timed out waiting for engine core processes to start" in result["error_line"]
         assert f"Waited {default}s (configured by VLLM_ENGINE_READY_TIMEOUT_S)" in result["error_line"]

@@ -23,6 +23,7 @@ from m31ctl.rehearsal.prepared import prepare, refuse_secret_expansion
 from m31ctl.rehearsal.session import Options
 from m31ctl.render.kubelet_expansion import literal
 from tests.conftest import ROOT
+from tests.support import cli_json
 from tests.support.readme import readme_command, run_as_written
 from tests.support.rehearsal import DP, DP_DENSE, RWX, leftovers, needs_image, set_flags
 
@@ -236,7 +237,7 @@ def test_two_node_dp_rehearsal_serves(_, tmp_path):
     """README's rehearse example, read from README.md and run exactly as written (its own
     --timeout: the default 600 s)."""
     done = run_as_written(readme_command(README_EXAMPLE), tmp_path, timeout=900)
-    result = json.loads(done.stdout)
+    result = cli_json.data(done.stdout)
     print(json.dumps({k: result[k] for k in ("served", "layout", "timings_s", "failure", "error_line")}))
     assert done.returncode == 0 and result["served"], done.stderr[-2000:]
     leader, worker = result["nodes"]
@@ -261,7 +262,7 @@ def test_a_plan_vllm_refuses_fails_with_vllms_own_line():
     assert refused.returncode == 2 and "NVFP4" in refused.stderr and not leftovers()
     fp8 = ("cache.kv_dtype=fp8", "cache.indexer_dtype=fp8")
     done = _rehearse(*set_flags(*DP_DENSE, *RWX, *fp8, "serving.max_num_seqs=4096"), "--timeout", "900")
-    result = json.loads(done.stdout)
+    result = cli_json.data(done.stdout)
     assert done.returncode == 5 and not result["served"]
     assert "must be greater than or equal to max_num_seqs (4096)" in result["error_line"]
     assert result["cleaned"] and not leftovers()
@@ -274,7 +275,7 @@ def test_a_plan_vllm_refuses_fails_with_vllms_own_line():
 def test_pp_over_ray_fails_with_the_pods_own_error():
     """The CPU image has no Ray: the leader's `ray start` is the shell's error, named."""
     done = _rehearse(*set_flags(*PP, *RWX), "--timeout", "600")
-    result = json.loads(done.stdout)
+    result = cli_json.data(done.stdout)
     assert done.returncode == 5 and "ray: not found" in result["error_line"]
     assert "Ray" in result["cause"] and result["cleaned"] and not leftovers()
 

@@ -25,6 +25,7 @@ from m31ctl.rehearsal.session import Options
 from m31ctl.rehearsal.twin import PD_ROLE_CORES
 from tests.conftest import ROOT
 from tests.ports import free_port
+from tests.support import cli_json
 from tests.support.rehearsal import needs_image
 
 FORWARDER = ROOT / "m31ctl" / "rehearsal" / "forwarder.py"
@@ -188,7 +189,7 @@ def test_pd_rehearsal_serves_through_the_router_with_parity_transfer_and_recover
             f"the P/D rehearsal ran past 1,700 s; its output so far:\n{_tail(hung.stderr)}{_tail(hung.stdout)}"
         )
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
-    report = json.loads(done.stdout)
+    report = cli_json.data(done.stdout)
     pairing = report["pairing"]
     assert report["served"] and pairing["ok"], pairing
     assert {p["prompt"] for p in pairing["parity"]} == {

@@ -25,6 +25,7 @@ from m31ctl.render import get_target
 from m31ctl.render import observability as obs
 from tests.conftest import PINNED_COMMIT, run_cli, vllm_python
 from tests.ports import free_port
+from tests.support import cli_json
 from tests.support.prometheus import PROMETHEUS, PROMTOOL, all_queries, get, stop, until
 from tests.support.prometheus import start as start_prometheus
 
@@ -225,7 +226,7 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
             "--bench-python", vllm_py, "--concurrency", "2", "--requests", "8", "--output-len", "64",
             "--gpu-hour", "2.5", "--json",
         )  # fmt: skip
-        report = json.loads(loaded.stdout.strip().splitlines()[-1])
+        report = cli_json.data(loaded.stdout)
         assert loaded.returncode == 0, report
         (p,) = report["points"]
         assert p["spec"] is not None and p["spec"]["drafts"] > 0, "the ngram drafter drafted nothing"

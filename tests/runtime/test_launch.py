@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import last_json, run_cli
 from tests.ports import free_port
+from tests.support import cli_json
 
 pytestmark = pytest.mark.docker
 
@@ -80,7 +81,7 @@ def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client
     result = last_json(first.stdout)
     assert result["action"] == "created" and result["ready"] is True
     # JSON Lines for CI logs: one event per phase as it begins, the result object last.
-    events = [json.loads(line) for line in first.stdout.strip().splitlines()[:-1]]
+    events = cli_json.events(first.stdout)
     assert events and all(e["event"] == "phase" and e["elapsed_s"] >= 0 for e in events)
     assert events[-1]["phase"] == "ready" and [e["phase"] for e in events[:-1]] == result["phases"]
     assert result["endpoint"] == f"http://127.0.0.1:{deployment.port}"
@@ -120,7 +121,7 @@ def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client
     assert not any(CANARY in arg for arg in container.attrs["Config"]["Cmd"])
 
     status = run_cli("status", "--json")
-    row = next(r for r in json.loads(status.stdout)["servers"] if r["name"] == deployment.name)
+    row = next(r for r in cli_json.data(status.stdout)["servers"] if r["name"] == deployment.name)
     assert row["state"] == "running" and row["health"] == 200 and row["plan_hash"] == result["plan_hash"]
     assert row["plan_recorded"] is True
 
@@ -140,7 +141,7 @@ def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client
     assert docker_client.containers.get(deployment.name).id != container.id
 
     stopped = run_cli("stop", "--name", deployment.name, "--json")
-    assert stopped.returncode == 0 and json.loads(stopped.stdout) == {"stopped": [deployment.name]}
+    assert stopped.returncode == 0 and cli_json.data(stopped.stdout) == {"stopped": [deployment.name]}
     assert deployment.name not in [c.name for c in docker_client.containers.list(all=True)]
 
 
@@ -234,7 +235,7 @@ def test_docker_daemon_unreachable(deployment, tmp_path):
 def test_dry_run_starts_nothing(deployment, docker_client):
     result = run_cli(*deployment.args("--dry-run", "--json"))
     assert result.returncode == 0
-    data = json.loads(result.stdout)
+    data = cli_json.data(result.stdout)
     assert data["docker_run"][:2] == ["docker", "run"] and data["container"]["name"] == deployment.name
     assert deployment.name not in [c.name for c in docker_client.containers.list(all=True)]
 
@@ -305,7 +306,7 @@ def test_status_survives_odd_containers_carrying_our_label(images, docker_client
     try:
         result = run_cli("status", "--runtime", "docker", "--json")
         assert result.returncode == 0, result.stderr
-        assert name in [s["name"] for s in json.loads(result.stdout)["containers"]]
+        assert name in [s["name"] for s in cli_json.data(result.stdout)["containers"]]
     finally:
         container.remove(force=True)
 

@@ -11,7 +11,6 @@ the router natively first (tests/runtime/test_pd_native.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import urllib.parse
@@ -27,6 +26,7 @@ from m31ctl.plan import PlanRequest, resolve
 from m31ctl.served import kv_transfer
 from tests.conftest import last_json, run_cli
 from tests.ports import free_ports
+from tests.support import cli_json
 from tests.support.http import metrics_text, request
 from tests.support.native import STANDIN
 from tests.support.prometheus import PROMETHEUS, all_queries, get, stop, until
@@ -58,7 +58,7 @@ def _launch_args(name: str, model: Path, vllm_py: str, *extra: str) -> list[str]
 def _status(env: dict[str, str]) -> list[dict]:
     shown = run_cli("status", "--runtime", "native", "--json", env=env)
     assert shown.returncode == 0, shown.stderr
-    rows: list[dict] = json.loads(shown.stdout)["servers"]
+    rows: list[dict] = cli_json.data(shown.stdout)["servers"]
     return rows
 
 
@@ -135,12 +135,12 @@ def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_mode
 
         # smoke without --name finds the one group (its parts are not servers of their own).
         smoke = run_cli("smoke", "--runtime", "native", "--json", env=env)
-        assert smoke.returncode == 0 and json.loads(smoke.stdout)["ok"], smoke.stdout[-2000:]
+        assert smoke.returncode == 0 and cli_json.data(smoke.stdout)["ok"], smoke.stdout[-2000:]
 
         # verify's gate on the group: the engine facts from decode's /metrics, and its requests'
         # KV over the wire (the kv-transfer check). --no-load: the two cores serve the group.
         verified = run_cli("verify", "--runtime", "native", "--no-load", "--json", env=env)
-        report = json.loads(verified.stdout)
+        report = cli_json.data(verified.stdout)
         checks = {c["id"]: c for c in report["checks"]}
         assert verified.returncode == 0 and report["ok"], report
         assert checks["kv-transfer"]["status"] == "ok", checks["kv-transfer"]
@@ -160,7 +160,7 @@ def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_mode
     finally:
         stopped = run_cli("stop", "--runtime", "native", "--json", env=env)
     assert stopped.returncode == 0, stopped.stderr
-    assert json.loads(stopped.stdout)["stopped"] == [name]
+    assert cli_json.data(stopped.stdout)["stopped"] == [name]
     assert _status(env) == []
     assert pids and all(_group_members(pid) == [] for pid in pids), "a process of the group survived stop"
     assert sorted(os.listdir(tmp_path / "state" / "native")) == sorted(f"{p}.log" for p in parts)

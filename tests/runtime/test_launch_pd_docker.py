@@ -40,6 +40,7 @@ from m31ctl.runtime.protocol import LaunchOptions, ServerStatus
 from m31ctl.runtime.readiness import ProcessState
 from tests.conftest import last_json, run_cli
 from tests.ports import free_ports
+from tests.support import cli_json
 
 SECRET = "sk-CANARY-pd-docker-0123456789"
 
@@ -165,7 +166,7 @@ def test_dry_run_shows_the_three_containers_and_the_network():
         "launch", "--hardware", "cpu", "--variant", "pd", "--runtime", "docker", "--dry-run", "--json"
     )
     assert shown.returncode == 0, shown.stderr
-    detail = json.loads(shown.stdout)
+    detail = cli_json.data(shown.stdout)
     assert detail["network"]["subnet"] == PAIR_SUBNET
     assert ["--ip", role_address(0)] == detail["prefill"][detail["prefill"].index("--ip") :][:2]
     assert ["--ip", role_address(1)] == detail["decode"][detail["decode"].index("--ip") :][:2]
@@ -440,7 +441,7 @@ def _serves_as_one(client: Any, name: str, endpoint: str, decode_url: str, env: 
     from m31ctl.runtime import engine_api
 
     shown = run_cli("status", "--runtime", "docker", "--json", env=env)
-    rows = [r for r in json.loads(shown.stdout)["servers"] if r["name"] in _parts(name)]
+    rows = [r for r in cli_json.data(shown.stdout)["servers"] if r["name"] in _parts(name)]
     assert [(r["name"], r["state"], r["group"]) for r in rows] == [
         (name, "running", None),
         (f"{name}-prefill", "running", name),

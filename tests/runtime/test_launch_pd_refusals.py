@@ -22,6 +22,7 @@ from m31ctl.runtime.native_group import statuses
 from m31ctl.runtime.native_state import NativeServer, process_identity
 from m31ctl.runtime.protocol import LaunchOptions
 from tests.conftest import run_cli
+from tests.support import cli_json
 
 
 class _Single:
@@ -55,7 +56,7 @@ def test_native_dry_run_shows_the_three_command_lines():
         "launch", "--hardware", "cpu", "--variant", "pd", "--runtime", "native", "--dry-run", "--json"
     )
     assert shown.returncode == 0, shown.stderr
-    detail = json.loads(shown.stdout)
+    detail = cli_json.data(shown.stdout)
     text = json.dumps(detail)
     assert "kv_producer" in text and "kv_consumer" in text and "--vllm-pd-disaggregation" in text
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import last_json, run_cli
+from tests.support import cli_json
 from tests.support.native import Native, gone, group
 
 
@@ -57,7 +58,7 @@ def test_stop_never_signals_an_unconfirmed_pid(tmp_path, identity):
         }  # fmt: skip
         (directory / "m31ctl-unsure.json").write_text(json.dumps(record))
         env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
-        status = json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)
+        status = cli_json.data(run_cli("status", "--runtime", "native", "--json", env=env).stdout)
         assert [(s["name"], s["state"]) for s in status["servers"]] == [("m31ctl-unsure", "unconfirmed")]
         stopped = run_cli("stop", "--runtime", "native", "--name", "m31ctl-unsure", env=env)
         time.sleep(0.3)
@@ -224,7 +225,7 @@ def test_a_killed_servers_orphans_are_ended_by_stop_and_by_the_next_launch(nativ
     pid = json.loads(native.record.read_text())["pid"]
     os.kill(pid, signal.SIGKILL)
     assert gone(pid) and len(group(pid)) == 2  # the engine and the helper, orphaned
-    status = json.loads(run_cli("status", "--runtime", "native", "--json", env=native.env).stdout)
+    status = cli_json.data(run_cli("status", "--runtime", "native", "--json", env=native.env).stdout)
     assert [r["state"] for r in status["containers"]] == ["exited"]
     if then == "stop":
         done = run_cli("stop", "--name", native.name, env=native.env)

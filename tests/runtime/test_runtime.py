@@ -16,6 +16,7 @@ from m31ctl.runtime import RUNTIMES, get_runtime
 from m31ctl.runtime.converge import Action, ExistingServer, decide
 from tests.conftest import ROOT, last_json, run_cli
 from tests.ports import free_port
+from tests.support import cli_json
 
 STANDIN = ROOT / "tests" / "standin_vllm"
 
@@ -93,23 +94,25 @@ def test_native_server_is_found_and_stopped_without_runtime_flag(native_env):
     pid = _pid(state, name)
 
     status = run_cli("status", "--json", env=env)
-    data = json.loads(status.stdout)
+    data = cli_json.data(status.stdout)
     assert [s["name"] for s in data["containers"]] == [name]
     assert "cannot reach the Docker Engine" in data["unreachable"]["docker"]
     assert status.returncode == 3  # the answer is incomplete: Docker could not be asked
 
     smoke = run_cli("smoke", "--json", env=env)
     assert smoke.returncode == 0, smoke.stderr
-    assert json.loads(smoke.stdout)["endpoint"] == f"http://127.0.0.1:{port}"
+    assert cli_json.data(smoke.stdout)["endpoint"] == f"http://127.0.0.1:{port}"
 
     stopped = run_cli("stop", "--name", name, "--json", env=env)
     assert stopped.returncode == 0, stopped.stderr
-    assert json.loads(stopped.stdout) == {"stopped": [name]}
+    assert cli_json.data(stopped.stdout) == {"stopped": [name]}
     deadline = time.monotonic() + 5
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid)
-    assert json.loads(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"] == []
+    assert (
+        cli_json.data(run_cli("status", "--runtime", "native", "--json", env=env).stdout)["containers"] == []
+    )
 
 
 def test_native_launch_refuses_a_missing_model_before_starting(native_env, tmp_path):
@@ -144,13 +147,13 @@ def test_verify_smoke_and_status_use_the_servers_recorded_plan(native_env):
     plan_hash = last_json(launched.stdout)["plan_hash"]
 
     bare = run_cli("verify", "--no-load", "--json", env=env)
-    report = json.loads(bare.stdout)
+    report = cli_json.data(bare.stdout)
     assert "checks" in report, (report, bare.stderr)
     checks = {c["id"]: c for c in report["checks"]}
     assert report["plan_hash"] == plan_hash and "no GPU" not in bare.stderr, bare.stderr
     assert checks["plan"]["status"] == "ok", checks["plan"]
     smoke = run_cli("smoke", "--json", env=env)
-    assert smoke.returncode == 0 and json.loads(smoke.stdout)["ok"], smoke.stdout
+    assert smoke.returncode == 0 and cli_json.data(smoke.stdout)["ok"], smoke.stdout
 
     model = args[args.index("--set") + 1]
     changed = [
@@ -158,13 +161,13 @@ def test_verify_smoke_and_status_use_the_servers_recorded_plan(native_env):
         "--set", f"runtime.port={port}", "--set", "serving.max_model_len=1024",
     ]  # fmt: skip
     other = run_cli("verify", *changed, "--no-load", "--json", env=env)
-    checks = {c["id"]: c for c in json.loads(other.stdout)["checks"]}
+    checks = {c["id"]: c for c in cli_json.data(other.stdout)["checks"]}
     assert other.returncode == 1 and checks["plan"]["status"] == "fail"
     assert "serving.max_model_len: 2048 -> 1024" in checks["plan"]["message"], checks["plan"]
-    status = json.loads(run_cli("status", *changed, "--runtime", "native", "--json", env=env).stdout)
+    status = cli_json.data(run_cli("status", *changed, "--runtime", "native", "--json", env=env).stdout)
     [row] = status["servers"]
     assert row["runs_plan"] is False and row["plan_differences"] == ["serving.max_model_len: 2048 -> 1024"]
-    same = json.loads(run_cli("status", *changed[:-2], "--runtime", "native", "--json", env=env).stdout)
+    same = cli_json.data(run_cli("status", *changed[:-2], "--runtime", "native", "--json", env=env).stdout)
     assert same["servers"][0]["runs_plan"] is True and same["servers"][0]["plan_recorded"] is True
 
 

@@ -18,6 +18,7 @@ from m31ctl.errors import InputError
 from m31ctl.served import figures, profile, spec_decode, sweep, workloads
 from m31ctl.served.figures import Limit
 from tests.conftest import FIXTURES, ROOT, run_cli, run_cli_process
+from tests.support import cli_json
 from tests.support.bench import point
 
 BENCH = FIXTURES / "bench"
@@ -284,7 +285,7 @@ def test_profile_is_a_layer_file_whose_provenance_plan_explain_shows(tmp_path):
     path.write_text(profile.profile_yaml(chosen, "chat", slo, origin))
     shown = run_cli("plan", "--hardware", "cpu", "-f", str(path), "--json")
     assert shown.returncode == 0, shown.stderr
-    plan = json.loads(shown.stdout)
+    plan = cli_json.data(shown.stdout)
     assert plan["settings"]["serving"]["max_num_seqs"] == 16
     verify = plan["settings"]["verify"]
     assert verify["concurrency"] == 16 and verify["tpot_p99_ms"] == 20  # the SLO's own limit

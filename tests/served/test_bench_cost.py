@@ -14,6 +14,7 @@ from m31ctl.errors import InputError
 from m31ctl.served import cost, figures, profile
 from m31ctl.served.cost import Costing, Price
 from tests.conftest import FIXTURES, run_cli
+from tests.support import cli_json
 from tests.support.bench import point
 
 REPORT = FIXTURES / "bench" / "report-max-num-seqs-1.json"
@@ -129,7 +130,7 @@ def test_profile_records_the_price_and_the_date(tmp_path):
     assert "# cost: assumed 2.5 USD per GPU-hour on 2026-12-01" in path.read_text()
     shown = run_cli("plan", "--hardware", "cpu", "-f", str(path), "--json")
     assert shown.returncode == 0, shown.stderr  # still a plain layer file
-    assert json.loads(shown.stdout)["settings"]["serving"]["max_num_seqs"] == 4
+    assert cli_json.data(shown.stdout)["settings"]["serving"]["max_num_seqs"] == 4
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.conftest import run_cli
+from tests.support import cli_json
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -22,7 +23,7 @@ def _bench(
     # bench refuse to guess which one (exit 6). `bare`: no plan options, the server's recorded plan.
     name = next(a.split("=", 1)[1] for a in plan if a.startswith("runtime.container_name="))
     done = run_cli("bench", *([] if bare else plan), "--name", name, *args, "--json", env=env)
-    lines = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    lines = cli_json.stream(done.stdout)
     assert lines, done.stderr[-2000:]
     return done.returncode, lines[:-1], lines[-1]
 
@@ -66,7 +67,7 @@ def test_bench_sweep_frontier_slo_and_profile(cpu_server, tmp_path):
     # The profile is a plan layer: max_num_seqs from the point, its provenance shown by --explain.
     read_back = run_cli("plan", *plan, "-f", str(profile), "--json", env=env)
     assert read_back.returncode == 0, read_back.stderr
-    resolved = json.loads(read_back.stdout)
+    resolved = cli_json.data(read_back.stdout)
     assert resolved["settings"]["serving"]["max_num_seqs"] == chosen
     assert resolved["settings"]["verify"]["concurrency"] == chosen
     assert resolved["settings"]["verify"]["tpot_p99_ms"] == 1000

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_cli
+from tests.support import cli_json
 
 SERVED = "m31ctl-rehearsal"  # the cpu plan's served name
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
@@ -127,7 +128,7 @@ def hostile(mode: str) -> Iterator[str]:
 
 
 def _checks(stdout: str) -> dict[str, dict[str, Any]]:
-    return {c["id"]: c for c in json.loads(stdout)["checks"]}
+    return {c["id"]: c for c in cli_json.data(stdout)["checks"]}
 
 
 def _clean(result: Any) -> None:
@@ -141,7 +142,7 @@ def test_a_well_behaved_server_passes_smoke_and_verify():
         verify = run_cli("verify", "--hardware", "cpu", "--url", url, "--no-load", "--json")
     assert smoke.returncode == 0, smoke.stdout + smoke.stderr
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    report = json.loads(verify.stdout)
+    report = cli_json.data(verify.stdout)
     assert report["facts"]["kv_cache_dtype"] == "auto" and report["facts"]["block_size"] == "16"
 
 
@@ -199,7 +200,7 @@ def test_verify_fails_a_check_on_a_bad_answer(mode, check, said, tmp_path):
     _clean(result)
     found = _checks(result.stdout)[check]
     assert found["status"] == "fail" and said in found["message"], found
-    assert json.loads((tmp_path / "r.json").read_text())["failed"] == json.loads(result.stdout)["failed"]
+    assert json.loads((tmp_path / "r.json").read_text())["failed"] == cli_json.data(result.stdout)["failed"]
 
 
 @pytest.mark.parametrize("as_json", [False, True])

@@ -6,7 +6,6 @@ reconfigure an engine start their own."""
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from subprocess import CompletedProcess
 
 from tests.conftest import last_json, run_cli
 from tests.ports import free_port
+from tests.support import cli_json
 
 
 @dataclass(frozen=True)
@@ -55,16 +55,20 @@ def launch_cpu_server(model: Path, vllm_py: str, state: Path) -> Server:
 def stop_and_check(server: Server) -> None:
     """Stop the shared server and prove stop's promise: it said what it stopped, the engine's
     process is gone, status lists nothing."""
-    rows = json.loads(run_cli("status", "--runtime", "native", "--json", env=server.env).stdout)["containers"]
+    rows = cli_json.data(run_cli("status", "--runtime", "native", "--json", env=server.env).stdout)[
+        "containers"
+    ]
     pids = [r["pid"] for r in rows if r["name"] == server.name]
     stopped = run_cli("stop", "--runtime", "native", "--json", env=server.env)
-    assert stopped.returncode == 0 and json.loads(stopped.stdout)["stopped"] == [server.name], stopped.stderr
+    assert stopped.returncode == 0 and cli_json.data(stopped.stdout)["stopped"] == [server.name], (
+        stopped.stderr
+    )
     for pid in pids:
         assert (
             not os.path.exists(f"/proc/{pid}")
             or Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
         ), f"the engine {pid} outlived stop"
     assert (
-        json.loads(run_cli("status", "--runtime", "native", "--json", env=server.env).stdout)["containers"]
+        cli_json.data(run_cli("status", "--runtime", "native", "--json", env=server.env).stdout)["containers"]
         == []
     )
