@@ -27,6 +27,7 @@ from m31ctl.docker_run import Attachment, Mode, lifecycle_args, log_args, networ
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.engine.router import RouterInvocation, Upstreams, router_invocation
 from m31ctl.errors import HostPreconditionError
+from m31ctl.plan.disaggregation import pair_wider_than_host
 
 # The pair's Docker network: Compose's network key (the project's `<project>_pd`), else the host's
 # `NAME-pd`. Its subnet lies outside Docker's default address pools (172.17.0.0/12 and
@@ -64,8 +65,7 @@ def on_one_host(deployment: Deployment, target: str) -> Disaggregated:
         )
     hw = deployment.hardware
     raise PairWiderThanHost(
-        f"the prefill/decode pair needs {group.gpus} GPUs ({group.prefill.layout.gpus} prefill, "
-        f"{group.decode.layout.gpus} decode) on one host and a {hw.product} host has {hw.count}: "
+        f"{pair_wider_than_host(group.prefill.layout.gpus, group.decode.layout.gpus, hw.product, hw.count)}: "
         f"a {target} runs on one host",
         hint="render it with --target k8s (each role on its own nodes), or use smaller "
         "disaggregation.prefill/.decode layouts",

@@ -152,6 +152,15 @@ def engine_settings(settings: PlanSettings) -> tuple[tuple[str, PlanSettings], .
     return tuple((role.value, role_settings(settings, role)) for role in ROLES)
 
 
+def pair_wider_than_host(prefill_gpus: int, decode_gpus: int, product: str | None, count: int) -> str:
+    """What a pair that one host cannot hold needs, in the words every refusal and note uses
+    (m31ctl/pair.py's refusal, the plan's note)."""
+    return (
+        f"the prefill/decode pair needs {prefill_gpus + decode_gpus} GPUs ({prefill_gpus} prefill, "
+        f"{decode_gpus} decode) on one host and a {product} host has {count}"
+    )
+
+
 def connector_of(settings: PlanSettings) -> Connector:
     return CONNECTORS[settings.disaggregation.connector]
 

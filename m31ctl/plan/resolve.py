@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ValidationError
 
 from m31ctl.checkpoint import model_source
-from m31ctl.errors import InputError, RuleViolation, close_matches
+from m31ctl.errors import InputError, M31Error, RuleViolation, close_matches
 from m31ctl.hardware import PRODUCTS, SERVED_ARCHS, Hardware, cpu_host, simulated, vendor_facts
 from m31ctl.plan.catalog import (
     ModelFacts,
@@ -23,7 +23,12 @@ from m31ctl.plan.catalog import (
     load_recipe,
     select_recipe,
 )
-from m31ctl.plan.disaggregation import check_disaggregation, check_role_engines, engine_settings
+from m31ctl.plan.disaggregation import (
+    check_disaggregation,
+    check_role_engines,
+    engine_settings,
+    pair_wider_than_host,
+)
 from m31ctl.plan.engine_rules import check_engine, checkpoint_facts
 from m31ctl.plan.layers import Layer, Setting, Source, merge, parse_set, unflatten
 from m31ctl.plan.runtime_notes import runtime_warnings
@@ -281,8 +286,9 @@ def _check_nodes(settings: PlanSettings, merged: Layer) -> None:
         )
 
 
-def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
-    """Merge the layers and validate. `recipe` overrides request.recipe (used by `recipes validate`)."""
+def resolve(request: PlanRequest, recipe: Recipe | None = None, *, advise: bool = True) -> Plan:
+    """Merge the layers and validate. `recipe` overrides request.recipe (used by `recipes validate`).
+    `advise`: warnings may advise a setting, each checked by resolving the plan with it first."""
     if recipe is None:
         recipe = get_recipe(request.recipe) if request.recipe else select_recipe(request.hardware)
     variant = recipe.variant(request.variant)
@@ -325,6 +331,7 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None) -> Plan:
         settings=settings,
         provenance=MappingProxyType({k: s.source for k, s in merged.items()}),
         warnings=_warnings(recipe, settings, request.hardware)
+        + gpu_use_notes(request, recipe, settings, advise)
         + runtime_warnings(settings, request.hardware)
         + shape_warnings(settings, request.hardware, model, engine_settings(settings))
         + unpublished_warnings(settings, model)
@@ -369,17 +376,67 @@ def _warnings(recipe: Recipe, settings: PlanSettings, hw: Hardware) -> tuple[str
         notes.append(f"the {recipe.recipe} recipe is a preview: {recipe.description}")
     if recipe.status == "rehearsal":
         notes.append("rehearsal recipe: for CI and dry runs only, it does not serve MiniMax-M3.1-Flash")
+    return tuple(notes)
+
+
+def gpu_use_notes(
+    request: PlanRequest, recipe: Recipe, settings: PlanSettings, advise: bool
+) -> tuple[str, ...]:
+    """How much of the host the plan uses, and a setting that uses more where one resolves: the
+    advice is the plan resolved again with it (every rule, the P/D ones included), so a plan
+    never advises what it would then refuse. A P/D pair counts both roles; one that needs more
+    than the host says which targets place it (Kubernetes) and which refuse it."""
+    hw = request.hardware
+    if not vendor_facts(hw.vendor).gpus:
+        return ()
+    if settings.disaggregation.enabled:
+        return _pair_gpu_notes(request, recipe, settings, advise)
     par = settings.parallelism
     per_node = par.gpus // par.nodes
     # Too few GPUs is refused when the plan is deployed (deployment.require_fit), not noted here.
-    if par.nodes == 1 and hw.count > per_node:
-        hint = (
-            f"; --set parallelism.fill_host=true serves on all {hw.count} (data parallelism over the host)"
-            if hw.count // per_node >= 2
-            else ""
+    if par.nodes > 1 or hw.count <= per_node:
+        return ()
+    fill = "parallelism.fill_host=true"
+    hint = (
+        f"; --set {fill} serves on all {hw.count} (data parallelism over the host)"
+        if hw.count // per_node >= 2 and advise and _advice_resolves(request, recipe, fill)
+        else ""
+    )
+    return (f"the plan uses {per_node} of the {hw.count} GPUs{hint}",)
+
+
+def _pair_gpu_notes(
+    request: PlanRequest, recipe: Recipe, settings: PlanSettings, advise: bool
+) -> tuple[str, ...]:
+    hw = request.hardware
+    (_, prefill), (_, decode) = engine_settings(settings)
+    if prefill.parallelism.nodes > 1 or decode.parallelism.nodes > 1:
+        return ()  # roles over nodes of their own: Kubernetes only, said by the targets that refuse it
+    p, d = prefill.parallelism.gpus, decode.parallelism.gpus
+    if p + d > hw.count:
+        return (
+            f"{pair_wider_than_host(p, d, hw.product, hw.count)}: only Kubernetes places it, each role on a "
+            "node of its own (render --target k8s); compose, script, systemd and launch run the pair on "
+            "one host and refuse it (exit 6)",
         )
-        notes.append(f"the plan uses {per_node} of the {hw.count} GPUs{hint}")
-    return tuple(notes)
+    if p + d == hw.count:
+        return ()
+    note = f"the prefill/decode pair uses {p + d} of the {hw.count} GPUs ({p} prefill, {d} decode)"
+    replica = d // decode.parallelism.data
+    data = (hw.count - p) // replica
+    more = f"disaggregation.decode.data={data}"
+    if advise and data > decode.parallelism.data and _advice_resolves(request, recipe, more):
+        note += f"; --set {more} serves on {p + data * replica} (decode replicas over the host)"
+    return (note,)
+
+
+def _advice_resolves(request: PlanRequest, recipe: Recipe, setting: str) -> bool:
+    """Whether the plan with `setting` added resolves (the same rules the user would meet)."""
+    try:
+        resolve(request._replace(sets=(*request.sets, setting)), recipe, advise=False)
+    except M31Error:
+        return False
+    return True
 
 
 def _host_for(recipe: Recipe) -> Hardware:

@@ -5,6 +5,7 @@ adapters spell each role's KV transfer and the router's command line."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -12,10 +13,11 @@ from m31ctl.deployment import derive, require_fit
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.errors import ExitCode, HostPreconditionError, InputError
 from m31ctl.hardware import simulated
-from m31ctl.pair import loopback_router_invocation
+from m31ctl.pair import PairWiderThanHost, loopback_router_invocation, on_one_host
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.disaggregation import CONNECTORS, Role
 from tests.conftest import run_cli
+from tests.support import cli_json
 
 PD = "disaggregation.enabled=true"
 
@@ -80,6 +82,46 @@ def test_a_pair_wider_than_the_host_is_not_one_host():
     assert group is not None and not group.fits_one_host  # 4 + 4 GPUs on a 4-GPU host: Kubernetes only
 
 
+def test_a_pair_wider_than_the_host_says_so_at_plan_time_in_the_refusals_words():
+    """B300x4: each TP4 role fits a node, the pair does not fit the host. The plan says so when it
+    is made (Kubernetes places each role on a node of its own; the single-host targets refuse it),
+    in the words the refusal uses (issue 53: the plan was silent until render --target compose)."""
+    plan = plan_for("b300x4")
+    (note,) = [w for w in plan.warnings if "prefill/decode pair" in w]
+    assert "needs 8 GPUs (4 prefill, 4 decode) on one host" in note and "render --target k8s" in note
+    with pytest.raises(PairWiderThanHost) as refused:
+        on_one_host(derive(plan), "compose")
+    assert refused.value.message.startswith(note.split(":")[0] + ": a compose runs on one host")
+
+
+def _advised(plan) -> list[str]:  # type: ignore[no-untyped-def]
+    return [m.group(1) for w in plan.warnings for m in [re.search(r"--set (\S+)", w)] if m]
+
+
+@pytest.mark.parametrize(
+    ("spec", "sets"),
+    [
+        ("b300x8", (PD,)),  # advised parallelism.fill_host, which a P/D plan refuses (issue 53)
+        ("b300x16", (PD,)),
+        ("b300x8", (PD, "disaggregation.decode.tensor=2")),
+        ("b300x8", ()),
+        ("b300x8", ("parallelism.tensor=2",)),
+    ],
+)
+def test_a_plan_never_advises_a_setting_it_then_refuses(spec, sets):
+    request = PlanRequest(hardware=simulated(spec), sets=sets)
+    for setting in _advised(resolve(request)):
+        followed = resolve(request._replace(sets=(*sets, setting)))
+        assert not [w for w in followed.warnings if "GPUs" in w and "--set" in w], followed.warnings
+
+
+def test_a_pair_counts_both_roles_against_the_host():
+    assert not [w for w in plan_for("b300x8").warnings if "GPUs" in w]  # 4 + 4 on 8: the host is full
+    (note,) = [w for w in plan_for("b300x8", "disaggregation.decode.tensor=2").warnings if "GPUs" in w]
+    assert note.startswith("the prefill/decode pair uses 6 of the 8 GPUs (4 prefill, 2 decode)")
+    assert "--set disaggregation.decode.data=2 serves on 8" in note
+
+
 @pytest.mark.parametrize(
     ("sets", "key", "words"),
     [
@@ -131,7 +173,7 @@ def test_fit_is_per_role():
 def test_plan_json_lists_roles_and_router():
     done = run_cli("plan", "--hardware", "cpu", "--variant", "pd", "--json")
     assert done.returncode == 0, done.stderr
-    pd = json.loads(done.stdout)["disaggregation"]
+    pd = cli_json.data(done.stdout)["disaggregation"]
     assert [pd[r]["kv_role"] for r in ("prefill", "decode")] == ["kv_producer", "kv_consumer"]
     assert pd["router"]["argv"][0] == "vllm-router" and pd["one_host"] is True
 
