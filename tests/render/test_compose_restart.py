@@ -1,7 +1,9 @@
 """A restarted engine does not download (issue 34), proven with the real parts: the rendered
-Compose file run by docker-compose, its one-shot download service fetching the pinned commit from
-a stand-in hub with the real huggingface_hub, vLLM's CPU build serving it offline, and the engine
-killed from outside so that its restart policy starts it again."""
+Compose file run by docker-compose, its one-shot download service fetching `main` from a stand-in
+hub with the real huggingface_hub (rendered with no hub and nothing cached, so resolved at deploy
+time: issues 51, 53), vLLM's CPU build serving it offline, and the engine killed from outside so
+that its restart policy starts it again after main has moved: it serves the commit the download
+recorded in refs/main, asking the hub nothing."""
 
 from __future__ import annotations
 
@@ -76,14 +78,15 @@ def test_a_restarted_engine_serves_offline_without_downloading(tmp_path, tiny_mo
             "--set", f"model.path={REPO_ID}", "--set", f"runtime.hf_cache={cache}",
             "--set", f"runtime.container_name={name}", "--set", f"runtime.port={port}",
             "--set", f"runtime.env.HF_ENDPOINT={hub.endpoint}",
-            env={"HF_ENDPOINT": f"http://127.0.0.1:{hub.endpoint.rsplit(':', 1)[1]}"},
         )  # fmt: skip
-        assert rendered.returncode == 0, rendered.stderr
+        # Render asks no hub (HF_ENDPOINT is the session's closed one) and the cache is empty: the
+        # files name main, which the download resolves when it runs (m31ctl/revision.py).
+        assert rendered.returncode == 0 and "resolves it when it runs" in rendered.stderr, rendered.stderr
         compose.write_text(rendered.stdout)
         services = yaml.safe_load(rendered.stdout)["services"]
         commit = hub.repo.commit
-        assert services["download"]["command"][3] == commit  # pinned at render time, by the hub's answer
-        assert services["vllm"]["command"][1:3] == ["--revision", commit]
+        assert services["download"]["command"][3] == "main"
+        assert services["vllm"]["command"][1:3] == ["--revision", "main"]
         assert "HF_HUB_OFFLINE=1" in services["vllm"]["environment"]
         up = subprocess.run(
             ["docker-compose", "-p", project, "-f", str(compose), "up", "-d"],
@@ -95,8 +98,12 @@ def test_a_restarted_engine_serves_offline_without_downloading(tmp_path, tiny_mo
         downloaded = _docker("inspect", "-f", "{{.State.ExitCode}}", f"{project}_download_1").stdout.strip()
         assert downloaded == "0"
         assert hub.gets("model.safetensors") == [0]  # the one download, by the download service
+        ref = cache / "hub" / f"models--{REPO_ID.replace('/', '--')}" / "refs" / "main"
+        assert ref.read_text() == commit  # the download recorded the commit main named then
         _wait_healthy(f"http://127.0.0.1:{port}/health", name)
 
+        # main moves on the hub: the restarted engine still serves, offline, what refs/main names.
+        assert hub.repo.commit_files({"m31ctl-moved.txt": RepoFile(b"moved", False)}) != commit
         hub.reset_counts()
         pid = _docker("inspect", "-f", "{{.State.Pid}}", name).stdout.strip()
         subprocess.run(["kill", "-9", pid], check=True)  # the engine dies, as a crash would
@@ -106,6 +113,7 @@ def test_a_restarted_engine_serves_offline_without_downloading(tmp_path, tiny_mo
             time.sleep(1)
         _wait_healthy(f"http://127.0.0.1:{port}/health", name)
         assert hub.requests == []  # the restarted engine asked the hub for nothing
+        assert ref.read_text() == commit
         models = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10).read())
         assert models["data"][0]["id"]
     finally:
