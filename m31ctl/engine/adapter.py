@@ -202,6 +202,8 @@ def _cache_args(s: PlanSettings) -> list[str]:
         args += ["--attention-config", _json(attention)]
     if s.cache.block_size is not None:
         args += ["--block-size", str(s.cache.block_size)]
+    if s.cache.cpu_offload_gib is not None:
+        args += ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{s.cache.cpu_offload_gib:g}"]
     if s.attention_backend:
         args += ["--attention-backend", s.attention_backend]
     return args
@@ -322,6 +324,7 @@ def _everything_on() -> list[PlanSettings]:
             "indexer_dtype": "fp8",
             "indexer_context_parallel": True,
             "block_size": 128,
+            "cpu_offload_gib": 1,
         },
         "speculative": {
             "method": "dspark",

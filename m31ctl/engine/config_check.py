@@ -137,6 +137,8 @@ def _resolved(config: Any) -> dict[str, Any]:
         "total_num_kv_heads": model.get_total_num_kv_heads(),
         "configured_attention_backend": _name(getattr(attention, "backend", None)),
         "indexer_kv_dtype": getattr(attention, "indexer_kv_dtype", None),
+        "kv_offloading_size": getattr(cache, "kv_offloading_size", None),
+        "kv_connector": getattr(config.kv_transfer_config, "kv_connector", None),
     }
     spec = config.speculative_config
     resolved["speculative"] = (

@@ -42,6 +42,8 @@ SETTING_FOR: dict[str, str] = {
     "--kv-cache-dtype": "cache.kv_dtype",
     "--attention-config": "cache.indexer_dtype and cache.indexer_context_parallel",
     "--block-size": "cache.block_size",
+    "--kv-offloading-backend": "cache.cpu_offload_gib",
+    "--kv-offloading-size": "cache.cpu_offload_gib",
     "--attention-backend": "attention_backend",
     "--speculative-config": "speculative.*",
     "--moe-backend": "moe.backend",

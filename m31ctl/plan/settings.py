@@ -105,6 +105,12 @@ class CacheSettings(_Frozen):
     # 0.33 --attention-config minimax_m3_indexer_cp; ROCm, TP > 1, bf16/fp8 index cache, -dcp 1).
     indexer_context_parallel: bool = False
     block_size: StrictInt | None = Field(None, ge=1)
+    # A CPU tier for the prefix cache (vLLM's native KV offloading, its OffloadingConnector): blocks
+    # evicted from GPU memory stay in this many GiB of host memory, summed over the tensor-parallel
+    # ranks (vllm/config/cache.py kv_offloading_size), and a prefix hit restores them instead of
+    # recomputing the prompt. Every KV cache group goes, the sparse indexer's with the main cache
+    # (the connector SupportsHMA). None: no CPU tier.
+    cpu_offload_gib: float | None = Field(None, gt=0)
 
 
 class SpeculativeSettings(_Frozen):
@@ -414,3 +420,16 @@ class PlanSettings(_Frozen):
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     verify: VerifySettings = Field(default_factory=VerifySettings)
     disaggregation: Disaggregation = Field(default_factory=Disaggregation)
+
+    @model_validator(mode="after")
+    def _one_kv_connector(self) -> PlanSettings:
+        # vLLM 0.32 turns kv_offloading_size into the KV connector itself, over any the roles set
+        # (config/vllm.py _post_init_kv_transfer_config: kv_connector = "OffloadingConnector",
+        # kv_role = "kv_both"): a P/D role would lose its NixlConnector and never pair.
+        if self.cache.cpu_offload_gib is not None and self.disaggregation.enabled:
+            raise ValueError(
+                "cache.cpu_offload_gib replaces a prefill/decode role's KV connector in vLLM 0.32 "
+                "(its offloading is a KV connector too), so the pair could not transfer KV: unset "
+                "cache.cpu_offload_gib or disaggregation.enabled"
+            )
+        return self

@@ -436,6 +436,23 @@ def test_the_rehearsal_plans_argv_passes_and_a_long_one_is_refused(vllm_py, tiny
     assert parse.stage == "parse" and "unrecognized arguments" in (parse.refusal or "")
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_the_cpu_tier_is_vllms_offloading_connector_with_the_size_asked(vllm_py, tiny_models):
+    """cache.cpu_offload_gib as the adapter spells it: real vLLM 0.32 builds its native offloading
+    (the OffloadingConnector, holding the GiB asked for) from the plan's own argv. One config
+    build, about 5 s, beside the rehearsal plan's in the test above."""
+    from m31ctl.engine.dry_run import dry_run_config
+
+    p = plan("cpu", f"model.path={tiny_models[4]}", "cache.cpu_offload_gib=2")
+    result = dry_run_config(vllm_py, list(argv(p)), env={**BIND, **p.settings.runtime.env})
+    assert result.ok, result.message
+    assert (
+        result.resolved["kv_offloading_size"] == 2
+        and result.resolved["kv_connector"] == "OffloadingConnector"
+    )
+
+
 # --- the MoE layout vLLM builds, against real vLLM (CPU build, DP2 with and without EP) ---------
 
 # Experts of 8 x 3 x 256 x 32768 bf16 per layer (0.75 GiB in all): the share each rank holds
