@@ -46,7 +46,10 @@ def kubelet_on_network(
         # Not checked here: a volume the engine refused shows as the pod's own start error.
         docker_verbs.create_volume(client, claim_volume(session, claim), labels)
     addresses = pod_addresses(subnet, prepared) if subnet else {}
-    return Kubelet(client, session, network, addresses=addresses, secrets=secrets), None
+    kubelet = Kubelet(
+        client, session, network, addresses=addresses, secrets=secrets, sandboxed=prepared.restarted_in_place
+    )
+    return kubelet, None
 
 
 def pod_addresses(subnet: str, prepared: Prepared) -> dict[str, str]:

@@ -53,6 +53,36 @@ def claim_volume(session: str, claim: str) -> str:
     return f"m31ctl-rh-{session}-{claim}"
 
 
+def sandbox_name(session: str, pod: PodRun) -> str:
+    return f"{container_name(session, pod)[:112]}-sandbox"
+
+
+def sandbox_args(pod: PodRun, session: str, network: str, address: str = "") -> dict[str, Any]:
+    """The pod's sandbox (Kubernetes' pause container): it holds the pod's network namespace, so
+    the pod's address, hostname and DNS names outlive a kill of its container, as a kubelet's pod
+    keeps its IP while its container restarts. It runs nothing but a sleep."""
+    return {
+        "name": sandbox_name(session, pod),
+        "image": pod.image,
+        "labels": {Label.REHEARSAL: session},
+        "hostname": pod.hostname[:63],
+        "entrypoint": ["sleep"],
+        "command": ["infinity"],
+        "host": {},
+        "network": network,
+        "aliases": list(pod.aliases),
+        "address": address or None,
+    }
+
+
+def in_sandbox(create: dict[str, Any], sandbox: str) -> dict[str, Any]:
+    """A pod's container run in its sandbox's network namespace: the address, hostname and names
+    are the sandbox's (Docker refuses a hostname of its own in another container's namespace)."""
+    moved = {k: v for k, v in create.items() if k not in ("network", "aliases", "address", "hostname")}
+    moved["host"] = {**create["host"], "network_mode": f"container:{sandbox}"}
+    return moved
+
+
 # The downward API's fields the rehearsal fills (Kubernetes: pods/fieldRef); the pod's address
 # is the one the cluster assigned it on the rehearsal network (cluster.pod_addresses).
 def field_values(pod: PodRun, address: str) -> list[tuple[str, str]]:
@@ -114,6 +144,7 @@ class PodState:
     exit_code: int | None = None
     ready_s: float | None = None
     probes: list[ProbeState] = field(default_factory=list)
+    sandbox: str = ""  # the pod's sandbox container holding its address ("": none)
 
     @property
     def started(self) -> bool:
@@ -151,6 +182,7 @@ class Kubelet:
         clock: Callable[[], float] = time.monotonic,
         addresses: Mapping[str, str] | None = None,
         secrets: Mapping[str, str] | None = None,
+        sandboxed: frozenset[str] = frozenset(),
     ):
         self.client, self.session, self.network, self.clock = client, session, network, clock
         # pod name -> its fixed address (a manifest that reads status.podIP needs one known
@@ -160,6 +192,12 @@ class Kubelet:
         # variable -> the value of the Secret key it reads (secretKeyRef), as the kubelet reads
         # the cluster's Secrets; a pod gets those it names, into the API request only.
         self.secrets = dict(secrets or {})
+        # Pods whose container the rehearsal kills and starts again in place: each gets a sandbox
+        # holding its address (sandbox_args). Without one, a killed container's address vanishes
+        # from the network and a peer's connection to it goes unanswered until the kernel's
+        # neighbour entry fails (measured here: 39 s; up to about 70 s), where the kubelet's pod
+        # refuses it at once.
+        self.sandboxed = sandboxed
 
     def start(self, pod: PodRun) -> PodState:
         address = "" if pod.init else self.addresses.get(pod.pod, "")
@@ -167,8 +205,18 @@ class Kubelet:
         create["environment"] += [
             f"{name}={self.secrets[name]}" for name, _ in pod.secrets if name in self.secrets
         ]
-        done = docker_verbs.run_detached(self.client, **create)
-        state = PodState(pod, container_name(self.session, pod), self.clock())
+        sandbox = ""
+        if pod.pod in self.sandboxed and not pod.init:
+            sandbox = sandbox_name(self.session, pod)
+            made = docker_verbs.run_detached(
+                self.client, **sandbox_args(pod, self.session, self.network, address)
+            )
+            done = (
+                made if not made.ok else docker_verbs.run_detached(self.client, **in_sandbox(create, sandbox))
+            )
+        else:
+            done = docker_verbs.run_detached(self.client, **create)
+        state = PodState(pod, container_name(self.session, pod), self.clock(), sandbox=sandbox)
         if not done.ok:
             state.status, state.exit_code = "not started", done.code
             state.start_error = done.err.strip()[-300:]
@@ -218,6 +266,8 @@ class Kubelet:
 
     def refresh(self, state: PodState) -> None:
         status, code, ip = engine_api.container_state(self.client, state.name)
+        if state.sandbox and not ip:  # the address is the sandbox's
+            ip = engine_api.container_state(self.client, state.sandbox)[2]
         state.ip = ip or state.ip
         if status in ("exited", "dead", ""):
             state.status, state.exit_code = "exited", code

@@ -4,13 +4,18 @@
    plan without disaggregation, same image, model and flags) on short and long prompts;
 2. transfer: the decode instance's /metrics count those prompts' tokens as external KV transfer,
    with transfers and none failed (served/kv_transfer.py), not recomputed;
-3. faults: prefill killed, the router answers 5xx and decode stays healthy; prefill started
-   again (the same container, as the kubelet restarts one), the group serves again by itself.
+3. faults: prefill killed (its container ended), the router answers 5xx, decode answers
+   /health and no KV moved; prefill started again (the same container in the same pod, as the
+   kubelet restarts one), it answers /health, the router serves again by itself and the answer's
+   KV came over the wire from the restarted prefill.
 
 The tiny model (plain Llama) has no sliding or sparse window, so "long" means many KV blocks
 (the CPU backend's block is 128 tokens): the longest prompt spans 13. Side effects on
 containers come through `Pair` (proofs.py's); HTTP through httpx and served/http_answers'
-defensive reading. Waits are bounded and condition-driven: nothing is judged by speed.
+defensive reading. Every step is judged by state (an answer, a role's /health, decode's
+transfer counters), and each wait is bounded by a clock of the plan (PairClocks): a request
+that gets no answer is asked again until that clock runs out, never judged by one client
+timeout, so a slow host takes longer and reads the same.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from m31ctl import interrupt
+from m31ctl.deployment import Disaggregated
 from m31ctl.served import http_answers, kv_transfer, prometheus, smoke
 
 SENTENCE = "the model serves tokens on four GPUs with sparse attention and a speculative draft; "
@@ -33,6 +39,37 @@ PROMPTS = {
 }
 MAX_TOKENS = 16
 POLL_S = 2.0
+# vllm-router's own counts (vllm_router/router_args.py 0.1.17, not rendered): a worker is taken
+# out after this many failed health checks in a row, and back after this many passed.
+ROUTER_HEALTH_FAILURES = 3
+ROUTER_HEALTH_SUCCESSES = 2
+
+
+class PairClocks(NamedTuple):
+    """How long each step of the faults may take, from the plan's clocks (the twin's
+    Deployment): never a figure of how fast this host is."""
+
+    # The router answers with prefill down: at once when prefill's pod refuses the connection,
+    # else once its health checks take prefill out (failures x (interval + timeout)).
+    router_down_s: float
+    # A role answers /health: the router's own health-check timeout, which it holds them to.
+    health_s: float
+    # Prefill started again answers /health: its readiness wait (the timeline's ready_s, what
+    # its startup probe allows).
+    prefill_ready_s: float
+    # The router takes prefill back once it answers: successes x (interval + timeout).
+    router_back_s: float
+
+
+def pair_clocks(group: Disaggregated) -> PairClocks:
+    router = group.router
+    check = router.health_check_interval_s + router.health_check_timeout_s
+    return PairClocks(
+        router_down_s=ROUTER_HEALTH_FAILURES * check,
+        health_s=router.health_check_timeout_s,
+        prefill_ready_s=group.prefill.timeline.ready_s,
+        router_back_s=ROUTER_HEALTH_SUCCESSES * check,
+    )
 
 
 class Pair(NamedTuple):
@@ -40,11 +77,13 @@ class Pair(NamedTuple):
 
     router: str  # base URLs on the rehearsal network
     decode: str
-    kill_prefill: Callable[[], str | None]  # None when done, else why not
+    prefill: str
+    kill_prefill: Callable[[], str | None]  # None once its container has ended, else why not
     start_prefill: Callable[[], str | None]
     # Start the aggregated reference server and wait until it answers: its base URL, or why not.
     start_reference: Callable[[float], tuple[str, str | None]]
     model: str
+    clocks: PairClocks
 
 
 class Parity(NamedTuple):
@@ -66,6 +105,11 @@ class PairingOutcome(NamedTuple):
     decode_healthy_when_prefill_down: bool
     recovered_after_s: float | None  # from prefill's restart to the router serving again
     failure: str | None  # the first check that failed, in words; None: all passed
+    # How long the router took to answer with prefill down (None: not asked, or no answer).
+    prefill_down_answer_s: float | None = None
+    prefill_restarted: bool = False  # the recovery step ran (prefill was started again)
+    # Decode's counters over the recovery: the answer's KV came from the restarted prefill.
+    recovery_transfer_verdict: str = ""
 
     @property
     def ok(self) -> bool:
@@ -125,21 +169,47 @@ def through_router(pair: Pair, timeout: float) -> tuple[dict[str, tuple[str, int
     return found, None
 
 
-def wait_serving_again(pair: Pair, budget_s: float, timeout: float) -> float | None:
-    """Seconds until the router answers the longest prompt again; None within `budget_s`."""
+class Waited(NamedTuple):
+    answer: http_answers.Answer  # the last answer (status 0: none came)
+    after_s: float  # from the wait's start to that answer
+    ok: bool  # it passed the wait's test
+
+
+def wait_for(
+    ask: Callable[[float], http_answers.Answer], passes: Callable[[http_answers.Answer], bool], bound_s: float
+) -> Waited:
+    """Ask until an answer passes, or `bound_s` runs out. Each ask may take what is left of the
+    bound (its client timeout); an answer that does not pass is asked again POLL_S later."""
     started = time.monotonic()
-    while time.monotonic() - started < budget_s:
-        if text_and_tokens(completion(pair.router, pair.model, PROMPTS["thirteen-blocks"], timeout)):
-            return round(time.monotonic() - started, 1)
+    while True:
+        left = bound_s - (time.monotonic() - started)
+        answer = ask(max(left, 1.0))
+        after = round(time.monotonic() - started, 1)
+        if passes(answer):
+            return Waited(answer, after, True)
+        if time.monotonic() - started + POLL_S >= bound_s:
+            return Waited(answer, after, False)
         interrupt.sleep(POLL_S)  # Ctrl-C and SIGTERM end the wait here
-    return None
+
+
+def answered(answer: http_answers.Answer) -> bool:
+    return answer.status != 0
+
+
+def healthy(answer: http_answers.Answer) -> bool:
+    return answer.status == 200
+
+
+def serving(answer: http_answers.Answer) -> bool:
+    return text_and_tokens(answer) is not None
 
 
 def prove(
     pair: Pair, budget_s: float, timeout: float = 120.0, progress: Callable[[str], None] = lambda _: None
 ) -> PairingOutcome:
     """The three proofs, in order; the first that fails is the outcome's failure (what came
-    before it is reported as measured)."""
+    before it is reported as measured). `budget_s` bounds the reference server's start;
+    `timeout`, each parity request (the pair serves then, with nothing killed)."""
     before = transfer_facts(pair.decode, timeout)
     answers, failure = through_router(pair, timeout)
     seen = kv_transfer.since(before, transfer_facts(pair.decode, timeout))
@@ -151,16 +221,8 @@ def prove(
     if failure is None and not verdict.came_over_the_wire:
         outcome = outcome._replace(failure=f"the KV did not come over the wire: {verdict.reason}")
     if outcome.failure is None:
-        outcome = faults(pair, outcome, budget_s, timeout)
-        progress(
-            f"prefill killed: the router answered HTTP {outcome.prefill_down_status}, decode "
-            f"{'healthy' if outcome.decode_healthy_when_prefill_down else 'NOT healthy'}; prefill back: "
-            + (
-                f"serving again after {outcome.recovered_after_s} s"
-                if outcome.recovered_after_s
-                else "not serving"
-            )
-        )
+        outcome = faults(pair, outcome)
+        progress(fault_line(outcome))
     if outcome.failure is None:
         outcome = parity(pair, outcome, answers, budget_s, timeout)
         same = sum(p.same for p in outcome.parity)
@@ -168,30 +230,101 @@ def prove(
     return outcome
 
 
-def faults(pair: Pair, outcome: PairingOutcome, budget_s: float, timeout: float) -> PairingOutcome:
+def fault_line(outcome: PairingOutcome) -> str:
+    """The fault steps in a line: what the router answered and when, decode's health, and
+    whether prefill was started again at all."""
+    down = (
+        f"the router answered HTTP {outcome.prefill_down_status} after {outcome.prefill_down_answer_s} s"
+        if outcome.prefill_down_status
+        else "the router gave no answer"
+    )
+    if not outcome.prefill_restarted:
+        back = "not started again (the step before failed)"
+    elif outcome.recovered_after_s is not None:
+        back = f"serving again after {outcome.recovered_after_s} s ({outcome.recovery_transfer_verdict})"
+    else:
+        back = "not serving"
+    decode = "healthy" if outcome.decode_healthy_when_prefill_down else "NOT healthy"
+    return f"prefill killed: {down}, decode {decode}; prefill back: {back}"
+
+
+def faults(pair: Pair, outcome: PairingOutcome) -> PairingOutcome:
+    """Prefill killed, then started again, each step judged by state within the plan's clocks."""
+    clocks = pair.clocks
+    before = transfer_facts(pair.decode, clocks.health_s)
     refused = pair.kill_prefill()
     if refused is not None:
         return outcome._replace(failure=f"killing prefill failed: {refused}")
-    down = completion(pair.router, pair.model, PROMPTS["two-blocks"], timeout)
-    decode_health = health(pair.decode, timeout)
-    decode_ok = decode_health.status == 200
-    outcome = outcome._replace(prefill_down_status=down.status, decode_healthy_when_prefill_down=decode_ok)
-    if not 500 <= down.status < 600:
+    down = wait_for(
+        lambda left: completion(pair.router, pair.model, PROMPTS["two-blocks"], left),
+        answered,
+        clocks.router_down_s,
+    )
+    decode = wait_for(lambda left: health(pair.decode, left), healthy, clocks.health_s)
+    outcome = outcome._replace(
+        prefill_down_status=down.answer.status,
+        prefill_down_answer_s=down.after_s if down.ok else None,
+        decode_healthy_when_prefill_down=decode.ok,
+    )
+    if not down.ok:
         return outcome._replace(
-            failure=f"prefill killed, the router answered HTTP {down.status}{down.evidence()}, not 5xx"
+            failure=f"prefill killed, the router gave no answer within {clocks.router_down_s:.0f} s (its "
+            f"health checks take a worker out in {ROUTER_HEALTH_FAILURES} x (interval + timeout))"
+            f"{down.answer.evidence()}"
         )
-    if not decode_ok:
+    if not 500 <= down.answer.status < 600:
         return outcome._replace(
-            failure=f"prefill killed, decode's /health answered HTTP {decode_health.status}{decode_health.evidence()}"
+            failure=f"prefill killed, the router answered HTTP {down.answer.status}"
+            f"{down.answer.evidence()}, not 5xx"
         )
+    if not decode.ok:
+        return outcome._replace(
+            failure=f"prefill killed, decode's /health answered HTTP {decode.answer.status}"
+            f"{decode.answer.evidence()} within {clocks.health_s:.0f} s"
+        )
+    moved = kv_transfer.since(before, transfer_facts(pair.decode, clocks.health_s))
+    if moved.transfers or moved.failed_transfers:
+        return outcome._replace(
+            failure=f"prefill killed, yet decode counted {moved.transfers} transfers and "
+            f"{moved.failed_transfers} failed: the router handed decode a request without its prefill"
+        )
+    return recovery(pair, outcome._replace(prefill_restarted=True))
+
+
+def recovery(pair: Pair, outcome: PairingOutcome) -> PairingOutcome:
+    """Prefill started again in place: it answers /health within its readiness wait, the router
+    serves the longest prompt within its take-back clock after that, and decode's counters show
+    that answer's KV came over the wire."""
+    clocks = pair.clocks
+    before = transfer_facts(pair.decode, clocks.health_s)
     refused = pair.start_prefill()
     if refused is not None:
         return outcome._replace(failure=f"starting prefill again failed: {refused}")
-    recovered = wait_serving_again(pair, budget_s, timeout)
-    outcome = outcome._replace(recovered_after_s=recovered)
-    if recovered is None:
+    started = time.monotonic()
+    up = wait_for(lambda left: health(pair.prefill, left), healthy, clocks.prefill_ready_s)
+    if not up.ok:
         return outcome._replace(
-            failure=f"prefill back, the router did not serve again within {budget_s:.0f} s"
+            failure=f"prefill started again did not answer /health within its readiness wait "
+            f"({clocks.prefill_ready_s:.0f} s){up.answer.evidence()}"
+        )
+    back = wait_for(
+        lambda left: completion(pair.router, pair.model, PROMPTS["thirteen-blocks"], left),
+        serving,
+        clocks.router_back_s,
+    )
+    if not back.ok:
+        return outcome._replace(
+            failure=f"prefill back (answering /health after {up.after_s} s), the router did not serve "
+            f"again within {clocks.router_back_s:.0f} s (its health checks take a worker back in "
+            f"{ROUTER_HEALTH_SUCCESSES} x (interval + timeout)): HTTP {back.answer.status}"
+            f"{back.answer.evidence()}"
+        )
+    outcome = outcome._replace(recovered_after_s=round(time.monotonic() - started, 1))
+    verdict = kv_transfer.judge(kv_transfer.since(before, transfer_facts(pair.decode, clocks.health_s)))
+    outcome = outcome._replace(recovery_transfer_verdict=verdict.reason)
+    if not verdict.came_over_the_wire:
+        return outcome._replace(
+            failure=f"prefill back, the router served, but not over the wire: {verdict.reason}"
         )
     return outcome
 

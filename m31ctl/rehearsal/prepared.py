@@ -41,6 +41,18 @@ class Prepared(NamedTuple):
         side channel binds it), or a Service maps ports (its forwarder needs the target's)."""
         return any(p.fields for p in self.manifest.pods) or bool(self.manifest.forwarded)
 
+    def role_pod(self, role: Deployment) -> str:
+        """A P/D role's pod: the one its API Service selects."""
+        service = next(s for s in self.manifest.services if s.name == role.name + API_SERVICE_SUFFIX)
+        return service.pod
+
+    @property
+    def restarted_in_place(self) -> frozenset[str]:
+        """The pods whose container the proof kills and starts again in place: a P/D pair's
+        prefill (pairing.py's faults). The kubelet gives them a sandbox holding their address."""
+        group = self.deployment.disaggregated
+        return frozenset() if group is None else frozenset({self.role_pod(group.prefill)})
+
     @property
     def layout(self) -> str:
         """The twin's layout in words."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from m31ctl import interrupt
 from m31ctl.deployment import Deployment
 from m31ctl.errors import M31Error
 from m31ctl.rehearsal import pairing
@@ -22,6 +23,7 @@ from m31ctl.served import http_answers, smoke
 
 # How long a node may take to die after the first answers (a rank dying at its first request).
 SETTLE_S = 3.0
+KILL_POLL_S = 0.5
 PROMPT = "The rehearsal says"
 
 
@@ -82,8 +84,32 @@ def _engine_url(prepared: Prepared, role: Deployment, states: list[PodState]) ->
     """A P/D role's base URL on the rehearsal network (its pod's address and vLLM's port, as
     the role's API Service targets it) and its pod."""
     service = next(s for s in prepared.manifest.services if s.name == role.name + API_SERVICE_SUFFIX)
-    state = next(s for s in states if s.pod.pod == service.pod and not s.pod.init)
+    state = next(s for s in states if s.pod.pod == prepared.role_pod(role) and not s.pod.init)
     return f"http://{state.ip}:{service.ports[0][1]}", state
+
+
+def kill_until_ended(kubelet: Kubelet, state: PodState, bound_s: float) -> str | None:
+    """SIGKILL the pod's container and wait until it has ended (the kill is a state, not the
+    moment `docker kill` returns), within `bound_s`; None once ended, else why not."""
+    refused = kubelet.kill(state)
+    if refused is not None:
+        return refused
+    deadline = kubelet.clock() + bound_s
+    while True:
+        kubelet.refresh(state)
+        if state.status != "running":
+            return None
+        if kubelet.clock() > deadline:
+            return f"{state.name} still runs {bound_s:.0f} s after SIGKILL"
+        interrupt.sleep(KILL_POLL_S)  # Ctrl-C and SIGTERM end the wait here
+
+
+def start_in_place(kubelet: Kubelet, state: PodState) -> str | None:
+    """The ended container started again in its pod, as the kubelet restarts one."""
+    refused = kubelet.start_again(state)
+    if refused is None:
+        state.status, state.exit_code = "running", None
+    return refused
 
 
 def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:
@@ -91,7 +117,7 @@ def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options,
     group = prepared.deployment.disaggregated
     assert group is not None and prepared.reference is not None and run.served is not None
     decode, decode_state = _engine_url(prepared, group.decode, run.states)
-    _, prefill = _engine_url(prepared, group.prefill, run.states)
+    prefill_url, prefill = _engine_url(prepared, group.prefill, run.states)
     reference = prepared.reference
     started: list[PodState] = []
 
@@ -110,10 +136,12 @@ def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options,
     pair = pairing.Pair(
         router=run.served.endpoint,
         decode=decode,
-        kill_prefill=lambda: kubelet.kill(prefill),
-        start_prefill=lambda: kubelet.start_again(prefill),
+        prefill=prefill_url,
+        kill_prefill=lambda: kill_until_ended(kubelet, prefill, group.prefill.timeline.stop_s),
+        start_prefill=lambda: start_in_place(kubelet, prefill),
         start_reference=start_reference,
         model=prepared.twin.plan.settings.model.served_name,
+        clocks=pairing.pair_clocks(group),
     )
     progress("proving the pair: parity with an aggregated server, KV transfer, prefill killed and back")
     outcome = pairing.prove(pair, budget_s=max(float(options.timeout_s), 120.0), progress=progress)

@@ -1,0 +1,184 @@
+"""The P/D rehearsal's fault and recovery steps (rehearsal/pairing.py) judged by state within the
+plan's clocks, and the pod sandbox that keeps a killed prefill's address (issue 53: beside a busy
+neighbour the fault step read "the router answered HTTP 0 ... prefill back: not serving").
+
+The pure tests drive the steps on stand-ins for the router, the roles and decode's counters; the
+Docker test proves the root cause away: a killed container's address used to vanish from the
+network, so a connection to it went unanswered for up to about 70 s (the kernel's neighbour
+timers), where a pod's sandbox refuses it at once, as a kubelet's pod does."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+import uuid
+from typing import Any
+
+import pytest
+
+from m31ctl.deployment import derive
+from m31ctl.hardware import simulated
+from m31ctl.labels import Label
+from m31ctl.plan import PlanRequest, resolve
+from m31ctl.rehearsal import docker_verbs, pairing
+from m31ctl.rehearsal.kubelet import Kubelet
+from m31ctl.rehearsal.pods import PodRun
+from m31ctl.rehearsal.proofs import kill_until_ended, start_in_place
+from m31ctl.served import kv_transfer
+from m31ctl.served.http_answers import Answer
+
+NO_ANSWER = Answer(0, b"", None, "no answer: ReadTimeout: 'timed out'")
+REFUSED = Answer(500, b"prefill request failed", None)
+OK = Answer(200, b"", None)
+SERVED = Answer(200, b"", {"choices": [{"text": " a b"}], "usage": {"prompt_tokens": 1651}})
+
+
+def _facts(transfers: int, external: int = 0, failed: int = 0) -> kv_transfer.KvTransferFacts:
+    return kv_transfer.KvTransferFacts(True, transfers, transfers * 1000.0, failed, external, 0, 0)
+
+
+class _Stand:
+    """The router, prefill, decode and decode's counters, as scripted answers."""
+
+    def __init__(self, router: list[Answer], prefill_health: list[Answer], transfers: list[int]):
+        self.router, self.prefill_health, self.transfers = router, prefill_health, transfers
+        self.events: list[str] = []
+
+    def pair(self, clocks: pairing.PairClocks) -> pairing.Pair:
+        def kill() -> None:
+            self.events.append("kill")
+
+        def start() -> None:
+            self.events.append("start")
+
+        return pairing.Pair(
+            router="router", decode="decode", prefill="prefill",
+            kill_prefill=kill, start_prefill=start,
+            start_reference=lambda _: ("", "not asked"), model="m", clocks=clocks,
+        )  # fmt: skip
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def completion(base: str, model: str, prompt: str, timeout: float, max_tokens: int = 16) -> Answer:
+            self.events.append(f"ask router ({timeout:.0f} s)")
+            return self.router.pop(0)
+
+        def health(base: str, timeout: float) -> Answer:
+            return OK if base == "decode" else self.prefill_health.pop(0)
+
+        def transfer_facts(decode: str, timeout: float) -> kv_transfer.KvTransferFacts:
+            count = self.transfers.pop(0)
+            return _facts(count, external=count * 100)
+
+        monkeypatch.setattr(pairing, "completion", completion)
+        monkeypatch.setattr(pairing, "health", health)
+        monkeypatch.setattr(pairing, "transfer_facts", transfer_facts)
+        monkeypatch.setattr(pairing, "POLL_S", 0.0)
+
+
+CLOCKS = pairing.PairClocks(router_down_s=105, health_s=30, prefill_ready_s=1200, router_back_s=70)
+START = pairing.PairingOutcome((), {}, "", 0, False, None, None)
+
+
+def test_a_router_slow_to_answer_is_asked_again_within_its_clock_not_judged_http_0(monkeypatch):
+    """The issue's run: the router's first answers did not come in time on a loaded host. The
+    step asks again within the router's own clock and judges the answer that comes."""
+    stand = _Stand(
+        router=[NO_ANSWER, NO_ANSWER, REFUSED, Answer(503, b"", None), SERVED],
+        prefill_health=[NO_ANSWER, NO_ANSWER, OK],
+        transfers=[4, 4, 4, 5],  # before the kill, after it, before the restart, after serving
+    )
+    stand.install(monkeypatch)
+    outcome = pairing.faults(stand.pair(CLOCKS), START)
+    assert outcome.ok, outcome.failure
+    assert outcome.prefill_down_status == 500 and outcome.decode_healthy_when_prefill_down
+    assert outcome.prefill_restarted and outcome.recovered_after_s is not None
+    assert "1 NIXL transfers" in outcome.recovery_transfer_verdict
+    # Each ask may take what is left of its step's clock: no client timeout of its own.
+    assert stand.events[:2] == ["kill", "ask router (105 s)"]
+    assert pairing.fault_line(outcome).startswith("prefill killed: the router answered HTTP 500 after")
+
+
+def test_no_answer_within_the_routers_clock_fails_saying_so_and_prefill_was_never_restarted(monkeypatch):
+    stand = _Stand(router=[NO_ANSWER] * 100, prefill_health=[], transfers=[4])
+    stand.install(monkeypatch)
+    monkeypatch.setattr(pairing, "POLL_S", 0.01)
+    outcome = pairing.faults(stand.pair(CLOCKS._replace(router_down_s=0.05)), START)
+    assert outcome.failure is not None and "gave no answer within 0 s" in outcome.failure
+    assert "start" not in stand.events and not outcome.prefill_restarted
+    # The old line read "prefill back: not serving" though prefill had not been started again.
+    assert pairing.fault_line(outcome).endswith("prefill back: not started again (the step before failed)")
+
+
+def test_a_recovery_that_recomputes_instead_of_transferring_fails(monkeypatch):
+    stand = _Stand(router=[REFUSED, SERVED], prefill_health=[OK], transfers=[4, 4, 4, 4])
+    stand.install(monkeypatch)
+    outcome = pairing.faults(stand.pair(CLOCKS), START)
+    assert outcome.failure is not None and "not over the wire" in outcome.failure
+
+
+def test_the_waits_are_the_plans_clocks():
+    plan = resolve(
+        PlanRequest(
+            hardware=simulated("cpu"),
+            variant="pd",
+            sets=("disaggregation.router.health_check_interval_s=7", "runtime.startup_timeout=333"),
+        )
+    )
+    group = derive(plan).disaggregated
+    assert group is not None
+    clocks = pairing.pair_clocks(group)
+    assert clocks.router_down_s == pairing.ROUTER_HEALTH_FAILURES * (7 + 30)
+    assert clocks.router_back_s == pairing.ROUTER_HEALTH_SUCCESSES * (7 + 30)
+    assert clocks.health_s == 30 and clocks.prefill_ready_s == group.prefill.timeline.ready_s == 333
+
+
+def _web_pod(image: str) -> PodRun:
+    return PodRun(
+        pod="web-0", container="web", role="server", worker_index=0, image=image,
+        command=("python3", "-m", "http.server", "8000"), args=None, env=(), secrets=(), volumes=(),
+        ports=(("http", 8000),), probes=(), hostname="web-0", aliases=("web",), cap_add=(),
+        unconfined=False, ipc_host=False,
+    )  # fmt: skip
+
+
+def _get(ip: str, bound_s: float) -> bool:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{ip}:8000/", timeout=5) as answer:
+                return answer.status == 200
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_a_killed_pod_keeps_its_address_and_refuses_at_once(rehearsal_image):
+    """A sandboxed pod's container killed: its address refuses a connection at once (in
+    Kubernetes the pod's sandbox holds it while the kubelet restarts the container), and started
+    again in place it serves at that address."""
+    from m31ctl.runtime import engine_api
+
+    client: Any = engine_api.connect(timeout=120)
+    session = f"t{uuid.uuid4().hex[:7]}"
+    network = f"m31ctl-rh-{session}"
+    assert engine_api.create_network(client, network, {Label.REHEARSAL: session}) is None
+    try:
+        kubelet = Kubelet(client, session, network, sandboxed=frozenset({"web-0"}))
+        state = kubelet.start(_web_pod(rehearsal_image))
+        assert state.status == "running", state.start_error
+        kubelet.refresh(state)
+        address = state.ip
+        assert address and _get(address, 60)
+        assert kill_until_ended(kubelet, state, 60) is None and state.status == "exited"
+        started = time.monotonic()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, 8000), timeout=60).close()
+        assert time.monotonic() - started < 5  # refused, not left unanswered
+        assert start_in_place(kubelet, state) is None and state.status == "running"
+        kubelet.refresh(state)
+        assert state.ip == address and _get(address, 60)
+    finally:
+        assert docker_verbs.remove_labelled(client, Label.REHEARSAL, session) == []
