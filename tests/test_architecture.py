@@ -256,8 +256,8 @@ DERIVED_ONCE = {
     '"VLLM_API_KEY"': {"m31ctl.redact"},
     # Whether a P/D pair fits one host is asked where it is refused, m31ctl/pair.py (one message,
     # one error type for every target and runtime); the Deployment counts nodes by it and the
-    # plan's JSON shows it.
-    ".fits_one_host": {"m31ctl.deployment", "m31ctl.pair", "m31ctl.cli.views"},
+    # plan's JSON shows it; the k8s P/D render places the roles on one node when it holds.
+    ".fits_one_host": {"m31ctl.deployment", "m31ctl.pair", "m31ctl.cli.views", "m31ctl.render.pd"},
     # Runtimes are dispatched through their registry (m31ctl.runtime.get_runtime), never by name.
     'runtime == "': set(),
     'deep == "': set(),
