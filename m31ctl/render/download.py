@@ -43,10 +43,10 @@ def late(*_):
 signal.signal(signal.SIGALRM, late)
 signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
 signal.alarm(budget)
-snapshot_download(repo, revision=commit, ignore_patterns=skip or None)
+path = snapshot_download(repo, revision=commit, ignore_patterns=skip or None)
 os.makedirs(os.path.dirname(marker), exist_ok=True)
 open(marker, "w").close()
-print(f"m31ctl: {repo}@{commit} is in the cache", flush=True)
+print(f"m31ctl: {repo}@{commit} is in the cache (commit {os.path.basename(path)})", flush=True)
 """
 
 # The other members of a group: wait for the marker, saying so once a minute.

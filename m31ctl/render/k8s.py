@@ -24,6 +24,7 @@ from m31ctl.render.common import engine_secrets, health_command, in_comment, ren
 from m31ctl.render.download import download_step, wait_command
 from m31ctl.render.k8s_copies import claim_shared_by, hf_cache_claim, replicas, rollout_note, rollout_of
 from m31ctl.render.kubelet_expansion import literal
+from m31ctl.revision import is_commit
 from m31ctl.timeline import ENDPOINT_REMOVAL_S, ENGINE_READY_ENV, VLLM_HANDSHAKE_S
 from m31ctl.units import k8s_quantity
 
@@ -277,8 +278,7 @@ def _engine_container(pods: Pods) -> dict[str, Any]:
         "resources": _guaranteed(resources),
         "volumeMounts": mounts,
         **_probes(pods),
-        # Serve on until the endpoints have dropped the pod, then vLLM drains on SIGTERM: without
-        # it a rollout or a drain refuses the requests still on their way (m31ctl/timeline.py).
+        # Serve on until the endpoints dropped the pod, then drain (timeline.py ENDPOINT_REMOVAL_S).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ENDPOINT_REMOVAL_S)]}}},
     }
     security = _security_context(pods)
@@ -517,7 +517,7 @@ def k8s_comments(deployment: Deployment, group: Group | None = None) -> list[str
     if pods.downloads:
         notes.append(
             f"Download: the init container fetches {in_comment(deployment.model.reference, 'model.path')} "
-            f"at commit {deployment.model.commit} into the claim within "
+            f"at {'commit' if is_commit(deployment.model.commit or '') else 'revision'} {deployment.model.commit} into the claim within "
             f"{deployment.timeline.download_s} s (runtime.download_mbps)"
             + (
                 "; the other pods of the group wait for it rather than download it too"

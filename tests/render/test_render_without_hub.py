@@ -238,6 +238,7 @@ def test_a_branch_downloaded_at_deploy_time_is_the_commit_the_offline_engine_res
         done = subprocess.run(download, env=env, capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0, done.stderr
         assert local_marker.exists()
+        assert f"is in the cache (commit {first})" in done.stdout  # the pod's log says what main was
         moved = hub.repo.commit_files({"config.json": RepoFile(b'{"moved": true}', False)})
         assert moved != first
     resolve_offline = (
