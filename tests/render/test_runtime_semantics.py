@@ -642,6 +642,8 @@ def test_the_download_has_its_own_budget_and_the_probe_covers_load_and_compile(t
         "def snapshot_download(repo_id, revision=None, ignore_patterns=None):\n"
         "    print(json.dumps([repo_id, revision, ignore_patterns]))\n"
         "    time.sleep(float(os.environ.get('STUB_HUB_SECONDS', '0')))\n"
+        # as huggingface_hub does: the snapshot's folder, named after its commit
+        "    return os.path.join('/stub/snapshots', revision)\n"
     )
     run = [sys.executable, *argv[1:]]
     fetched = subprocess.run(run, env={"PYTHONPATH": str(hub)}, capture_output=True, text=True, timeout=30)
