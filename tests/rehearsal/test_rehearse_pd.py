@@ -205,6 +205,8 @@ def test_pd_rehearsal_serves_through_the_router_with_parity_transfer_and_recover
     assert transfer["external_prompt_tokens"] > transfer["local_prompt_tokens"]
     assert 500 <= pairing["prefill_down_status"] < 600
     assert pairing["decode_healthy_when_prefill_down"] and pairing["recovered_after_s"] is not None
+    # Recovered over the wire: the restarted prefill's KV reached decode (issue 53's steps by state).
+    assert pairing["prefill_restarted"] and " 0 failed" in pairing["recovery_transfer_verdict"]
     session = report["session"]
     assert report["cleaned"] and not [
         line
