@@ -31,6 +31,7 @@ class CheckId(str, Enum):
     IMAGE = "image"
     CAPACITY = "capacity"
     ENGINE = "engine"
+    ROUTER = "router"  # a P/D plan's router image runs vllm-router (doctor/checks/image.py)
     ENGINE_IMAGE = "engine-image"
     COLLECTIVE = "collective"
     ENGINE_CONFIG = "engine-config"

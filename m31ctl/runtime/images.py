@@ -60,6 +60,37 @@ def engine_schema(client: Any, image: Any) -> dict[str, Any]:
     return data
 
 
+# The router's --help answers at once; a minute covers a loaded host's container start.
+ROUTER_RUN_TIMEOUT_S = 60
+
+
+def runs_router(client: Any, image: Any) -> bool:
+    """Whether `image` runs vllm-router (`vllm-router --help` exits 0; 0.1.17 has no --version),
+    cached per image ID: vLLM's own images do not carry it (the router is its own project)."""
+    cached = _cache_dir() / f"router-{image.id.replace(':', '_')}.txt"
+    if cached.is_file():
+        return cached.read_text() == "yes"
+    host = client.api.create_host_config(network_mode="none")
+    try:
+        with engine_api.throwaway(
+            client,
+            "router",
+            image=image.id,
+            entrypoint=["vllm-router"],
+            command=["--help"],
+            host_config=host,
+        ) as container:
+            container.start()
+            code = int(container.wait(timeout=ROUTER_RUN_TIMEOUT_S).get("StatusCode", -1))
+    except Exception as exc:  # the Engine refuses to start a missing executable (OCI: not found)
+        if "not found" not in str(exc) and "no such file" not in str(exc).lower():
+            raise
+        code = 127
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text("yes" if code == 0 else "no")
+    return code == 0
+
+
 def image_facts(reference: str, ask_vllm: bool = True) -> ImageFacts:
     """The engine's facts about `reference`. Raises DockerUnreachable when there is no engine."""
     with engine_api.engine_boundary("inspecting the engine image"):

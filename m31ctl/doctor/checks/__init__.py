@@ -4,7 +4,7 @@ the engine's Python) sits behind the CheckContext and the runtime seam.
 
     host.py    Docker, GPUs, memory, MIG, driver, ROCm, shared memory, ulimits, port
     model.py   checkpoint, disk, Hugging Face token, API key, KV capacity
-    image.py   the engine image and its vLLM's schema
+    image.py   the engine image and its vLLM's schema; a P/D plan's router image
     fabric.py  a P/D plan's KV transfer over UCX: its devices and transports on this host
     deep.py    --deep: the engine's torch on the plan's GPUs and an all-reduce
     engine_config.py  --deep: vLLM builds its configuration from the plan's argv (its dry run)
@@ -36,7 +36,7 @@ from m31ctl.doctor.checks.host import (
     rocm,
     shm,
 )
-from m31ctl.doctor.checks.image import engine, image
+from m31ctl.doctor.checks.image import applies_to_a_pair, engine, image, router
 from m31ctl.doctor.checks.lock import LOCK_CHECK_TIMEOUT_S, lock
 from m31ctl.doctor.checks.model import api_key, capacity, checkpoint, checkpoint_state, disk, hf_token
 from m31ctl.doctor.engine_probe import DEEP_RUN_LIMIT_S
@@ -93,6 +93,10 @@ def _check(check_id: CheckId) -> Check:
             return Check(check_id, "KV capacity", capacity, timeout_s=2)
         case CheckId.ENGINE:
             return Check(check_id, "Engine accepts the argv", engine, timeout_s=120)
+        case CheckId.ROUTER:
+            return Check(
+                check_id, "Router image runs vllm-router", router, timeout_s=90, applies=applies_to_a_pair
+            )
         case CheckId.ENGINE_IMAGE:
             return Check(
                 check_id, "Engine on the plan's GPUs", engine_image, timeout_s=_DEEP_LIMIT_S, deep=True

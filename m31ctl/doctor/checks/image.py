@@ -10,7 +10,7 @@ from m31ctl.doctor.base import CheckContext, Outcome
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.engine.validate import schema_from_data, validate
 from m31ctl.runtime.engine_api import local_image, registry_error
-from m31ctl.runtime.images import engine_schema
+from m31ctl.runtime.images import engine_schema, runs_router
 
 
 def image(ctx: CheckContext) -> Outcome:
@@ -65,3 +65,31 @@ def _engine_accepts(ctx: CheckContext, deployment: Deployment) -> Outcome:
             "fix the setting, or use an image whose vLLM supports it",
         )
     return Outcome(CheckStatus.OK, f"argv and environment match the vLLM {data.get('version')} inside {name}")
+
+
+def router(ctx: CheckContext) -> Outcome:
+    """A P/D plan's router image runs vllm-router: vLLM's images do not carry it, and a router
+    started from one crash-loops on 'vllm-router: not found' (issue 49)."""
+    group = ctx.require_deployment().disaggregated
+    if group is None:
+        return Outcome(CheckStatus.SKIP, "not a prefill/decode plan: no router")
+    name = group.router.image
+    found = local_image(ctx.engine(), name)
+    if found is None:
+        return Outcome(
+            CheckStatus.SKIP,
+            f"{name} is not present locally, so whether it runs vllm-router cannot be asked",
+            "pull it, then run doctor again",
+        )
+    if not runs_router(ctx.engine(), found):
+        return Outcome(
+            CheckStatus.FAIL,
+            f"{name} has no vllm-router to run (`vllm-router --help` failed in it)",
+            "set disaggregation.router.image to vllm-router's own image (the default, vllm/vllm-router) "
+            "or one that installs it",
+        )
+    return Outcome(CheckStatus.OK, f"{name} runs vllm-router")
+
+
+def applies_to_a_pair(deployment: Deployment | None) -> bool:
+    return deployment is not None and deployment.disaggregated is not None
