@@ -60,6 +60,17 @@ AT_ONCE: dict[str | None, str] = {
     "lock": "interrupted; the lock file was written whole or not at all",
     "capacity": "interrupted; a --plot file was written whole or not at all",
 }
+# What an interruption leaves for the commands that wait for their checks (the rest say
+# INTERRUPTED_LINE: launch, rehearse and stop start or stop containers).
+WAITING: dict[str, str] = {
+    "pull": "interrupted; the files downloaded so far are kept: rerun m31ctl pull to continue where it stopped",
+    "verify": "interrupted; the server keeps running and no report was written",
+    "bench": "interrupted; the server keeps running and no report was written",
+    "smoke": "interrupted; the server keeps running",
+    "logs": "interrupted; the server keeps running",
+    "status": "interrupted; nothing was changed",
+    "doctor": "interrupted; its throwaway containers are removed, and nothing else was changed",
+}
 CLEANUP_NOTICE = "m31ctl: cleaning up; press Ctrl-C again to abandon the cleanup\n"
 # The longest a wait sleeps between looks at the request: a signal handler that returns makes
 # Python retry the interrupted sleep for its whole remaining time (PEP 475), so waits are sliced.
@@ -222,11 +233,13 @@ def uninstall() -> None:
 
 def command(argv: list[str]) -> None:
     """Say which command runs (its command line): one in AT_ONCE is cut at the first signal and
-    ends with its own line; any other waits for its checks and ends with a launch's."""
+    ends with its own line; any other waits for its checks and ends with its own (WAITING) or,
+    starting things, a launch's."""
     name = next((a for a in argv if not a.startswith("-")), None)
     at_once = name in AT_ONCE and not (name == "doctor" and "--deep" in argv)
     _state.at_once = at_once
-    _state.line = AT_ONCE[name] if at_once else f"error: {INTERRUPTED_LINE}"
+    waiting = WAITING.get(name or "", INTERRUPTED_LINE)
+    _state.line = AT_ONCE[name] if at_once else f"error: {waiting}"
 
 
 def line() -> str:
