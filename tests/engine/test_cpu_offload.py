@@ -29,7 +29,7 @@ def test_the_cpu_tier_is_two_flags_of_the_adapter():
 def test_extra_args_may_not_set_the_tier_again():
     from m31ctl.deployment import derive
 
-    with pytest.raises(InputError, match="cache.cpu_offload_gib"):
+    with pytest.raises(InputError, match=r"cache\.cpu_offload_gib"):
         build_invocation(derive(_plan("b300x4", 'engine.extra_args=["--kv-offloading-size=9"]')))
 
 

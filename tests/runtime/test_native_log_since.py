@@ -48,7 +48,9 @@ def test_a_long_tail_reaches_past_one_block(tmp_path):
     """`logs --tail 5000` after a crash: the engine's start, then far more than one read-back block
     of tracebacks (CI's soak saw no start in a 64 KiB window). Every asked-for line comes back."""
     log = tmp_path / "m31ctl-rehearsal.log"
-    traceback = "(APIServer pid=1496) ERROR 12-03 13:40:00 [async_llm.py:1] EngineDeadError: " + "x" * 120 + "\n"
+    traceback = (
+        "(APIServer pid=1496) ERROR 12-03 13:40:00 [async_llm.py:1] EngineDeadError: " + "x" * 120 + "\n"
+    )
     log.write_text(LAST_START + traceback * 2000)
     assert log.stat().st_size > 4 * LOG_BLOCK
     tail = _handle(log, 0).log_tail(5000)
