@@ -90,7 +90,12 @@ def loopback_router_invocation(
     upstreams = Upstreams(group.prefill.network.local_url, group.decode.network.local_url)
     network = group.router.network
     return router_invocation(
-        group.router, upstreams, host=network.bind, port=network.port, metrics_port=metrics_port
+        group.router,
+        upstreams,
+        host=network.bind,
+        port=network.port,
+        metrics_port=metrics_port,
+        request_timeout_s=group.router_timeline.request_timeout_s,
     )
 
 
@@ -171,6 +176,7 @@ def rendered_router_invocation(group: Disaggregated, upstreams: Upstreams) -> Ro
         host=ROUTER_LISTEN,
         port=CONTAINER_PORT,
         metrics_port=RENDERED_ROUTER_METRICS_PORT,
+        request_timeout_s=group.router_timeline.request_timeout_s,
     )
 
 

@@ -59,10 +59,17 @@ MANAGER_MARGIN_S = 60
 # workers' /health before it serves, and they answer already, so it answers in seconds; a minute
 # covers a busy host and a probe period, as API_MARGIN_S does for the engine's API.
 ROUTER_START_S = 60
-# What the runtime waits before it kills the router: Docker's own default stop timeout. The router
-# holds no engine state to release (the roles drain their own requests on their own clocks); whether
-# vllm-router waits for in-flight streams on SIGTERM was not measured here.
-ROUTER_STOP_S = 10
+# vllm-router drains on SIGTERM: measured with 0.1.17 here, it refused new connections at once
+# and let an in-flight stream run to its end (7.3 s later) before exiting. So the runtime waits,
+# before it kills the router, as long as the roles drain their own streams, and a little more for
+# the last chunk to cross the router (docs/decisions.md, "Router clocks").
+ROUTER_STOP_MARGIN_S = 5
+# vllm-router ends a request after --request-timeout-secs (default 1,800 s: src/main.rs). A
+# generation to the end of a 256K context at 20 tokens a second, a fifth of the recipes' per-user
+# decode speed, takes 13,107 s: the router must wait at least that long, and never less than its
+# own default.
+ROUTER_DEFAULT_REQUEST_TIMEOUT_S = 1800
+SLOWEST_TOKEN_S = 0.05
 # Megabits in a gigabyte (decimal units, as checkpoint sizes and link speeds are quoted).
 _MBIT_PER_GB = 8000
 
@@ -259,6 +266,7 @@ class RouterTimeline(NamedTuple):
     roles: Clock  # the router's wait for both roles' /health: the slower role's rollout
     start: Clock  # the roles answering -> the router answering /health
     stop: Clock  # what the runtime waits before it kills the router
+    request: Clock  # vllm-router's --request-timeout-secs: the longest generation a role serves
 
     @property
     def roles_wait_s(self) -> int:
@@ -274,6 +282,10 @@ class RouterTimeline(NamedTuple):
     @property
     def stop_s(self) -> int:
         return self.stop.seconds
+
+    @property
+    def request_timeout_s(self) -> int:
+        return self.request.seconds
 
     @property
     def progress_deadline_s(self) -> int:
@@ -293,8 +305,9 @@ class RouterTimeline(NamedTuple):
         return self.stop_s + MANAGER_MARGIN_S
 
 
-def router_timeline(roles: Sequence[Timeline]) -> RouterTimeline:
-    """The router's clocks from its roles' timelines (prefill and decode)."""
+def router_timeline(roles: Sequence[Timeline], max_model_len: int) -> RouterTimeline:
+    """The router's clocks from its roles' timelines (prefill and decode) and the longest sequence
+    they serve."""
     slowest = max(role.progress_deadline_s for role in roles)
     waits = Clock(
         slowest,
@@ -303,9 +316,18 @@ def router_timeline(roles: Sequence[Timeline]) -> RouterTimeline:
     )
     start = Clock(ROUTER_START_S, "vllm-router answers once its workers do", "(fixed)")
     stop = Clock(
-        ROUTER_STOP_S, "Docker's default stop timeout; the roles drain on their own clocks", "(fixed)"
+        max(role.drain_s for role in roles) + ROUTER_STOP_MARGIN_S,
+        "vllm-router drains its streams on SIGTERM: as long as the roles drain, plus the last chunk",
+        "serving.shutdown_timeout",
     )
-    return RouterTimeline(waits, start, stop)
+    longest = int(max_model_len * SLOWEST_TOKEN_S)
+    request = Clock(
+        max(ROUTER_DEFAULT_REQUEST_TIMEOUT_S, longest),
+        f"a generation to max_model_len ({max_model_len}) at {1 / SLOWEST_TOKEN_S:g} tokens/s, at least "
+        f"vllm-router's own {ROUTER_DEFAULT_REQUEST_TIMEOUT_S} s",
+        "serving.max_model_len",
+    )
+    return RouterTimeline(waits, start, stop, request)
 
 
 class ClockConflict(NamedTuple):

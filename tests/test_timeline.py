@@ -290,3 +290,30 @@ def test_launch_warns_of_a_timeout_shorter_than_the_download_and_the_start(monke
     assert _launch(monkeypatch, t.ready_s, True)[1] == []
     (warning,) = _launch(monkeypatch, t.ready_s - 1, True)[1]
     assert f"shorter than the start ({t.ready_s} s: runtime.load_and_compile_s={t.load_s}" in warning
+
+
+@pytest.mark.parametrize(("key", "timeout"), [("pd-b300x8", 13107), ("pd-cpu", 1800)])
+def test_the_router_outwaits_the_longest_generation_and_the_roles_drain(key, timeout):
+    """vllm-router's 1,800 s default would end a 256K generation; it drains its streams on SIGTERM
+    (measured, 0.1.17), so its stop covers the roles' drain; a P/D request is retried once, not
+    four times (each attempt runs the prompt's prefill again)."""
+    from m31ctl.engine.router import ROUTER_ATTEMPTS
+    from m31ctl.timeline import ROUTER_STOP_MARGIN_S
+
+    hardware, options = PD_PLANS[key]
+    plan = resolve(
+        PlanRequest(
+            hardware=simulated(hardware), variant=options.get("variant"), sets=options.get("sets", ())
+        )
+    )
+    group = derive(plan, commit=PINNED_COMMIT).disaggregated
+    assert group is not None
+    clocks = group.router_timeline
+    assert clocks.request_timeout_s == timeout
+    assert clocks.stop_s == max(role.timeline.drain_s for role in group.roles) + ROUTER_STOP_MARGIN_S
+    (artifact,) = get_target("compose")(derive(plan, commit=PINNED_COMMIT))
+    router = yaml.safe_load(artifact.content)["services"]["router"]
+    argv = [*router["entrypoint"], *router["command"]]
+    assert argv[argv.index("--request-timeout-secs") + 1] == str(timeout)
+    assert argv[argv.index("--retry-max-retries") + 1] == str(ROUTER_ATTEMPTS) == "2"
+    assert router["stop_grace_period"] == f"{clocks.stop_s}s"

@@ -20,6 +20,11 @@ ROUTER_EXECUTABLE = "vllm-router"
 # src/main.rs --worker-startup-timeout-secs, default 600 s). m31ctl starts the router once the
 # roles are ready, so this only bounds a role that dies in between.
 WORKER_STARTUP_TIMEOUT_S = 600
+# Attempts a request gets (vllm-router's --retry-max-retries counts them; its default 5). A P/D
+# request is retried whole: the prompt's prefill runs again for each attempt, and a decode that
+# answers 5xx is most often overloaded, so four more prefills of a long prompt only add load. One
+# retry still covers a connection reset by a restarting worker.
+ROUTER_ATTEMPTS = 2
 
 
 class Upstreams(NamedTuple):
@@ -33,7 +38,7 @@ class RouterInvocation(NamedTuple):
 
 
 def router_invocation(
-    router: Router, upstreams: Upstreams, *, host: str, port: int, metrics_port: int
+    router: Router, upstreams: Upstreams, *, host: str, port: int, metrics_port: int, request_timeout_s: int
 ) -> RouterInvocation:
     """The router's command line. `host`/`port`: where it listens (the container's port, or the
     host's bind and port natively); `metrics_port`: its Prometheus exporter, always on, which
@@ -51,6 +56,8 @@ def router_invocation(
         "--worker-startup-check-interval", "1",
         "--health-check-interval-secs", str(router.health_check_interval_s),
         "--health-check-timeout-secs", str(router.health_check_timeout_s),
+        "--request-timeout-secs", str(request_timeout_s),
+        "--retry-max-retries", str(ROUTER_ATTEMPTS),
         "--prometheus-host", host,
         "--prometheus-port", str(metrics_port),
     )  # fmt: skip

@@ -134,6 +134,7 @@ def test_compose_runs_each_role_as_planned_and_the_router_after_them(key, tmp_pa
         host=ROUTER_LISTEN,
         port=8000,
         metrics_port=RENDERED_ROUTER_METRICS_PORT,
+        request_timeout_s=group.router_timeline.request_timeout_s,
     )
     assert [*router["entrypoint"], *router["command"]] == list(expected.argv)
     assert router["depends_on"] == {
@@ -242,6 +243,7 @@ def test_k8s_validates_and_wires_the_router_to_the_roles_services(key, tmp_path)
         host=ROUTER_LISTEN,
         port=8000,
         metrics_port=RENDERED_ROUTER_METRICS_PORT,
+        request_timeout_s=group.router_timeline.request_timeout_s,
     )
     assert command == list(expected.argv)
     wait = router["initContainers"][0]["command"]

@@ -311,7 +311,7 @@ docker \
   --log-driver json-file \
   --log-opt max-size=100m \
   --log-opt max-file=5 \
-  --stop-timeout 10 \
+  --stop-timeout 35 \
   --network m31ctl-minimax-m31-flash-pd \
   --network-alias router \
   --publish 127.0.0.1:8000:8000 \
@@ -330,6 +330,8 @@ docker \
   --worker-startup-check-interval 1 \
   --health-check-interval-secs 5 \
   --health-check-timeout-secs 30 \
+  --request-timeout-secs 13107 \
+  --retry-max-retries 2 \
   --prometheus-host 0.0.0.0 \
   --prometheus-port 29000
 ROUTER_SINCE=$SECONDS

@@ -264,6 +264,8 @@ docker \
   --worker-startup-check-interval 1 \
   --health-check-interval-secs 5 \
   --health-check-timeout-secs 30 \
+  --request-timeout-secs 1800 \
+  --retry-max-retries 2 \
   --prometheus-host 0.0.0.0 \
   --prometheus-port 29000
 ROUTER_SINCE=$SECONDS
