@@ -377,11 +377,15 @@ def _derive_disaggregated(plan: Plan, model: ModelSource, home: str | None) -> D
     settings, hw = plan.settings, plan.hardware
     pd = settings.disaggregation
     connector = connector_of(settings)
+    role_plans = {role: plan._replace(settings=role_settings(settings, role)) for role in ROLES}
+    needs = {role: layout_of(role_plan).gpus_per_node for role, role_plan in role_plans.items()}
+    # Roles that share the host take its GPUs in turn (decode after prefill); a pair wider than the
+    # host runs each role on a node of its own (Kubernetes places them), from that node's GPU 0.
+    shares_host = not vendor_facts(hw.vendor).gpus or sum(needs.values()) <= hw.count
     first = 0
     roles: list[Deployment] = []
-    for role in ROLES:
-        role_plan = plan._replace(settings=role_settings(settings, role))
-        per_node = layout_of(role_plan).gpus_per_node
+    for role, role_plan in role_plans.items():
+        per_node = needs[role]
         kv = KvTransfer(
             role=role,
             connector=connector,
@@ -391,7 +395,7 @@ def _derive_disaggregated(plan: Plan, model: ModelSource, home: str | None) -> D
             load_failure_policy=pd.load_failure_policy,
         )
         roles.append(_derive_engine(role_plan, model, home, gpu_selection(hw, per_node, first), kv))
-        first += per_node
+        first += per_node if shares_host else 0
     runtime = settings.runtime
     router = Router(
         name=f"{runtime.container_name}-router",

@@ -248,3 +248,14 @@ def test_a_gpu_pair_routes_through_vllm_routers_own_image_and_the_rehearsal_thro
     cpu = derive(resolve(PlanRequest(hardware=simulated("cpu"), variant="pd")), commit=PINNED_COMMIT)
     assert cpu.disaggregated is not None
     assert cpu.disaggregated.router.image == cpu.plan.settings.engine.image
+
+
+def test_a_pair_wider_than_its_host_numbers_each_roles_gpus_on_its_own_node():
+    """b300x8 shares one host: decode takes GPUs 4-7 after prefill's 0-3. On b300x4 the pair needs
+    two nodes (Kubernetes places them); each role starts at its node's GPU 0, not at GPUs 4-7 the
+    host does not have."""
+    shared = derive(plan_for("b300x8", "disaggregation.enabled=true"), commit=PINNED_COMMIT).disaggregated
+    assert shared is not None and shared.decode.gpus.indices == (4, 5, 6, 7)
+    apart = derive(plan_for("b300x4", "disaggregation.enabled=true"), commit=PINNED_COMMIT).disaggregated
+    assert apart is not None and not apart.fits_one_host
+    assert apart.prefill.gpus.indices == apart.decode.gpus.indices == (0, 1, 2, 3)
