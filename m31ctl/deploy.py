@@ -16,6 +16,7 @@ from m31ctl.doctor.base import CheckResult
 from m31ctl.doctor.remembered import key_for, recall, remember
 from m31ctl.engine.adapter import OFFLINE_ENV
 from m31ctl.errors import InputError
+from m31ctl.pair import on_one_host
 from m31ctl.probe import ProbeReport, detect
 from m31ctl.runtime import RUNTIMES, get_runtime
 from m31ctl.runtime.protocol import DryRun, LaunchOptions, LaunchResult, Runtime
@@ -118,14 +119,18 @@ def _diagnostics(deployment: Deployment) -> dict[str, Any]:
 
 
 def refuse_group(deployment: Deployment, runtime_name: str) -> None:
-    """A P/D group on a runtime that cannot run one: one line, before any check or start."""
-    if deployment.disaggregated is not None and not get_runtime(runtime_name).runs_groups:
+    """A P/D group on a runtime that cannot run one, or wider than this host: one line, before
+    any check, download or start (m31ctl/pair.py on_one_host: the one refusal of a wide pair)."""
+    if deployment.disaggregated is None:
+        return
+    if not get_runtime(runtime_name).runs_groups:
         able = [name for name in RUNTIMES if get_runtime(name).runs_groups]
         raise InputError(
             f"the {runtime_name} runtime does not launch a P/D plan (prefill, decode and router)",
             hint=f"launch it with --runtime {' or '.join(able)}, or render it (m31ctl render "
             "--target compose or --target k8s) and run that",
         )
+    on_one_host(deployment, "launch")
 
 
 def dry_run(deployment: Deployment, runtime_name: str) -> DryRun:

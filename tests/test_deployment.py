@@ -259,3 +259,19 @@ def test_a_pair_wider_than_its_host_numbers_each_roles_gpus_on_its_own_node():
     apart = derive(plan_for("b300x4", "disaggregation.enabled=true"), commit=PINNED_COMMIT).disaggregated
     assert apart is not None and not apart.fits_one_host
     assert apart.prefill.gpus.indices == apart.decode.gpus.indices == (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("runtime", ["docker", "native"])
+def test_a_pair_wider_than_this_host_is_refused_before_any_check_or_download(runtime):
+    """launch of a P/D plan one host cannot hold says so first: no probe, no check, and above all
+    no checkpoint download (fetch) that the refusal would have followed."""
+    from m31ctl import deploy
+    from m31ctl.pair import PairWiderThanHost
+    from m31ctl.runtime.protocol import LaunchOptions
+
+    fetched: list[str] = []
+    deployment = derive(plan_for("b300x4", "disaggregation.enabled=true"), commit=PINNED_COMMIT)
+    options = LaunchOptions(report=lambda _: None, confirm=lambda _: False)
+    with pytest.raises(PairWiderThanHost, match="needs 8 GPUs"):
+        deploy.launch(deployment, runtime, options, fetch=lambda d: fetched.append(d.name) or True)
+    assert fetched == []
