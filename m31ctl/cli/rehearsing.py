@@ -87,7 +87,13 @@ def pairing_lines(outcome: PairingOutcome) -> list[str]:
         f"  prefill killed: the router answered HTTP {outcome.prefill_down_status}, decode "
         + ("healthy" if outcome.decode_healthy_when_prefill_down else "not healthy"),
         "  prefill back: "
-        + (f"serving again after {recovered} s" if recovered is not None else "not serving"),
+        + (
+            f"serving again after {recovered} s"
+            if recovered is not None
+            else "not serving"
+            if outcome.prefill_restarted
+            else "not started again (an earlier step failed)"
+        ),
         f"  parity with the aggregated server: {same} of {len(outcome.parity)} prompts equal",
     ]
     lines += [

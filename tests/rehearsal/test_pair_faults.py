@@ -182,3 +182,15 @@ def test_a_killed_pod_keeps_its_address_and_refuses_at_once(rehearsal_image):
         assert state.ip == address and _get(address, 60)
     finally:
         assert docker_verbs.remove_labelled(client, Label.REHEARSAL, session) == []
+
+
+def test_the_summary_says_prefill_was_not_started_again_when_an_earlier_step_failed():
+    """`rehearse`'s P/D lines: "not serving" only for a prefill that was started again and did not
+    serve; one never restarted (an earlier step failed) is said to be that."""
+    from m31ctl.cli.rehearsing import pairing_lines
+    from m31ctl.rehearsal.pairing import PairingOutcome
+
+    failed_early = PairingOutcome((), {}, "none", 0, False, None, "the router did not answer")
+    assert "  prefill back: not started again (an earlier step failed)" in pairing_lines(failed_early)
+    restarted = failed_early._replace(prefill_restarted=True)
+    assert "  prefill back: not serving" in pairing_lines(restarted)
