@@ -87,7 +87,7 @@ def test_mi355x_quickstart_and_aiter():
     # VLLM_ROCM_USE_AITER_MOE defaults on under the master switch (vllm/envs.py)
     assert aiter.env_dict["VLLM_ROCM_USE_AITER"] == "1"
     assert "VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS" not in aiter.env_dict
-    assert aiter_plan.settings.moe.expert_requantization == "none"  # no code path seen
+    assert aiter_plan.settings.moe.expert_requantization == "mxfp8"  # seed 000: what it loads
     assumed = build_invocation(
         derive(plan_for("mi355xx8", variant="aiter", sets=("moe.expert_requantization=mxfp8",)))
     )
@@ -295,7 +295,7 @@ def test_aiter_variant_says_what_it_switches_on(cli):
     data = cli_json.data(cli("plan", "--hardware", "mi355xx8", "--variant", "aiter", "--json").stdout)
     notes = " ".join(data["engine_notes"])
     assert "RMSNorm" in notes and "custom all-reduce" in notes
-    assert data["settings"]["moe"]["expert_requantization"] == "none"
+    assert data["settings"]["moe"]["expert_requantization"] == "mxfp8"
 
 
 @pytest.mark.parametrize(("host", "tensor"), [("b200x8", 4), ("mi355xx8", 4)])
