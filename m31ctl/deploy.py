@@ -7,6 +7,10 @@ server), so neither imports the other's caller.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+import shlex
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +21,7 @@ from m31ctl.doctor.remembered import key_for, recall, remember
 from m31ctl.engine.adapter import OFFLINE_ENV
 from m31ctl.errors import InputError
 from m31ctl.pair import on_one_host
+from m31ctl.plan.layers import FlagSet
 from m31ctl.probe import ProbeReport, detect
 from m31ctl.runtime import RUNTIMES, get_runtime
 from m31ctl.runtime.protocol import DryRun, LaunchOptions, LaunchResult, Runtime
@@ -136,3 +141,32 @@ def refuse_group(deployment: Deployment, runtime_name: str) -> None:
 def dry_run(deployment: Deployment, runtime_name: str) -> DryRun:
     refuse_group(deployment, runtime_name)
     return get_runtime(runtime_name).dry_run(deployment)
+
+
+def launch_sets(sets: tuple[str, ...], name: str | None, port: int | None) -> tuple[str, ...]:
+    """launch's --name and --port as the settings they stand for, after the user's --set ones.
+    Flags are values, not JSON: encoded so `--name true` stays the string "true". Each keeps its
+    flag as its source: an error about it names `--port`, not a `--set #N` nobody typed."""
+    flags = []
+    if name is not None:
+        flags.append(FlagSet(f"runtime.container_name={json.dumps(name)}", "--name"))
+    if port is not None:
+        flags.append(FlagSet(f"runtime.port={port}", "--port"))
+    return (*sets, *flags)
+
+
+def preflight_hint(exc: Exception, d: Deployment, runtime_name: str, plan_argv: list[str]) -> str | None:
+    """A failed preflight's next step for this launch: doctor with the same plan options
+    (`plan_argv`) and runtime (a bare `m31ctl doctor --deep` checks the probed host's default plan
+    instead), and on the native runtime the setting that names the Python."""
+    hint = getattr(exc, "hint", None)
+    if not hint or "m31ctl doctor" not in hint:
+        return hint
+    doctor_cmd = shlex.join(["m31ctl", "doctor", "--deep", "--runtime", runtime_name, *plan_argv, "--json"])
+    if "runtime.native_python" in str(exc):
+        python = d.plan.settings.runtime.native_python or sys.executable
+        return (
+            f"point runtime.native_python at a Python with vLLM (it is {python}: "
+            f"--set runtime.native_python=PATH); the whole report: `{doctor_cmd}`"
+        )
+    return re.sub(r"`m31ctl doctor[^`]*`", f"`{doctor_cmd}`", hint)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from m31ctl.errors import (
     CheckFailed,
@@ -23,9 +24,13 @@ from m31ctl.errors import (
     M31Error,
 )
 from m31ctl.names import check_name
+from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
 from m31ctl.runtime.planrecord import plan_differences, recorded_plan
 from m31ctl.runtime.protocol import Reporter, Runtime, ServerStatus
+
+if TYPE_CHECKING:
+    from m31ctl.deployment import Deployment
 
 # name -> (module, class): imported on use, so the Docker SDK loads only when Docker is asked.
 RUNTIMES: dict[str, tuple[str, str]] = {
@@ -53,6 +58,11 @@ class Survey:
     def raise_if_incomplete(self) -> None:
         for error in self.unreachable.values():
             raise error
+
+    def exit_code(self) -> int:
+        """0, or the exit code of a runtime that could not be asked (3: the Docker Engine)."""
+        codes = [int(error.exit_code) for error in self.unreachable.values()]
+        return max(codes) if codes else 0
 
 
 def survey(runtime: str | None = None) -> Survey:
@@ -165,6 +175,33 @@ def compare_plans(found: Survey, asked: Plan) -> dict[str, tuple[str, ...]]:
             except InputError as exc:
                 out[server.name] = (exc.message,)
     return out
+
+
+def refuse_conflicts(d: Deployment, runtime: str, yes: bool, interactive: Callable[[], bool]) -> None:
+    """What refuses a launch and costs a look, before the preflight's seconds of checks: a server
+    of this name running another plan that may not be replaced (no --yes, and no terminal to
+    ask: `interactive`), with the settings that differ; a port that something else listens on.
+    The runtime's own decision after the preflight still rules (a race, a terminal's answer)."""
+    try:
+        same_name = [s for s in get_runtime(runtime).servers() if s.name == d.name]
+    except M31Error:
+        return  # an engine that cannot be asked: the preflight says so, with its fix
+    if same_name:
+        server = same_name[0]
+        if server.running and server.plan_hash != d.plan.hash and not yes and not interactive():
+            changed = compare_plans(Survey((server,)), d.plan)[server.name]
+            raise ConflictError(
+                f"{d.name} runs plan {server.plan_hash}, not {d.plan.hash}; not replaced ("
+                + "; ".join(changed)
+                + ")",
+                hint="pass --yes to recreate it with this plan, or --name for another server",
+            )
+        return  # its port is its own
+    network = d.network
+    if not port_free(network.bind, network.port):
+        raise ConflictError(
+            f"port {network.bind}:{network.port} is in use", hint="pass --port, or stop what listens there"
+        )
 
 
 def running_endpoint(name: str | None, runtime: str | None) -> str:

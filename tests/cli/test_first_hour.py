@@ -433,8 +433,8 @@ def test_render_conflict_hint_is_a_command_that_runs(tmp_path):
 
 
 def test_a_native_preflight_failure_names_the_python_setting_and_carries_the_plan(tmp_path):
-    from m31ctl.cli.app import _preflight_hint
     from m31ctl.cli.options import PlanOptions
+    from m31ctl.deploy import preflight_hint
     from m31ctl.deployment import derive
     from m31ctl.errors import HostPreconditionError
     from m31ctl.plan import resolve
@@ -447,7 +447,7 @@ def test_a_native_preflight_failure_names_the_python_setting_and_carries_the_pla
         "preflight check engine-image failed: this Python has no PyTorch: it cannot run vLLM (runtime.native_python)",
         hint="run `m31ctl doctor --deep --json` for its stderr",
     )
-    hint = _preflight_hint(failed, d, "native", options) or ""
+    hint = preflight_hint(failed, d, "native", options.argv()) or ""
     assert "--set runtime.native_python=PATH" in hint and "/usr/bin/python3" in hint
     assert "m31ctl doctor --deep --runtime native --hardware cpu" in hint and f"model.path={tmp_path}" in hint
 
