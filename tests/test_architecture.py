@@ -705,7 +705,6 @@ ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 _OTHER_REGISTRIES = {
     ("runtime/__init__.py", "RUNTIMES"),
     ("cli/app.py", "COMMANDS"),
-    ("cli/app.py", "SHORT_HELP"),
     ("hardware.py", "PRODUCTS"),
     ("hardware.py", "KNOWN_UNSERVED"),
 }

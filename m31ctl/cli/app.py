@@ -69,27 +69,11 @@ def _root(
     output.QUIET = quiet  # set on every run: main() may run many commands in one process (tests)
 
 
-# The command list of `m31ctl --help`: click cuts a docstring's first sentence at the terminal's
-# width with "...", so each command says what it does in words that fit 80 columns.
-SHORT_HELP = {
-    "plan": "Resolve the recipe for this host and print the plan.",
-    "probe": "Detect this host's GPUs and the recipe that fits.",
-    "capacity": "Resident sequences and the longest context the plan holds.",
-    "render": "Write deployment files: script, compose, k8s, systemd.",
-    "lock": "Record the deployment so CI deploys the same one.",
-    "validate": "Check the plan's vLLM argv against vLLM's schema.",
-    "doctor": "Can this host run the plan, and what to fix.",
-    "launch": "Check, pull, start the server, wait until it answers.",
-    "status": "The servers m31ctl runs, in every runtime.",
-    "logs": "Print (or follow with -f) a server's log.",
-    "stop": "Stop a server by --name, or --all of ours.",
-    "smoke": "A chat completion and a streamed one; TTFT, tok/s.",
-    "verify": "Prove the running server is the plan's (the gate).",
-    "bench": "Measure the serving frontier with vllm bench serve.",
-    "pull": "Download the plan's checkpoint into its cache.",
-    "rehearse": "Run the plan's layout for real on vLLM's CPU build.",
-    "version": "Print m31ctl's version.",
-}
+def short_help(fn: Callable[..., object]) -> str | None:
+    """A command's line in `m31ctl --help`: its docstring's first line (help from one place). Click
+    would cut the docstring's first sentence at the terminal's width with "...", so each command's
+    first line says what it does in words that fit 80 columns (tests/cli/test_first_hour.py)."""
+    return (fn.__doc__ or "").strip().split("\n", 1)[0] or None
 
 
 def command_name(argv: list[str]) -> str | None:
@@ -123,7 +107,7 @@ def build_app(argv: list[str]) -> typer.Typer:
         else:
             if name not in COMMANDS:  # its module not loaded yet (a test may stand in for a command)
                 importlib.import_module(COMMAND_MODULES[name])
-            app.command(name=name, short_help=SHORT_HELP.get(name))(plan_group(COMMANDS[name]))
+            app.command(name=name, short_help=short_help(COMMANDS[name]))(plan_group(COMMANDS[name]))
     return app
 
 

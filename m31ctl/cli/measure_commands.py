@@ -38,7 +38,9 @@ def smoke(
     runtime: AnyRuntimeOpt = None,
     json: JsonOpt = False,
 ) -> int:
-    """Send a chat completion and a streamed one; check their shape; measure TTFT and tokens/s."""
+    """A chat completion and a streamed one; TTFT, tok/s.
+
+    Send a chat completion and a streamed one; check their shape; measure TTFT and tokens/s."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli import smoking  # noqa: F401  (registers the smoke report's text view)
     from m31ctl.runtime import running_server
@@ -74,7 +76,9 @@ def verify(
     tolerance: Annotated[float, typer.Option("--tolerance", help="Allowed regression (0.25 = 25%).")] = 0.25,
     json: JsonOpt = False,
 ) -> int:
-    """Prove the running server is the plan's: function, served facts, vllm bench serve load, regression."""
+    """Prove the running server is the plan's (the gate).
+
+    Function, served facts, vllm bench serve load, regression."""
     from m31ctl.cli.verifying import run_verify  # lazy: only the command run loads its modules (COMMANDS)
 
     def asked() -> Deployment:
@@ -158,8 +162,10 @@ def bench(
     pick: PickOpt = "throughput",
     json: JsonOpt = False,
 ) -> int:
-    """Measure the serving frontier with vllm bench serve and turn it into the plan's operating point
-    (`m31ctl bench compare A.json B.json` lays reports side by side)."""
+    """Measure the serving frontier with vllm bench serve.
+
+    It becomes the plan's operating point (`m31ctl bench compare A.json B.json` lays reports side
+    by side)."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli.bench import parse_concurrency, run_bench
     from m31ctl.served.bench_run import BenchRequest
@@ -256,7 +262,9 @@ def pull(
     ] = 3,
     json: JsonOpt = False,
 ) -> int:
-    """Download the plan's checkpoint (and its dspark/ draft) into its Hugging Face cache: resumable, watched, pinned."""
+    """Download the plan's checkpoint into its cache.
+
+    The checkpoint and its dspark/ draft, into its Hugging Face cache: resumable, watched, pinned."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli.pulling import run_pull
     from m31ctl.commands import deployment
@@ -290,8 +298,10 @@ def rehearse(
     no_validate: NoValidateOpt = False,
     json: JsonOpt = False,
 ) -> int:
-    """Run the plan's layout and rendered commands for real with vLLM's CPU build (a tiny model,
-    Docker containers as nodes), send completions and smoke through the leader, remove it all."""
+    """Run the plan's layout for real on vLLM's CPU build.
+
+    Its rendered commands with a tiny model, Docker containers as nodes; completions and smoke
+    through the leader; then it all removed."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli.rehearsing import run_rehearse
     from m31ctl.commands import deployment

@@ -67,7 +67,9 @@ def plan(
     ] = False,
     no_validate: NoValidateOpt = False,
 ) -> None:
-    """Resolve the recipe for this host (or --hardware) and print the plan."""
+    """Resolve the recipe for this host and print the plan.
+
+    With --hardware, the plan for that hardware instead of this host's."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.capacity.fit import plan_fit
     from m31ctl.cli.views import PlanShown
@@ -79,7 +81,7 @@ def plan(
 
 @command
 def probe(json: JsonOpt = False) -> None:
-    """Detect this host's GPUs and tell which recipe fits."""
+    """Detect this host's GPUs and the recipe that fits."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli.views import ProbeShown
     from m31ctl.probe import detect
@@ -104,7 +106,9 @@ def capacity(
         Path | None, typer.Option("--plot", help="Draw sequences against context to this PNG.")
     ] = None,
 ) -> None:
-    """How many sequences stay resident, and how the recipes and cache dtypes compare."""
+    """Resident sequences and the longest context the plan holds.
+
+    How many sequences stay resident, and how the recipes and cache dtypes compare."""
     from m31ctl.cli import (
         capacity as capacity_view,  # lazy: only the command run loads its modules (COMMANDS)
     )
@@ -141,7 +145,9 @@ def render(
     locked: LockedOpt = None,
     update_lock: UpdateLockOpt = False,
 ) -> int:
-    """Render deployment artifacts (bash script, Compose, Kubernetes, systemd) from the plan."""
+    """Write deployment files: script, compose, k8s, systemd.
+
+    Render deployment artifacts (bash script, Compose, Kubernetes, systemd) from the plan."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli.locking import apply_lock
     from m31ctl.commands import deployment
@@ -201,7 +207,9 @@ def lock(
     ] = None,
     json: JsonOpt = False,
 ) -> int:
-    """Record the deployment (plan, input files, image digest, hardware) so CI deploys the same one."""
+    """Record the deployment so CI deploys the same one.
+
+    The lock holds the plan, its input files, the image digest and the hardware."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli.locking import check_lock, write_current
     from m31ctl.commands import deployment
@@ -221,7 +229,9 @@ def validate(
     plan_options: PlanOptions,
     json: JsonOpt = False,
 ) -> int:
-    """Check the plan's vLLM argv and environment against vLLM's own schema (no vLLM import)."""
+    """Check the plan's vLLM argv against vLLM's schema.
+
+    The argv and the environment, against vLLM's own schema (no vLLM import)."""
     from m31ctl.cli import views  # noqa: F401  (lazy, as above: the validation's text view)
     from m31ctl.commands import deployment  # lazy: only the command run loads its modules
     from m31ctl.engine.validate import validate_plan  # lazy: as above
@@ -233,7 +243,9 @@ def validate(
 
 @command
 def version(json: JsonOpt = False) -> None:
-    """Print m31ctl's version (as `m31ctl --version`)."""
+    """Print m31ctl's version.
+
+    As `m31ctl --version`."""
     emit(Version(__version__), json)
 
 

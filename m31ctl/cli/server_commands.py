@@ -45,7 +45,9 @@ def doctor(
         ),
     ] = "docker",
 ) -> int:
-    """Check that this host can run the plan: Docker, GPUs, drivers, disk, port, image."""
+    """Can this host run the plan, and what to fix.
+
+    Checks Docker, GPUs, drivers, disk, port, image."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli.doctoring import DoctorShown
     from m31ctl.doctor import diagnose
@@ -100,7 +102,10 @@ def launch(
         ),
     ] = False,
 ) -> int:
-    """Resolve, check, pull, start the server and wait until the model answers."""
+    """Check, pull, start the server, wait until it answers.
+
+    Resolve the plan, check the host, pull the checkpoint, start the server and wait until the
+    model answers."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl import deploy
     from m31ctl.cli import launch_views, pulling
@@ -149,8 +154,10 @@ def launch(
 
 @command
 def status(plan_options: PlanOptions, json: JsonOpt = False, runtime: AnyRuntimeOpt = None) -> int:
-    """The servers m31ctl runs, in every runtime: state, plan, endpoint, health; with plan options,
-    which settings of each server's recorded plan differ from theirs."""
+    """The servers m31ctl runs, in every runtime.
+
+    State, plan, endpoint, health; with plan options, which settings of each server's recorded
+    plan differ from theirs."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli import launch_views
     from m31ctl.commands import deployment
@@ -172,7 +179,7 @@ def logs(
     tail: Annotated[int, typer.Option("--tail", help="Lines from the end.")] = 100,
     runtime: AnyRuntimeOpt = None,
 ) -> int:
-    """Print a server's log."""
+    """Print (or follow with -f) a server's log."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli import launch_views
     from m31ctl.runtime import logs as server_logs
@@ -205,7 +212,9 @@ def stop(
     json: JsonOpt = False,
     runtime: AnyRuntimeOpt = None,
 ) -> int:
-    """Stop the named server wherever it runs, or with --all every one of ours: SIGTERM, a drain, SIGKILL."""
+    """Stop a server by --name, or --all of ours.
+
+    The named server wherever it runs, or with --all every one of ours: SIGTERM, a drain, SIGKILL."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli import launch_views
     from m31ctl.runtime import stop as stop_servers
