@@ -4,11 +4,14 @@ The CLI parses, calls one of these (or a stage's own function) and prints what i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from m31ctl.deployment import Deployment
+    from m31ctl.doctor import DoctorReport
     from m31ctl.plan import PlanRequest
 
 
@@ -37,6 +40,38 @@ def deployment(request: PlanRequest, validate: bool = True, fit: bool = True) ->
                 str(source) if source else None,
             )
     return found
+
+
+def doctor_report(
+    request: Callable[[], PlanRequest] | None,
+    probed_hardware: bool,
+    deep: bool,
+    locked: Path | None,
+    runtime: str,
+) -> DoctorReport:
+    """doctor's report on this host: for the plan `request` makes (without one, the probed host's
+    default plan), on the probed hardware when `probed_hardware` (no --hardware given), with
+    `deep` the engine and an all-reduce run on the plan's GPUs in `runtime`."""
+    # lazy: doctor's checks and the probe load for doctor alone
+    from m31ctl.doctor import diagnose
+    from m31ctl.probe import detect
+    from m31ctl.runtime import get_runtime
+
+    probe = detect()
+    asked = None
+    if request is not None:
+        asked = request()
+        if probed_hardware:
+            asked = asked._replace(hardware=probe.hardware)
+    get_runtime(runtime)  # an unknown runtime is bad input
+    return diagnose(
+        asked,
+        probe,
+        deep=runtime if deep else None,
+        locked=locked,
+        files=asked.files if asked else (),
+        runtime=runtime,
+    )
 
 
 @dataclass(frozen=True)

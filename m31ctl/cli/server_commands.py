@@ -50,25 +50,11 @@ def doctor(
     Checks Docker, GPUs, drivers, disk, port, image."""
     # lazy: only the command run loads its modules (COMMANDS)
     from m31ctl.cli.doctoring import DoctorShown
-    from m31ctl.doctor import diagnose
-    from m31ctl.probe import detect
-    from m31ctl.runtime import get_runtime
+    from m31ctl.commands import doctor_report
 
-    probe = detect()
-    request = None
-    if plan_options.given or deep:
-        request = plan_options.request()
-        if plan_options.hardware is None:
-            request = request._replace(hardware=probe.hardware)
-    get_runtime(runtime)  # an unknown runtime is bad input
-    report = diagnose(
-        request,
-        probe,
-        deep=runtime if deep else None,
-        locked=locked,
-        files=request.files if request else (),
-        runtime=runtime,
-    )
+    # Without plan options (and no --deep) the probed host's default plan is checked.
+    request = plan_options.request if plan_options.given or deep else None
+    report = doctor_report(request, plan_options.hardware is None, deep, locked, runtime)
     emit(DoctorShown(report), json)
     return int(ExitCode.CHECK_FAILED if report.failed else ExitCode.OK)
 
