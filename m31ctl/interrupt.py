@@ -153,6 +153,10 @@ def _arm(seconds: float) -> None:
 # WeakKeyDictionary, WeakValueDictionary and WeakSet); an exception raised in any of them is
 # printed as "Exception ignored in" and lost, like one raised in __del__.
 _CALLBACK_FILES = ("weakref.py", "_weakrefset.py")
+# The import system's own weakref callback: a module lock's `cb` (importlib._bootstrap
+# _get_module_lock), run when a lock is collected mid-import. A cut there was printed as
+# "Exception ignored in: <function _get_module_lock.<locals>.cb>" and lost (seen under load).
+_CALLBACK_FUNCTIONS = (("<frozen importlib._bootstrap>", "cb"),)
 # Writers a cut must not land in (a temporary file left beside its target, a set of files half
 # written, a PNG cut short): (the file's path ending, the function; None: any function there).
 _WRITERS = (
@@ -169,6 +173,8 @@ def _in_finalizer(frame: FrameType | None) -> bool:
     while frame is not None:
         code = frame.f_code
         if code.co_name == "__del__" or os.path.basename(code.co_filename) in _CALLBACK_FILES:
+            return True
+        if (code.co_filename, code.co_name) in _CALLBACK_FUNCTIONS:
             return True
         filename = code.co_filename.replace(os.sep, "/")
         if any(filename.endswith(path) and name in (None, code.co_name) for path, name in _WRITERS):
@@ -274,6 +280,12 @@ def settle() -> None:
     if state.signum is not None:
         state.raised = True
     _arm(0)
+
+
+def ending() -> None:
+    """The command is over: a signal that arrives now is only recorded (as for a command that
+    waits for its checks), not raised at once; leaving() then ignores any through the exit."""
+    _state.at_once = False
 
 
 def leaving() -> None:

@@ -136,6 +136,19 @@ def _frames_seen_in(call, names: set[str]) -> list:
     return seen
 
 
+def test_the_import_systems_module_lock_callback_is_a_finalizer_too(tmp_path, monkeypatch):
+    """Seen under load: a cut inside importlib's module-lock callback (`_get_module_lock`'s `cb`,
+    run when the lock is collected) was printed as "Exception ignored in" and lost, and the
+    command ended with exit 1. The frame of that callback counts as a finalizer."""
+    import importlib
+
+    (tmp_path / "m31ctl_lock_probe.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    frames = _frames_seen_in(lambda: importlib.import_module("m31ctl_lock_probe"), {"cb"})
+    locks = [f for f in frames if f.f_code.co_filename == "<frozen importlib._bootstrap>"]
+    assert locks and all(interrupt._in_finalizer(frame) for frame in locks)
+
+
 def test_a_weak_container_callback_is_a_finalizer_too():
     """The clean-clone CI run's traceback: the cut came once the finalizer had returned, inside
     the remove() callback of a WeakKeyDictionary the same collection ran ("Exception ignored in:

@@ -78,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # a command cut at once, outside the command itself (loading the app)
         return _interrupted()
     finally:
+        # The command is over (its result out, its code chosen): a signal from here to the exit
+        # is recorded, never raised, or it would end in a traceback outside every handler.
+        interrupt.ending()
         interrupt.settle()  # idempotent: also when a SystemExit (shell completion) leaves
         interrupt.uninstall()
         sys.stdout = stdout  # the caller's own stream again, not the guard around it
