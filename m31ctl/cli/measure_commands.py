@@ -17,8 +17,9 @@ from m31ctl.cli.options import (
     NameOpt,
     NoValidateOpt,
     PlanOptions,
+    ReportOpt,
+    ToleranceOpt,
     UrlOpt,
-    not_a_format,
 )
 from m31ctl.cli.output import emit
 from m31ctl.errors import ExitCode, InputError
@@ -64,16 +65,11 @@ def verify(
     runtime: AnyRuntimeOpt = None,
     bench_python: BenchPythonOpt = None,
     no_load: Annotated[bool, typer.Option("--no-load", help="Skip the vllm bench serve run.")] = False,
-    output: Annotated[
-        Path | None,
-        typer.Option(
-            "-o", "--output", help="Save the JSON report here.", metavar="FILE", callback=not_a_format
-        ),
-    ] = None,
+    output: ReportOpt = None,
     baseline: Annotated[
         Path | None, typer.Option("--baseline", help="Fail when worse than this earlier report.")
     ] = None,
-    tolerance: Annotated[float, typer.Option("--tolerance", help="Allowed regression (0.25 = 25%).")] = 0.25,
+    tolerance: ToleranceOpt = 0.25,
     json: JsonOpt = False,
 ) -> int:
     """Prove the running server is the plan's (the gate).
@@ -146,16 +142,11 @@ def bench(
         Path | None,
         typer.Option("--write-profile", help="Write the chosen point as a plan layer file (YAML)."),
     ] = None,
-    output: Annotated[
-        Path | None,
-        typer.Option(
-            "-o", "--output", help="Save the JSON report here.", metavar="FILE", callback=not_a_format
-        ),
-    ] = None,
+    output: ReportOpt = None,
     baseline: Annotated[
         Path | None, typer.Option("--baseline", help="Fail when worse than this earlier bench report.")
     ] = None,
-    tolerance: Annotated[float, typer.Option("--tolerance", help="Allowed regression (0.25 = 25%).")] = 0.25,
+    tolerance: ToleranceOpt = 0.25,
     gpu_hour: GpuHourOpt = None,
     node_hour: NodeHourOpt = None,
     currency: CurrencyOpt = "USD",

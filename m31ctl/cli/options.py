@@ -117,6 +117,14 @@ def not_a_format(value: Path | None) -> Path | None:
     return value
 
 
+# verify's and bench's report and regression options, declared once.
+ReportOpt = Annotated[
+    Path | None,
+    typer.Option("-o", "--output", help="Save the JSON report here.", metavar="FILE", callback=not_a_format),
+]
+ToleranceOpt = Annotated[float, typer.Option("--tolerance", help="Allowed regression (0.25 = 25%).")]
+
+
 class PlanOptions(NamedTuple):
     """The plan group's values, handed to a command as one argument (see `plan_group`)."""
 
