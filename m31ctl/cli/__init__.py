@@ -213,8 +213,29 @@ def _fail(exc: M31Error, as_json: bool) -> int:
 
 
 def _say(message: str, code: int) -> int:
-    _stderr(f"m31ctl: error: {redact(message)}\n")
+    _stderr(_fitted(f"m31ctl: error: {redact(message)}") + "\n")
     return int(code)
+
+
+def _fitted(line: str) -> str:
+    """The error line as a terminal shows it: wrapped at its width between words, continuation
+    lines indented, a word never split (a setting, a path, a `--set k=v` stay whole and copyable).
+    Piped or redirected (CI logs, grep) it stays one line."""
+    try:
+        if not sys.stderr.isatty():
+            return line
+        width = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return line
+    if len(line) <= width or width < 40:
+        return line
+    import textwrap  # lazy: only an error on a terminal narrower than its line pays for it
+
+    return "\n".join(
+        textwrap.wrap(
+            line, width=width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+        )
+    )
 
 
 def _stderr(text: str) -> None:
