@@ -15,7 +15,7 @@ from m31ctl.errors import InputError
 from m31ctl.hardware import vendor_facts
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
 from m31ctl.render.artifact import Artifact as Artifact  # re-exported: files.py and render/ import it here
-from m31ctl.render.common import header, health_command, in_comment, render_template
+from m31ctl.render.common import engine_secrets, header, health_command, in_comment, render_template
 from m31ctl.render.download import download_step
 from m31ctl.render.escape import Interpolation, compose_escape, yaml_file
 from m31ctl.render.k8s import k8s_comments, k8s_documents
@@ -104,11 +104,9 @@ def download_argv(deployment: Deployment, spec: ContainerSpec, token_by_name: bo
 
 
 def engine_secret_env(spec: ContainerSpec) -> tuple[str, ...]:
-    """The secrets the engine container of a Docker target gets: never HF_TOKEN, which it does
-    not read (it serves the snapshot the download left, offline, or a local directory) and which
-    `docker inspect` would show for as long as it runs. vLLM reads its API key from VLLM_API_KEY
-    or --api-key only (vllm/envs.py; cli_args.py FrontendArgs.api_key): that one stays."""
-    return tuple(name for name in spec.secret_env if name != HF_TOKEN_ENV)
+    """The secrets the engine container of a Docker target gets (render/common.py engine_secrets:
+    never HF_TOKEN, the rule every target follows)."""
+    return engine_secrets(spec.secret_env)
 
 
 def render_script(deployment: Deployment) -> list[Artifact]:
@@ -336,15 +334,15 @@ def compose_document(deployment: Deployment) -> dict[str, Any]:
     """Built from raw values, then escaped as a whole (compose_escape): Compose interpolates `$`
     in every string, so only the Interpolations stay live."""
     spec = render_spec(deployment)
-    engine_secrets = engine_secret_env(spec)
-    service = compose_engine_service(deployment, spec._replace(secret_env=engine_secrets))
+    engine_names = engine_secret_env(spec)
+    service = compose_engine_service(deployment, spec._replace(secret_env=engine_names))
     document: dict[str, Any] = {"services": {"vllm": service}}
     download = compose_download(deployment, spec)
     if download is not None:
         document = {"services": {"download": token_from_file(download), "vllm": service}}
         # Compose 1.29+ and v2: the engine starts only once the download exited 0.
         service["depends_on"] = {"download": {"condition": "service_completed_successfully"}}
-    secrets = compose_secrets(token=download is not None, api_key=API_KEY_ENV in engine_secrets)
+    secrets = compose_secrets(token=download is not None, api_key=API_KEY_ENV in engine_names)
     if secrets:
         document["secrets"] = secrets
     # No top-level `name`: Debian's docker-compose 1.29 refuses it; the project name comes from
