@@ -107,16 +107,15 @@ class ProcessHandle:
         block; the soak's "the restart is in the logs" failed in CI on a fixed 64 KiB window)."""
         try:
             with open(self.server.log, "rb") as handle:
-                size = handle.seek(0, os.SEEK_END)
-                floor = self.since if self.since <= size else 0  # cut shorter: all of it is ours
-                start = size
-                while start > floor:
-                    start = max(floor, start - LOG_BLOCK)
+                end = handle.seek(0, os.SEEK_END)
+                floor = self.since if self.since <= end else 0  # cut shorter: all of it is ours
+                data = b""
+                while end > floor and data.count(b"\n") <= lines:
+                    start = max(floor, end - LOG_BLOCK)
                     handle.seek(start)
-                    if handle.read(size - start).count(b"\n") > lines:
-                        break
-                handle.seek(start)
-                text = handle.read(size - start).decode("utf-8", "replace")
+                    data = handle.read(end - start) + data
+                    end = start
+                text = data.decode("utf-8", "replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:]) + "\n"
