@@ -243,7 +243,7 @@ class Disaggregated(NamedTuple):
     @property
     def router_timeline(self) -> RouterTimeline:
         """The router's clocks, from its roles' timelines (timeline.router_timeline)."""
-        longest = max(role.plan.settings.serving.max_model_len or 0 for role in self.roles)
+        longest = max(role.plan.settings.serving.max_model_len for role in self.roles)
         return router_timeline([role.timeline for role in self.roles], longest)
 
     @property
