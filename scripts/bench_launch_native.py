@@ -8,7 +8,13 @@ fills vLLM's compile cache for both sides):
           polled every 0.25 s as launch polls;
   m31ctl  `m31ctl launch --runtime native --json` of the same plan, timed from exec to its exit
           (ready), then `m31ctl stop`.
-Prints one JSON line per start and a summary; `--out FILE` writes them too.
+Each stop waits until every process of the engine's group is gone (`m31ctl stop` does; the raw
+side's did not, so its engine core was still letting go of the GPU while the next launch started),
+then SETTLE_S more, and the order alternates by round (raw first in odd rounds, m31ctl first in
+even ones), so neither side always starts on the other's heels. An m31ctl row also carries the
+engine's own time to /health as launch printed it, and launch's own part (the rest).
+Prints one JSON line per start and a summary; `--out FILE` writes them too. `--profile FILE`
+runs one more launch under cProfile at the end (not counted) and writes its stats there.
 
     python3 scripts/bench_launch_native.py --rounds 3 -- --recipe cpu --set model.path=/tmp/model ...
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -28,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.25
+SETTLE_S = 2.0  # after every stop, on both sides: the driver's release of the last context
+HEALTH_LINE = re.compile(r"/health answers 200 \(([0-9.]+) s\)")
 
 
 def _plan(plan_args: list[str]) -> tuple[list[str], dict[str, str], int, str]:
@@ -78,10 +87,29 @@ def raw_start(
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
+        _group_gone(child.pid)
+        time.sleep(SETTLE_S)
 
 
-def m31ctl_start(plan_args: list[str], timeout: float, log: Path) -> tuple[float, str]:
-    m31ctl = [sys.executable, "-m", "m31ctl"]
+def _group_gone(pgid: int, timeout: float = 60) -> None:
+    """Wait as `m31ctl stop` waits: until no process of the group is left (vLLM's engine core and
+    its resource tracker outlive the API server by seconds); SIGKILL what is left after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            os.killpg(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + timeout
+        time.sleep(0.2)
+
+
+def m31ctl_start(
+    plan_args: list[str], timeout: float, log: Path, profile: Path | None = None
+) -> tuple[float, str, float | None]:
+    m31ctl = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "m31ctl"]
     started = time.monotonic()
     done = subprocess.run(
         [*m31ctl, "launch", "--runtime", "native", *plan_args, "--json", "--yes", "--no-pull",
@@ -91,11 +119,15 @@ def m31ctl_start(plan_args: list[str], timeout: float, log: Path) -> tuple[float
     seconds = time.monotonic() - started
     with open(log, "a") as out:
         out.write(done.stderr)
-    subprocess.run([*m31ctl, "stop", "--runtime", "native"], cwd=ROOT, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "m31ctl", "stop", "--runtime", "native"], cwd=ROOT, capture_output=True
+    )
+    time.sleep(SETTLE_S)
     if done.returncode != 0:
         raise SystemExit(f"m31ctl launch exited {done.returncode}: {done.stderr[-600:]}")
     skipped = "deep checks passed at" in done.stderr
-    return seconds, "remembered" if skipped else "ran"
+    health = HEALTH_LINE.search(done.stderr)
+    return seconds, "remembered" if skipped else "ran", float(health.group(1)) if health else None
 
 
 def main() -> None:
@@ -106,9 +138,16 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=420)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--logs", type=Path, default=Path("/tmp/m31ctl-bench-launch"))
+    parser.add_argument(
+        "--skip-deep",
+        action="store_true",
+        help="launch with --skip-deep (a try of this script on a stand-in engine)",
+    )
+    parser.add_argument("--profile", type=Path, help="one more launch under cProfile, its stats here")
     parser.add_argument("plan", nargs=argparse.REMAINDER, help="-- then the plan options")
     ns = parser.parse_args()
     plan_args = ns.plan[1:] if ns.plan[:1] == ["--"] else ns.plan
+    launch_args = [*plan_args, *(["--skip-deep"] if ns.skip_deep else [])]
     ns.logs.mkdir(parents=True, exist_ok=True)
     argv, env, port, served = _plan(plan_args)
     rows: list[dict[str, object]] = []
@@ -119,13 +158,21 @@ def main() -> None:
         if ns.out:
             ns.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
-    seconds, deep = m31ctl_start(plan_args, ns.timeout, ns.logs / "m31ctl.log")
-    emit({"round": 0, "start": "m31ctl", "seconds": round(seconds, 2), "deep": deep, "warmup": True})
-    for n in range(1, ns.rounds + 1):
+    def ours(n: int, warmup: bool = False) -> None:
+        seconds, deep, health = m31ctl_start(launch_args, ns.timeout, ns.logs / "m31ctl.log")
+        row: dict[str, object] = {"round": n, "start": "m31ctl", "seconds": round(seconds, 2), "deep": deep}
+        if health is not None:
+            row |= {"engine_to_health_s": health, "own_s": round(seconds - health, 2)}
+        emit(row | ({"warmup": True} if warmup else {}))
+
+    def raw(n: int) -> None:
         seconds = raw_start(argv, env, port, served, ns.timeout, ns.logs / "raw.log")
         emit({"round": n, "start": "raw", "seconds": round(seconds, 2)})
-        seconds, deep = m31ctl_start(plan_args, ns.timeout, ns.logs / "m31ctl.log")
-        emit({"round": n, "start": "m31ctl", "seconds": round(seconds, 2), "deep": deep})
+
+    ours(0, warmup=True)
+    for n in range(1, ns.rounds + 1):
+        for start in (raw, ours) if n % 2 else (ours, raw):
+            start(n)
     raw = [float(r["seconds"]) for r in rows if r["start"] == "raw"]  # type: ignore[arg-type]
     ours = [float(r["seconds"]) for r in rows if r["start"] == "m31ctl" and not r.get("warmup")]  # type: ignore[arg-type]
     summary = {
@@ -133,9 +180,15 @@ def main() -> None:
         "raw_median_s": round(statistics.median(raw), 2),
         "m31ctl_median_s": round(statistics.median(ours), 2),
         "added": round(statistics.median(ours) / statistics.median(raw) - 1, 4),
+        "own_median_s": statistics.median(
+            [float(r["own_s"]) for r in rows if "own_s" in r and not r.get("warmup")]  # type: ignore[arg-type]
+            or [0.0]
+        ),
         "argv": argv,
     }
     emit(summary)
+    if ns.profile:
+        m31ctl_start(launch_args, ns.timeout, ns.logs / "m31ctl.log", profile=ns.profile)
 
 
 if __name__ == "__main__":
