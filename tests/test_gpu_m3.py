@@ -96,7 +96,7 @@ def test_newer_engines_keep_fp8_and_say_what_is_unknown():
 def test_compute_capability_10_runs_an_fp8_index_cache_on_its_msa_indexer_in_every_release():
     """On compute capability 10.x the MSA indexer takes FP8 (0.26's too): nothing lacks there."""
     from m31ctl.hardware import simulated
-    from m31ctl.plan.engine_rules import lacking_in_version
+    from m31ctl.plan.engine_capabilities import lacking_in_version
 
     settings = _plan("h200x8").settings
     assert lacking_in_version(settings, simulated("b300x4"), "0.26.0", "cuda") == []

@@ -7,7 +7,7 @@ from __future__ import annotations
 from m31ctl.capacity.geometry import config_geometry, facts_geometry
 from m31ctl.capacity.memory import CACHE_BYTES_PER_VALUE, INDEXER_AUTO_DTYPE
 from m31ctl.plan.catalog import ModelFacts
-from m31ctl.plan.engine_rules import checkpoint_dir
+from m31ctl.plan.checkpoint_facts import checkpoint_dir
 from m31ctl.plan.settings import PlanSettings
 
 

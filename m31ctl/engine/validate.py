@@ -18,7 +18,7 @@ from m31ctl import vllm_argv as argv
 from m31ctl.deployment import Deployment
 from m31ctl.engine.adapter import EngineInvocation, build_invocation
 from m31ctl.errors import InputError, close_matches
-from m31ctl.plan.engine_rules import capability_table
+from m31ctl.plan.engine_capabilities import capability_table
 
 # Environment variables vLLM removed, and what replaced them (vllm-engine-facts.md). vLLM only
 # warns "Unknown vLLM environment variable" for them, so the setting silently does nothing.
@@ -90,7 +90,7 @@ def schema_for(image: str, version: str) -> EngineSchema:
     """The schema `image` is checked against: the release's, plus the names a known day-zero image
     adds. An image the capability table does not know (a private build, a mirror's tag) may be
     either: it is given every known image's names, and the plan warns that its capabilities are
-    unchecked (plan/engine_rules.py), rather than refusing names it may well have."""
+    unchecked (plan/engine_check.py), rather than refusing names it may well have."""
     extensions = _extensions()
     extension = extensions.get(image)
     if extension is None:

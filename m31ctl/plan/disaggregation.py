@@ -18,7 +18,7 @@ from m31ctl import vllm_argv as argv
 from m31ctl.errors import InputError
 from m31ctl.hardware import Hardware, Platform, vendor_facts
 from m31ctl.plan.catalog import ModelFacts
-from m31ctl.plan.engine_rules import check_engine
+from m31ctl.plan.engine_check import check_engine
 from m31ctl.plan.layers import Layer
 from m31ctl.plan.settings import DisaggregatedRole, Parallelism, PlanSettings
 

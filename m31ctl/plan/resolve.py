@@ -23,13 +23,14 @@ from m31ctl.plan.catalog import (
     load_recipe,
     select_recipe,
 )
+from m31ctl.plan.checkpoint_facts import checkpoint_facts
 from m31ctl.plan.disaggregation import (
     check_disaggregation,
     check_role_engines,
     engine_settings,
     pair_wider_than_host,
 )
-from m31ctl.plan.engine_rules import check_engine, checkpoint_facts
+from m31ctl.plan.engine_check import check_engine
 from m31ctl.plan.layers import Layer, Setting, Source, merge, parse_set, unflatten
 from m31ctl.plan.runtime_notes import runtime_warnings
 from m31ctl.plan.runtime_shapes import (

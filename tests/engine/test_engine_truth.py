@@ -22,7 +22,9 @@ from m31ctl.errors import RuleViolation
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.catalog import builtin_recipes
-from m31ctl.plan.engine_rules import ENGINE_RULES, capability_table, engine_rules_markdown, image_reference
+from m31ctl.plan.engine_capabilities import capability_table, image_reference
+from m31ctl.plan.engine_rules import ENGINE_RULES
+from m31ctl.plan.engine_rules_doc import engine_rules_markdown
 from tests.conftest import ROOT
 from tests.ports import free_port
 

@@ -22,7 +22,7 @@ from m31ctl.doctor.engine_probe import run_engine_script
 from m31ctl.engine.adapter import EngineInvocation, build_invocation
 from m31ctl.engine.dry_run import CONFIG_CHECK_SCRIPT, EngineConfigCheck
 from m31ctl.engine.validate import schema_from_data, validate
-from m31ctl.plan.engine_rules import lacking_in_version
+from m31ctl.plan.engine_capabilities import lacking_in_version
 from m31ctl.runtime.protocol import ScriptRun
 
 # Importing vLLM and building its configuration: 15-40 s natively on two busy cores, up to about
