@@ -684,7 +684,6 @@ def test_the_rehearsal_derives_each_plan_it_runs_once():
 # past 500. A module split below 500 leaves this list.
 _LONG_MODULES = {
     "m31ctl.pull.transfer": 663,
-    "m31ctl.render.k8s": 599,
     "m31ctl.runtime.docker": 588,
     "m31ctl.served.verify": 503,
 }
