@@ -335,68 +335,76 @@ class Deployment(NamedTuple):
         return self.plan.hardware
 
 
+class _HostPaths(NamedTuple):
+    """The plan's paths on the host, read once for every engine (a P/D pair's roles share the
+    plan's model.path and runtime.hf_cache)."""
+
+    model: ModelSource
+    hf_cache: str
+    service_hf_cache: str
+
+
+class _PairRules(NamedTuple):
+    """What plan/disaggregation.py rules for a P/D plan: each role's plan with its part in the KV
+    transfer (prefill first), and the router on the plan's API address."""
+
+    roles: tuple[tuple[Plan, KvTransfer], ...]
+    router: Router
+
+
 def derive(
     plan: Plan, *, home: str | None = None, cwd: str | None = None, commit: str | None = None
 ) -> Deployment:
     """The one Deployment of `plan` (home and cwd default to this process's). `commit`: the hub
     commit to pin a hub checkpoint at (resolved by the caller: the lock's, or the hub's answer
-    at render time); ignored for a local checkpoint."""
+    at render time); ignored for a local checkpoint.
+
+    One pass, each source asked once and in this order: the host's paths (checkpoint.py), a P/D
+    plan's role rules (plan/disaggregation.py), then each engine's own facts, its clocks last
+    (timeline.py reads the checkpoint's source and the layout). A P/D group is its roles'
+    engines under the plan's name and API address."""
     model = model_source(plan.settings.model.path, home, cwd)
+    hf_cache = host_path(plan.settings.runtime.hf_cache, "runtime.hf_cache", home)
     if commit is not None and not model.local:
         model = model._replace(commit=commit)
-    if plan.settings.disaggregation.enabled:
-        return _derive_disaggregated(plan, model, home)
-    return _derive_engine(plan, model, home, gpu_selection(plan.hardware, layout_of(plan).gpus_per_node))
-
-
-def _derive_engine(
-    plan: Plan, model: ModelSource, home: str | None, gpus: GpuSelection, kv: KvTransfer | None = None
-) -> Deployment:
-    runtime = plan.settings.runtime
-    layout = layout_of(plan)
-    return Deployment(
+    service_hf_cache = hf_cache if _named_by_user(plan, "runtime.hf_cache") else SERVICE_HF_CACHE
+    paths = _HostPaths(model, hf_cache, service_hf_cache)
+    pair = _pair_rules(plan) if plan.settings.disaggregation.enabled else None
+    engines = _derive_engines(pair.roles if pair else ((plan, None),), plan.hardware, paths)
+    if pair is None:
+        return engines[0]
+    prefill, decode = engines
+    # The group is named and reached as the plan's server; its engine facts are prefill's (its
+    # secrets too: a role reads the plan's runtime.api_key).
+    return prefill._replace(
         plan=plan,
-        name=runtime.container_name,
-        model=model,
-        hf_cache=(hf_cache := host_path(runtime.hf_cache, "runtime.hf_cache", home)),
-        service_hf_cache=hf_cache if _named_by_user(plan, "runtime.hf_cache") else SERVICE_HF_CACHE,
-        layout=layout,
-        timeline=timeline_for(plan, model, layout),
-        network=Network(runtime.bind, runtime.port, CONTAINER_PORT),
-        secrets=secrets_of(plan),
-        vendor=vendor_facts(plan.hardware.vendor),
-        gpus=gpus,
-        draft=draft_of(plan),
-        kv_transfer=kv,
+        name=plan.settings.runtime.container_name,
+        network=pair.router.network,
+        kv_transfer=None,
+        disaggregated=Disaggregated(prefill, decode, pair.router),
     )
 
 
-def _derive_disaggregated(plan: Plan, model: ModelSource, home: str | None) -> Deployment:
-    """The group: each role's engine derived from the role's settings (its own layout, port,
-    name, GPUs), the router on the plan's API address, and the group under the plan's name."""
-    settings, hw = plan.settings, plan.hardware
+def _pair_rules(plan: Plan) -> _PairRules:
+    """Each role's engine plan (its own layout, port, name) and KV transfer, and the router."""
+    settings, runtime = plan.settings, plan.settings.runtime
     pd = settings.disaggregation
     connector = connector_of(settings)
-    role_plans = {role: plan._replace(settings=role_settings(settings, role)) for role in ROLES}
-    needs = {role: layout_of(role_plan).gpus_per_node for role, role_plan in role_plans.items()}
-    # Roles that share the host take its GPUs in turn (decode after prefill); a pair wider than the
-    # host runs each role on a node of its own (Kubernetes places them), from that node's GPU 0.
-    shares_host = not vendor_facts(hw.vendor).gpus or sum(needs.values()) <= hw.count
-    first = 0
-    roles: list[Deployment] = []
-    for role, role_plan in role_plans.items():
-        per_node = needs[role]
-        kv = KvTransfer(
-            role=role,
-            connector=connector,
-            side_channel_port=role_ports(settings, role).side_channel,
-            ucx_transports=ucx_transports(settings, hw) if connector.uses_ucx else None,
-            ucx_net_devices=pd.ucx_net_devices if connector.uses_ucx else None,
-            load_failure_policy=pd.load_failure_policy,
+    ucx = connector.uses_ucx
+    roles = tuple(
+        (
+            plan._replace(settings=role_settings(settings, role)),
+            KvTransfer(
+                role=role,
+                connector=connector,
+                side_channel_port=role_ports(settings, role).side_channel,
+                ucx_transports=ucx_transports(settings, plan.hardware) if ucx else None,
+                ucx_net_devices=pd.ucx_net_devices if ucx else None,
+                load_failure_policy=pd.load_failure_policy,
+            ),
         )
-        roles.append(_derive_engine(role_plan, model, home, gpu_selection(hw, per_node, first), kv))
-        first += per_node if shares_host else 0
-    runtime = settings.runtime
+        for role in ROLES
+    )
     router = Router(
         name=f"{runtime.container_name}-router",
         image=pd.router.image or settings.engine.image,
@@ -407,15 +415,46 @@ def _derive_disaggregated(plan: Plan, model: ModelSource, home: str | None) -> D
         health_check_interval_s=pd.router.health_check_interval_s,
         health_check_timeout_s=pd.router.health_check_timeout_s,
     )
-    prefill, decode = roles
-    # The group is named and reached as the plan's server; its engine facts are prefill's.
-    return prefill._replace(
+    return _PairRules(roles, router)
+
+
+def _derive_engines(
+    engines: tuple[tuple[Plan, KvTransfer | None], ...], hw: Hardware, paths: _HostPaths
+) -> list[Deployment]:
+    """Each engine with the GPUs it gets. One server: the host's first GPUs (picked by count where
+    the host is simulated). A P/D pair's roles that share the host take its GPUs in turn (decode
+    after prefill); a pair wider than the host runs each role on a node of its own (Kubernetes
+    places them), from that node's GPU 0."""
+    needs = [layout_of(engine).gpus_per_node for engine, _ in engines]
+    shares_host = not vendor_facts(hw.vendor).gpus or sum(needs) <= hw.count
+    first = 0 if len(engines) > 1 else None
+    derived: list[Deployment] = []
+    for (engine, kv), need in zip(engines, needs, strict=True):
+        gpus = gpu_selection(hw, need, first)
+        derived.append(_derive_engine(engine, paths, gpus, kv))
+        if first is not None and shares_host:
+            first += need
+    return derived
+
+
+def _derive_engine(plan: Plan, paths: _HostPaths, gpus: GpuSelection, kv: KvTransfer | None) -> Deployment:
+    runtime = plan.settings.runtime
+    layout = layout_of(plan)
+    return Deployment(
         plan=plan,
         name=runtime.container_name,
-        network=router.network,
+        model=paths.model,
+        hf_cache=paths.hf_cache,
+        service_hf_cache=paths.service_hf_cache,
+        layout=layout,
+        network=Network(runtime.bind, runtime.port, CONTAINER_PORT),
         secrets=secrets_of(plan),
-        kv_transfer=None,
-        disaggregated=Disaggregated(prefill, decode, router),
+        vendor=vendor_facts(plan.hardware.vendor),
+        gpus=gpus,
+        draft=draft_of(plan),
+        kv_transfer=kv,
+        # The clocks last: they are read from the facts above (the checkpoint's source, the layout).
+        timeline=timeline_for(plan, paths.model, layout),
     )
 
 
