@@ -38,7 +38,7 @@ class RangeIgnored(Exception):
 
 
 class Writer(Protocol):
-    """Where plain-HTTP bytes go: one range of the partial file (transfer.PartWriter)."""
+    """Where plain-HTTP bytes go: one range of the partial file (partial_file.PartWriter)."""
 
     def write(self, data: bytes) -> int: ...
     def restart(self) -> None: ...  # the server sent the whole file: its bytes go from offset 0

@@ -28,7 +28,8 @@ from m31ctl.pull.records import (
     RepoFile,
     Started,
 )
-from m31ctl.pull.transfer import ByteMeter, Fetcher, Tally, Watch
+from m31ctl.pull.transfer import Fetcher
+from m31ctl.pull.watch import ByteMeter, Tally, Watch
 
 if TYPE_CHECKING:
     from m31ctl.deployment import Deployment

@@ -17,22 +17,18 @@ stops every transfer of the process).
 
 from __future__ import annotations
 
-import fcntl
-import math
 import os
 import queue
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from m31ctl import interrupt
-from m31ctl.errors import ConflictError
 from m31ctl.pull.cache import Part, RepoCache
 from m31ctl.pull.hub import RangeIgnored, TransientError, Transport
 from m31ctl.pull.integrity import file_problem
+from m31ctl.pull.jobs import Job, Running, Task, split_parts
+from m31ctl.pull.partial_file import PartialFile, PartWriter
 from m31ctl.pull.records import (
     Corrupt,
     DownloadStalled,
@@ -46,189 +42,8 @@ from m31ctl.pull.records import (
     Retry,
     Via,
 )
-
-MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class Watch:
-    """How transfers are watched and how many run at once."""
-
-    stall_timeout_s: float = 60.0
-    retries: int = 3
-    progress_every_s: float = 0.5
-    # At most this many transfers at once (huggingface_hub's snapshot_download runs 8 files at once;
-    # here a large file's ranges count too, so one large file alone still gets them all).
-    connections: int = 8
-    # A file larger than this comes in ranges of about this size: large enough that a range's own
-    # request costs little (one HEAD-free GET), small enough that 4 shards keep 8 connections busy.
-    part_bytes: int = 64 * MIB
-    record_every_s: float = 1.0  # how often a file in ranges rewrites its record of bytes on disk
-
-    @property
-    def backoff_s(self) -> float:
-        """The first pause before a retry (then doubled): short enough to matter little against a
-        stall timeout, never longer than five seconds."""
-        return min(5.0, self.stall_timeout_s)
-
-
-@dataclass
-class Tally:
-    """The whole pull's counts, for progress events."""
-
-    files_total: int
-    bytes_total: int
-    files_done: int = 0
-    bytes_before: int = 0  # complete or partial before this run's first byte
-
-
-class ByteMeter:
-    """Bytes this run moved, and the rate over the last WINDOW_S seconds."""
-
-    WINDOW_S = 10.0
-
-    def __init__(self, now: float) -> None:
-        self.total = 0
-        self.last_rate = 0.0  # the rate when bytes last arrived: what a stall message quotes
-        self._samples: deque[tuple[float, int]] = deque([(now, 0)])
-
-    def add(self, moved: int, now: float) -> None:
-        self.total += moved
-        self._samples.append((now, self.total))
-        while len(self._samples) > 2 and self._samples[1][0] < now - self.WINDOW_S:
-            self._samples.popleft()
-        self.last_rate = self.rate(now)
-
-    def rate(self, now: float) -> float:
-        start, before = self._samples[0]
-        span = now - start
-        return (self.total - before) / span if span > 0 else 0.0
-
-
-class _Cancelled(Exception):
-    """Raised into an abandoned transfer thread by its writer."""
-
-
-class PartialFile:
-    """One blob's partial file, open once for all its ranges: locked (flock) against a second pull
-    writing it too, written at offsets."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            raise ConflictError(
-                f"another process is downloading into {path}", hint="wait for it, or stop it and rerun"
-            ) from None
-        self._open = True
-
-    def write_at(self, data: bytes, offset: int) -> int:
-        return os.pwrite(self._fd, data, offset)
-
-    def truncate(self, size: int) -> None:
-        os.ftruncate(self._fd, size)
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            os.close(self._fd)  # also releases the lock on it
-
-
-class PartWriter:
-    """One range's writer (hub.Writer): each write lands after the range's bytes on disk; once
-    cancelled it refuses every write, so an abandoned thread never writes after the next attempt began."""
-
-    def __init__(self, partial: PartialFile, part: Part) -> None:
-        self.partial, self.part = partial, part
-        self.written = 0  # by this attempt: what the watchdog counts
-        self.restarted = False  # the server sent the whole file: nothing was resumed after all
-        self._lock = threading.Lock()
-        self._cancelled = False
-
-    def write(self, data: bytes) -> int:
-        with self._lock:
-            if self._cancelled:
-                raise _Cancelled
-            count = self.partial.write_at(data, self.part.start + self.part.done)
-            self.part.done += count
-            self.written += count
-            return count
-
-    def restart(self) -> None:
-        """The server ignored the Range of a file in one piece and sends it from its first byte."""
-        with self._lock:
-            if self._cancelled:
-                raise _Cancelled
-            self.partial.truncate(0)
-            self.part.done = 0
-            self.restarted = True
-
-    def cancel(self) -> None:
-        with self._lock:
-            self._cancelled = True
-
-
-class _Worker(threading.Thread):
-    def __init__(self, work: Callable[[], None], name: str, finished: queue.Queue[_Worker]) -> None:
-        super().__init__(name=f"pull {name}", daemon=True)  # never keeps an interrupted pull alive
-        self._work, self._finished = work, finished
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self._work()
-        except BaseException as exc:  # handed to the watching thread, which decides
-            self.error = exc
-        finally:
-            self._finished.put(self)
-
-
-@dataclass
-class _Job:
-    """One file of this pull: where its bytes are, how they come, what is on disk."""
-
-    f: RepoFile
-    location: Location
-    via: Via
-    parts: list[Part]
-    check_hash: bool  # bytes adopted from another tool's partial file: hashed before they count
-    resumed_from: int = 0
-    fetched: int = 0  # bytes this run moved for it
-    partial: PartialFile | None = None
-    running: int = 0
-    failures: dict[int, int] = field(default_factory=dict)  # part index -> failed attempts
-    generation: int = 0  # bumped when its ranges are merged: transfers of an older one are ignored
-    done: bool = False
-
-    @property
-    def ranged(self) -> bool:
-        return len(self.parts) > 1
-
-
-@dataclass
-class _Task:
-    job: _Job
-    part: int  # index into job.parts (0 for a Xet transfer: the whole file)
-    not_before: float = 0.0
-
-
-@dataclass
-class _Running:
-    task: _Task
-    generation: int
-    moved: Callable[[], int]
-    cancel: Callable[[], None]
-    last_byte: float
-    seen: int = 0
-    writer: PartWriter | None = None  # plain HTTP's
-
-    @property
-    def via(self) -> Via:
-        return self.task.job.via
+from m31ctl.pull.watch import ByteMeter, Tally, Watch, rate_text
+from m31ctl.pull.workers import Worker, locate_all
 
 
 class Fetcher:
@@ -255,12 +70,12 @@ class Fetcher:
         self.most_transfers = 0
         self._last_progress = float("-inf")
         self._last_record = float("-inf")
-        self._finished: queue.Queue[_Worker] = queue.Queue()
-        self._running: dict[_Worker, _Running] = {}
-        self._queue: deque[_Task] = deque()
-        self._jobs: list[_Job] = []
+        self._finished: queue.Queue[Worker] = queue.Queue()
+        self._running: dict[Worker, Running] = {}
+        self._queue: deque[Task] = deque()
+        self._jobs: list[Job] = []
         self._twins: dict[str, list[RepoFile]] = {}  # etag -> other files of the same bytes
-        self._hashing: dict[_Worker, tuple[_Job, list[str | None]]] = {}  # adopted bytes being hashed
+        self._hashing: dict[Worker, tuple[Job, list[str | None]]] = {}  # adopted bytes being hashed
 
     # --- the pull's entry points ------------------------------------------------------------------
     def fetch(self, f: RepoFile) -> FileDone:
@@ -280,7 +95,8 @@ class Fetcher:
                 firsts[f.etag] = f
         unique = list(firsts.values())
         try:
-            for f, location in zip(unique, self._locate(unique), strict=True):
+            locations = locate_all(self.transport, self.listing, unique, self.watch.connections)
+            for f, location in zip(unique, locations, strict=True):
                 job = self._job(f, location, f.path in adopted)
                 self._jobs.append(job)
                 self._schedule(job)
@@ -298,79 +114,32 @@ class Fetcher:
         return [done[f.path] for f in files]
 
     # --- planning ---------------------------------------------------------------------------------
-    def _locate(self, files: list[RepoFile]) -> list[Location]:
-        """Each file's location (HEAD /resolve), `connections` at a time."""
-        found: dict[int, Location] = {}
-        errors: dict[int, BaseException] = {}
-        pending = deque(enumerate(files))
-        finished: queue.Queue[_Worker] = queue.Queue()
-        running: dict[_Worker, int] = {}
-
-        def locate(i: int, f: RepoFile) -> Callable[[], None]:
-            def work() -> None:
-                found[i] = self.transport.locate(self.listing.repo, self.listing.commit, f.path)
-
-            return work
-
-        while pending or running:
-            interrupt.check()
-            while pending and len(running) < self.watch.connections:
-                i, f = pending.popleft()
-                worker = _Worker(locate(i, f), f.path, finished)
-                running[worker] = i
-                worker.start()
-            try:
-                worker = finished.get(timeout=0.1)  # a timeout: Ctrl-C is heard while waiting
-            except queue.Empty:
-                continue
-            i = running.pop(worker)
-            if worker.error is not None:
-                errors[i] = worker.error
-                pending.clear()
-        if errors:
-            raise errors[min(errors)]
-        return [found[i] for i in range(len(files))]
-
-    def _job(self, f: RepoFile, location: Location, adopted: bool) -> _Job:
+    def _job(self, f: RepoFile, location: Location, adopted: bool) -> Job:
         via: Via = "xet" if location.xet and self.xet else "http"
         if via == "xet":
-            return _Job(f, location, via, [Part(0, f.size)], check_hash=False)
+            return Job(f, location, via, [Part(0, f.size)], check_hash=False)
         size = location.size if location.size is not None else f.size
         parts = self.cache.parts(f) if size == f.size else [Part(0, size)]
-        job = _Job(f, location, via, parts, adopted, resumed_from=sum(p.done for p in parts))
+        job = Job(f, location, via, parts, adopted, resumed_from=sum(p.done for p in parts))
         self._split(job)
         return job
 
-    def _split(self, job: _Job) -> None:
+    def _split(self, job: Job) -> None:
         """Cut what is left of each range into ranges of about part_bytes, recorded before any of
         them gets a byte (the record is what tells the holes from the bytes)."""
-        piece = self.watch.part_bytes
-        if self.watch.connections < 2 or piece <= 0:
-            return
-        parts: list[Part] = []
-        for part in job.parts:
-            left = part.left
-            count = math.ceil(left / piece) if left > piece + piece // 2 else 1
-            if count == 1:
-                parts.append(part)
-                continue
-            step = math.ceil(left / count)
-            at = part.start + part.done
-            parts.append(Part(part.start, at + step, part.done))
-            for first in range(at + step, part.end, step):
-                parts.append(Part(first, min(first + step, part.end)))
+        parts = split_parts(job.parts, self.watch)
         if len(parts) > 1 and parts != job.parts:
             self.cache.write_parts(job.f, parts)
         job.parts = parts
 
-    def _schedule(self, job: _Job, not_before: float = 0.0) -> None:
+    def _schedule(self, job: Job, not_before: float = 0.0) -> None:
         for i, part in enumerate(job.parts):
             if job.via == "xet" or part.left > 0:
-                self._queue.append(_Task(job, i, not_before))
+                self._queue.append(Task(job, i, not_before))
                 if job.via == "xet":
                     return
 
-    def _queued(self, job: _Job) -> bool:
+    def _queued(self, job: Job) -> bool:
         return any(task.job is job for task in self._queue)
 
     # --- running ----------------------------------------------------------------------------------
@@ -387,7 +156,7 @@ class Fetcher:
             xet_busy = xet_busy or task.job.via == "xet"
         self.most_transfers = max(self.most_transfers, len(self._running))
 
-    def _start(self, task: _Task, now: float) -> None:
+    def _start(self, task: Task, now: float) -> None:
         job = task.job
         if job.via == "xet":
             moved = [0]
@@ -398,8 +167,8 @@ class Fetcher:
             def fetch_xet() -> None:
                 self.transport.fetch_xet(self.listing.repo, self.listing.commit, job.f.path, count)
 
-            worker = _Worker(fetch_xet, job.f.path, self._finished)
-            running = _Running(task, job.generation, lambda: moved[0], self.transport.abort_xet, now)
+            worker = Worker(fetch_xet, job.f.path, self._finished)
+            running = Running(task, job.generation, lambda: moved[0], self.transport.abort_xet, now)
         else:
             if job.partial is None:
                 self._open_partial(job)
@@ -413,10 +182,8 @@ class Fetcher:
             def fetch_http() -> None:
                 self.transport.fetch_http(location, writer, first, end)
 
-            worker = _Worker(fetch_http, job.f.path, self._finished)
-            running = _Running(
-                task, job.generation, lambda: writer.written, writer.cancel, now, writer=writer
-            )
+            worker = Worker(fetch_http, job.f.path, self._finished)
+            running = Running(task, job.generation, lambda: writer.written, writer.cancel, now, writer=writer)
         job.running += 1
         self._running[worker] = running
         worker.start()
@@ -434,7 +201,7 @@ class Fetcher:
             except queue.Empty:
                 return
 
-    def _ended(self, worker: _Worker, done: dict[str, FileDone]) -> None:
+    def _ended(self, worker: Worker, done: dict[str, FileDone]) -> None:
         if worker in self._hashing:
             hashed, problem = self._hashing.pop(worker)
             if worker.error is not None:
@@ -481,14 +248,14 @@ class Fetcher:
             self._last_record = now
             self._write_records()
 
-    def _count(self, running: _Running, now: float) -> None:
+    def _count(self, running: Running, now: float) -> None:
         count = running.moved()
         if count > running.seen:
             self.meter.add(count - running.seen, now)
             running.task.job.fetched += count - running.seen
             running.seen, running.last_byte = count, now
 
-    def _failed(self, task: _Task, problem: str) -> None:
+    def _failed(self, task: Task, problem: str) -> None:
         job = task.job
         failures = job.failures.get(task.part, 0) + 1
         job.failures[task.part] = failures
@@ -497,7 +264,7 @@ class Fetcher:
         if failures <= self.watch.retries:
             backoff = self.watch.backoff_s * 2 ** (failures - 1)
             self.emit(Retry(job.f.path, failures, self.watch.retries, job.via, problem, backoff, byte_range))
-            self._queue.append(_Task(job, task.part, self.clock() + backoff))
+            self._queue.append(Task(job, task.part, self.clock() + backoff))
         elif job.via == "xet":
             self.emit(Fallback(job.f.path, "xet", "http", f"{problem} ({failures} attempts)"))
             self.xet = False
@@ -507,18 +274,18 @@ class Fetcher:
         else:
             raise DownloadStalled(
                 f"{job.f.path}: {problem}, and again after {self.watch.retries} retries "
-                f"(last rate {_rate(self.meter.last_rate)})",
+                f"(last rate {rate_text(self.meter.last_rate)})",
                 hint="rerun m31ctl pull to continue where it stopped, or raise --stall-timeout",
             )
 
-    def _to_http(self, job: _Job) -> None:
+    def _to_http(self, job: Job) -> None:
         """A Xet file not done when Xet was given up on: plain HTTP from what is on disk."""
         fresh = self._job(job.f, job.location, job.check_hash)  # self.xet is False now: plain HTTP
         job.via, job.parts, job.failures = "http", fresh.parts, {}
         job.resumed_from, job.generation, job.running = fresh.resumed_from, job.generation + 1, 0
         self._schedule(job)
 
-    def _merge(self, job: _Job) -> None:
+    def _merge(self, job: Job) -> None:
         """The server ignores Range: this file comes in one piece, after the bytes on disk from 0."""
         for worker, running in list(self._running.items()):
             if running.task.job is job:
@@ -539,7 +306,7 @@ class Fetcher:
         job.resumed_from = min(job.resumed_from, prefix)
         self._schedule(job)
 
-    def _finish(self, job: _Job, done: dict[str, FileDone]) -> None:
+    def _finish(self, job: Job, done: dict[str, FileDone]) -> None:
         """Every byte is on disk: the blob into place, the snapshot's link, the file's event."""
         f = job.f
         if job.via == "http":
@@ -554,7 +321,7 @@ class Fetcher:
                 def hash_adopted() -> None:
                     problem.append(file_problem(path, f, lambda n: None))
 
-                worker = _Worker(hash_adopted, f.path, self._finished)
+                worker = Worker(hash_adopted, f.path, self._finished)
                 self._hashing[worker] = (job, problem)
                 worker.start()
                 return
@@ -574,7 +341,7 @@ class Fetcher:
             self.emit(event)
         self.progress("download", f.path, force=True)
 
-    def _hashed(self, job: _Job, problem: str | None, done: dict[str, FileDone]) -> None:
+    def _hashed(self, job: Job, problem: str | None, done: dict[str, FileDone]) -> None:
         """Adopted bytes hashed: the file is done, or (not a prefix of it) fetched again from 0."""
         if problem is None:
             self._finish(job, done)
@@ -587,7 +354,7 @@ class Fetcher:
         self._split(job)
         self._schedule(job)
 
-    def _open_partial(self, job: _Job) -> None:
+    def _open_partial(self, job: Job) -> None:
         """Open (and lock) the file's partial file, cut to what the ranges account for: bytes past
         them are not part of this file (a longer file under its name, a piece's unrecorded tail)."""
         job.partial = PartialFile(self.cache.partial(job.f.etag))
@@ -657,7 +424,3 @@ class Fetcher:
                 len(self._running) if phase != "verify" else 0,
             )
         )
-
-
-def _rate(bps: float) -> str:
-    return f"{bps / 1e6:.2f} MB/s" if bps >= 1e5 else f"{bps / 1e3:.1f} kB/s"

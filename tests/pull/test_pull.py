@@ -367,7 +367,8 @@ class _XetThatStalls:
 def test_xet_that_stalls_falls_back_to_plain_http(tmp_path):
     from m31ctl.pull.cache import RepoCache
     from m31ctl.pull.records import Listing, RepoFile
-    from m31ctl.pull.transfer import Fetcher, Tally, Watch
+    from m31ctl.pull.transfer import Fetcher
+    from m31ctl.pull.watch import Tally, Watch
 
     data = b"x" * 3000
     f = RepoFile("model.safetensors", len(data), "e" * 64, None)
