@@ -155,7 +155,7 @@ def test_doctor_names_what_the_imported_vllm_lacks(tiny_m3):
 
 def test_verify_knows_a_checkpoint_m31ctl_made_has_random_weights(tiny_m3, tmp_path):
     from m31ctl.deployment import derive
-    from m31ctl.served.verify import random_weights
+    from m31ctl.served.verify_answers import random_weights
 
     made = derive(_plan("h200x1", *HOPPER_ON_ONE, "cache.indexer_dtype=bf16", f"model.path={tiny_m3}"))
     assert random_weights(made) == (
@@ -431,22 +431,25 @@ def test_verify_now_reads_the_tiny_checkpoints_answers_so(tmp_path):
     import httpx
 
     from m31ctl.deployment import derive
-    from m31ctl.served import verify
+    from m31ctl.served import verify_answers
+    from m31ctl.served.verified import VerifyReport
 
     (tmp_path / "config.json").write_text(_text("model-config.json"))
     deployment = derive(_plan("h200x1", *HOPPER_ON_ONE, "cache.indexer_dtype=bf16", f"model.path={tmp_path}"))
-    assert verify.text_only_checkpoint(deployment) == (
+    assert verify_answers.text_only_checkpoint(deployment) == (
         f"the checkpoint is text-only ({tmp_path / 'config.json'}: MiniMaxM3SparseForCausalLM, no vision_config)"
     )
     sent = {"choices": [{"message": {"role": "assistant", "content": '\ufffd"no"'}}]}
     client = httpx.Client(
         base_url="http://h200", transport=httpx.MockTransport(lambda _r: httpx.Response(200, json=sent))
     )
-    judged = verify.VerifyReport("http://h200", "x")
-    verify._structured(client, "MiniMax-M3.1-Flash", judged, "random weights")
-    verify._structured(client, "MiniMax-M3.1-Flash", judged)
+    judged = VerifyReport("http://h200", "x")
+    verify_answers.check_structured(client, "MiniMax-M3.1-Flash", judged, "random weights")
+    verify_answers.check_structured(client, "MiniMax-M3.1-Flash", judged)
     assert [c.status for c in judged.checks] == [CheckStatus.OK, CheckStatus.FAIL]
-    verify._image(client, deployment.plan, judged, verify.text_only_checkpoint(deployment))
+    verify_answers.check_image(
+        client, deployment.plan, judged, verify_answers.text_only_checkpoint(deployment)
+    )
     assert (
         judged.checks[-1].status is CheckStatus.SKIP
         and "not sent: the checkpoint is text-only" in judged.checks[-1].message

@@ -13,7 +13,7 @@ from m31ctl.redact import redact, redact_data
 from m31ctl.served import target as targets
 from m31ctl.served import verify
 from m31ctl.served.baseline import verify_report
-from m31ctl.served.verify import VerifyReport
+from m31ctl.served.verified import VerifyReport
 
 
 def run_verify(

@@ -332,7 +332,7 @@ H200 = FIXTURES / "gpu" / "h200-vllm026"
 
 def _verify_report(failing: bool):  # type: ignore[no-untyped-def]
     from m31ctl.checks import CheckResult, CheckStatus
-    from m31ctl.served.verify import VerifyReport
+    from m31ctl.served.verified import VerifyReport
 
     captured = json.loads((H200 / "verify-fp8graphs-u0.1.json").read_text())
     # The capture predates one check shape (issue 38): {"check", "status": pass|fail|skip, "detail"}.

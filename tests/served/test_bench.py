@@ -447,7 +447,8 @@ def test_verify_load_runs_the_sweeps_benchmark_with_verify_settings():
     marks read vLLM's result through the same figure names as bench's points."""
     from m31ctl.hardware import simulated
     from m31ctl.plan import PlanRequest, resolve
-    from m31ctl.served import verify
+    from m31ctl.served import verify_load
+    from m31ctl.served.verified import VerifyReport
 
     sets = ("model.path=/models/tiny", "verify.ttft_p99_ms=500", "verify.min_output_throughput=1")
     plan = resolve(PlanRequest(simulated("cpu"), sets=sets))
@@ -459,8 +460,8 @@ def test_verify_load_runs_the_sweeps_benchmark_with_verify_settings():
         seen.append(args)
         return {**result, "completed": v.requests, "failed": 0}
 
-    report = verify.VerifyReport("http://h:1", plan.hash)
-    verify._load(plan, "http://h:1", runner, report)
+    report = VerifyReport("http://h:1", plan.hash)
+    verify_load.check_load(plan, "http://h:1", runner, report)
     (args,) = seen
     flag = {a: args[i + 1] for i, a in enumerate(args[:-1]) if a.startswith("--")}
     assert flag["--dataset-name"] == "random" and flag["--random-input-len"] == str(v.input_len)
@@ -478,14 +479,14 @@ def test_verify_load_runs_the_sweeps_benchmark_with_verify_settings():
 def test_verify_reads_every_vllm_key_through_the_one_map():
     """verify's check ids and the keys its report keeps come from figures.VLLM_KEY, and are the
     ones saved reports and CI read (tests/fixtures/gpu/*/verify-*.json)."""
-    from m31ctl.served import verify
+    from m31ctl.served import verify_load
 
-    assert [figures.check_id(f) for f, _ in verify.PASS_MARKS] == [
+    assert [figures.check_id(f) for f, _ in verify_load.PASS_MARKS] == [
         "ttft-p99",
         "tpot-p99",
         "output-throughput",
     ]
-    assert [figures.VLLM_KEY[f] for f in verify.BENCH_FIGURES] == [
+    assert [figures.VLLM_KEY[f] for f in verify_load.BENCH_FIGURES] == [
         "completed", "failed", "duration", "request_throughput", "request_goodput", "output_throughput",
         "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms",
     ]  # fmt: skip
