@@ -21,9 +21,17 @@ from __future__ import annotations
 import ipaddress
 from typing import NamedTuple
 
-from m31ctl.container import ContainerSpec, labels_for, render_spec
+from m31ctl.container import ContainerSpec, groups_on_this_host, labels_for, render_spec
 from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment, Disaggregated
-from m31ctl.docker_run import Attachment, Mode, lifecycle_args, log_args, network_args, publish_address
+from m31ctl.docker_run import (
+    Attachment,
+    Mode,
+    lifecycle_args,
+    log_args,
+    network_args,
+    publish_address,
+    publish_spec,
+)
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.engine.router import RouterInvocation, Upstreams, router_invocation
 from m31ctl.errors import HostPreconditionError
@@ -128,21 +136,31 @@ class DockerPair(NamedTuple):
     deployment: Deployment  # the group's
     group: Disaggregated
     network: str  # on the host (`NAME-pd`)
+    labels: tuple[tuple[str, str], ...]  # the group's plan (labels_for): its router's and network's
     roles: tuple[PairRole, PairRole]
     router: RouterInvocation
+    # vllm-router's container, under its rendered name (NAME-router): the Docker targets' and
+    # launch's, so every one runs it with the same image, command line, clocks and log rotation.
+    router_spec: ContainerSpec
 
     @property
     def router_attachment(self) -> Attachment:
         return Attachment(self.network, None, ROUTER_ALIAS)
 
 
-def docker_pair(deployment: Deployment, target: str) -> DockerPair:
+def docker_pair(deployment: Deployment, target: str, *, on_this_host: bool = False) -> DockerPair:
     """The pair on its own Docker network, refused where it does not fit one host (`target`:
-    what runs it there)."""
+    what runs it there; `on_this_host`: launch, whose roles join this host's GPU groups by GID
+    rather than the rendered files' group names)."""
     group = on_one_host(deployment, target)
     network = network_name(deployment)
-    prefill, decode = (_pair_role(role, index, network) for index, role in enumerate(group.roles))
-    return DockerPair(deployment, group, network, (prefill, decode), pair_router_invocation(group))
+    labels = labels_for(deployment.plan)
+    prefill, decode = (
+        _pair_role(role, index, network, on_this_host) for index, role in enumerate(group.roles)
+    )
+    router = pair_router_invocation(group)
+    router_spec = _router_spec(deployment, group, labels, prefill.spec, router)
+    return DockerPair(deployment, group, network, labels, (prefill, decode), router, router_spec)
 
 
 def network_name(deployment: Deployment) -> str:
@@ -180,18 +198,63 @@ def rendered_router_invocation(group: Disaggregated, upstreams: Upstreams) -> Ro
     )
 
 
-def _pair_role(role: Deployment, index: int, network: str) -> PairRole:
+def _pair_role(role: Deployment, index: int, network: str, on_this_host: bool) -> PairRole:
     """The `index`th role at its fixed address on `network`, its container rendered for any host
     advertising that address, with its own GPUs of the shared host (device_ids by index where the
     plan has no UUIDs)."""
     address = role_address(index)
     spec = render_spec(role)
+    if on_this_host:
+        spec = spec._replace(group_add=groups_on_this_host(role))
     invocation = build_invocation(role, side_channel_host=address)
     env = {**dict(spec.env), **dict(invocation.env)}
     spec = spec._replace(args=invocation.args, env=tuple(sorted(env.items())))
     if spec.device_request and not spec.gpu_device_ids and role.gpus.indices:
         spec = spec._replace(gpu_device_ids=tuple(str(i) for i in role.gpus.indices))
     return PairRole(role, spec, Attachment(network, address, role_key(role)))
+
+
+def _router_spec(
+    deployment: Deployment,
+    group: Disaggregated,
+    labels: tuple[tuple[str, str], ...],
+    role: ContainerSpec,
+    invocation: RouterInvocation,
+) -> ContainerSpec:
+    """vllm-router's container: the invocation's image and arguments (its entrypoint is the
+    invocation's first word), the group's labels, the roles' restart policy and log rotation,
+    the router's clocks, its API on the plan's bind and port; no GPU, device or mount. With an
+    API key it reads the key as vllm-router does (ROUTER_API_KEY_ENV)."""
+    router = group.router
+    clocks = group.router_timeline
+    return ContainerSpec(
+        name=router.name,
+        image=invocation.image,
+        args=invocation.argv[1:],
+        env=(),
+        secret_env=(ROUTER_API_KEY_ENV,) if deployment.secrets.api_key else (),
+        labels=labels,
+        vendor=role.vendor,
+        device_request=False,
+        gpu_count=0,
+        gpu_device_ids=(),
+        devices=(),
+        group_add=(),
+        security_opt=(),
+        cap_add=(),
+        ipc_host=False,
+        shm_size=None,
+        ulimits=(),
+        mounts=(),
+        bind=router.network.bind,
+        host_port=router.network.port,
+        container_port=CONTAINER_PORT,
+        restart=role.restart,
+        stop_timeout=clocks.stop_s,
+        startup_timeout=clocks.start_s,
+        log_max_size=role.log_max_size,
+        log_max_files=role.log_max_files,
+    )
 
 
 class RunArgv(NamedTuple):
@@ -205,16 +268,17 @@ def router_run_argv(pair: DockerPair, mode: Mode) -> RunArgv:
     """vllm-router's `docker run` on the pair's network, as Compose's router service: the roles by
     their aliases, its API and metrics ports published on runtime.bind, the restart policy and
     log rotation of the roles' containers."""
-    router = pair.group.router
-    spec = pair.roles[0].spec
-    bind = router.network.bind
-    argv = ["run", *lifecycle_args(mode, spec.restart), "--name", router.name]
-    for key, value in labels_for(pair.deployment.plan):
+    spec = pair.router_spec
+    argv = ["run", *lifecycle_args(mode, spec.restart), "--name", spec.name]
+    for key, value in spec.labels:
         argv += ["--label", f"{key}={value}"]
     argv += log_args(spec.log_max_size, spec.log_max_files)
-    argv += ["--stop-timeout", str(pair.group.router_timeline.stop_s)]
+    argv += ["--stop-timeout", str(spec.stop_timeout)]
     argv += network_args(pair.router_attachment)
-    argv += ["--publish", publish_address(bind, router.network.port, CONTAINER_PORT)]
-    argv += ["--publish", publish_address(bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT)]
+    argv += ["--publish", publish_spec(spec)]
+    argv += [
+        "--publish",
+        publish_address(spec.bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT),
+    ]
     argv += ["--entrypoint", pair.router.argv[0]]
-    return RunArgv(argv, [pair.router.image, *pair.router.argv[1:]])
+    return RunArgv(argv, [spec.image, *spec.args])
