@@ -10,7 +10,8 @@ from typing import Any, NamedTuple
 from m31ctl.cli import bench_plot
 from m31ctl.cli.bench import PICKS
 from m31ctl.cli.figure import check_path
-from m31ctl.cli.output import console, emit, json_text, table, text_view, write_file
+from m31ctl.cli.output import console, emit, json_text, text_view, write_file
+from m31ctl.cli.screen import print_paragraph, print_table
 from m31ctl.errors import ExitCode, InputError
 from m31ctl.inputs import read_json
 from m31ctl.redact import redact
@@ -91,48 +92,54 @@ def _print(shown: CompareShown) -> None:
 
     found, data = shown
     out = console()
-    seen = table("measured on", ["report", "host", "plan", "image", "date", "GPUs", "price"])
-    for r in found.reports:
-        price = r.costing.price.describe() if r.costing else "-"
-        seen.add_row(
-            r.label,
-            r.host or "-",
+    seen = [
+        [
+            Text(r.label),
+            Text(r.host or "-"),
             r.plan_hash or "-",
-            r.image or "-",
-            r.measured_at or "-",
+            Text(r.image or "-"),
+            Text(r.measured_at or "-"),
             str(r.gpus),
-            price,
-        )
-    out.print(seen)
+            Text(r.costing.price.describe() if r.costing else "-"),
+        ]
+        for r in found.reports
+    ]
+    # A report's name and its date are read whole (a date split at its space reads as two things).
+    columns = ["report", "host", "plan", "image", "date", "GPUs", "price"]
+    print_table(out, "measured on", columns, seen, names=(0, 4))
     base = found.reports[0].label
     money = sorted({r.costing.price.currency for r in found.reports if r.costing})
     columns = ["conc.", "report", "tok/s/user", "tok/s/GPU", "TTFT p50 / p99 ms", "TPOT p50 / p99 ms"]
     columns.append(f"{'/'.join(money) or 'cost'}/M out")
-    rows = table(f"point by point (changes against {base})", columns)
+    rows: list[list[Any]] = []
     for row in found.rows:
         for index, (report, values) in enumerate(zip(found.reports, row.values, strict=True)):
             if values is None:
-                rows.add_row(str(row.concurrency), report.label, *(["-"] * (len(columns) - 2)))
+                rows.append([str(row.concurrency), Text(report.label), *(["-"] * (len(columns) - 2))])
                 continue
             delta = row.changes[index - 1] if index else None
 
             def cell(key: str, values: dict[str, float | None] = values, delta: Any = delta) -> str:
                 return _with_change(values[key], delta[key] if delta else None)
 
-            rows.add_row(
-                str(row.concurrency),
-                report.label,
-                cell("tok_s_per_user"),
-                cell("tok_s_per_gpu"),
-                f"{cell('ttft_p50_ms')} / {cell('ttft_p99_ms')}",
-                f"{cell('tpot_p50_ms')} / {cell('tpot_p99_ms')}",
-                cell(COST_KEY),
+            rows.append(
+                [
+                    str(row.concurrency),
+                    Text(report.label),
+                    cell("tok_s_per_user"),
+                    cell("tok_s_per_gpu"),
+                    f"{cell('ttft_p50_ms')} / {cell('ttft_p99_ms')}",
+                    f"{cell('tpot_p50_ms')} / {cell('tpot_p99_ms')}",
+                    cell(COST_KEY),
+                ]
             )
-    out.print(rows)
+    # Stacked, a record's first cell is a bare concurrency: said with its column's name.
+    title = f"point by point (changes against {base})"
+    print_table(out, title, columns, rows, names=(1,), labeled_head=True)
     lines = [f"forced: {line}" for line in found.forced] + [f"note: {n}" for n in found.notes]
     lines += [f"best of {r.label}: {r.choice.reason}" for r in found.reports]
     lines.append(f"verdict: {found.verdict.text}")
     if data.get("plot"):
         lines.append(f"plot: {data['plot']}")
     for line in lines:
-        out.print(Text(redact(line)))
+        print_paragraph(out, redact(line))

@@ -18,8 +18,9 @@ from m31ctl.capacity.fit import (
 )
 from m31ctl.capacity.memory import Fit, parse_context
 from m31ctl.cli.figure import check_path
-from m31ctl.cli.output import console, emit, table, text_view
+from m31ctl.cli.output import console, emit, text_view
 from m31ctl.cli.plot import draw
+from m31ctl.cli.screen import print_paragraph, print_table
 from m31ctl.cli.views import capacity_line, fit_json, geometry_line, sensitivity_line
 from m31ctl.deployment import Deployment
 
@@ -108,26 +109,30 @@ def run(
 
 @text_view(CapacityShown)
 def _capacity_text(shown: CapacityShown) -> None:
+    from rich.text import Text  # lazy: rich is start-up cost that --json never needs
+
     plan, fit, longest = shown.deployment.plan, shown.fit, shown.longest
     out = console()
     hw = plan.hardware
-    out.print(
+    print_paragraph(
+        out,
         f"{hw.count}x {hw.product}, recipe {plan.recipe.recipe}, profile {plan.profile} ({fit.layout}), "
-        f"{plan.model.display_name}, {plan.settings.cache.kv_dtype} KV cache"
+        f"{plan.model.display_name}, {plan.settings.cache.kv_dtype} KV cache",
     )
-    out.print(capacity_line(fit))
-    out.print(geometry_line(fit.geometry), markup=False)
+    print_paragraph(out, capacity_line(fit))
+    print_paragraph(out, geometry_line(fit.geometry))
     if fit.fits:
         per_token = fit.kv_bytes_per_token
-        out.print(
+        print_paragraph(
+            out,
             f"per GPU: weights {fit.weights_per_gpu_bytes / 1e9:.1f} GB, KV budget "
             f"{fit.kv_budget_per_gpu_bytes / 1e9:.1f} GB; per token {per_token.total:,.0f} bytes "
             f"(main attention {per_token.main_attention:,.0f} + indexer {per_token.indexer:,.0f}), "
-            f"{fit.kv_bytes_per_sequence / 1e9:.2f} GB a sequence"
+            f"{fit.kv_bytes_per_sequence / 1e9:.2f} GB a sequence",
         )
     for band in (sensitivity_line(fit), sensitivity_line(fit, published=True)):
         if band:
-            out.print(band)
+            print_paragraph(out, band)
     if longest is not None:
         capped = (
             f" (memory would hold {longest.memory_tokens:,}; {longest.limit_source})"
@@ -135,24 +140,30 @@ def _capacity_text(shown: CapacityShown) -> None:
             else ""
         )
         noun = "sequence" if longest.sequences == 1 else "sequences"
-        out.print(
-            f"longest context for {longest.sequences} {noun}: {longest.tokens:,} tokens{capped}", markup=False
+        print_paragraph(
+            out, f"longest context for {longest.sequences} {noun}: {longest.tokens:,} tokens{capped}"
         )
     for role, role_fit in shown.roles:
-        out.print(_role_line(role, role_fit, shown.context), markup=False)
-    t = table(
+        print_paragraph(out, _role_line(role, role_fit, shown.context))
+    rows = [
+        [Text(r.model), Text(r.kv_dtype), Text(r.layout), str(r.fit.sequences), _basis(r.fit)]
+        for r in shown.rows
+    ]
+    print_table(
+        out,
         f"Resident sequences at {shown.context} tokens",
         ["model", "KV cache", "layout", "sequences", "published basis"],
+        rows,
     )
-    for r in shown.rows:
-        basis = r.fit.sequences_published_basis
-        t.add_row(r.model, r.kv_dtype, r.layout, str(r.fit.sequences), "-" if basis is None else str(basis))
-    out.print(t)
     # Which geometry each model's rows used (the plan's model's is the line above).
     for origin in dict.fromkeys(r.fit.geometry for r in shown.rows if r.fit.geometry != fit.geometry):
-        out.print(geometry_line(origin), markup=False)
+        print_paragraph(out, geometry_line(origin))
     if shown.plot:
-        out.print(f"plot written to {shown.plot}")
+        print_paragraph(out, f"plot written to {shown.plot}")
+
+
+def _basis(fit: Fit) -> str:
+    return "-" if fit.sequences_published_basis is None else str(fit.sequences_published_basis)
 
 
 def _role_line(role: str, fit: Fit, context: int) -> str:

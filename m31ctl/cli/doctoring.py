@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from m31ctl.cli.output import console, table, text_view
+from m31ctl.cli.output import console, text_view
+from m31ctl.cli.screen import print_paragraph, print_table
 from m31ctl.doctor import DoctorReport, report_json
 
 
@@ -25,18 +26,20 @@ def print_doctor(shown: DoctorShown) -> None:
     report = shown.report
     out = console()
     if report.plan is None:
-        out.print(Text(f"No plan for this host: {report.plan_error}"))
+        print_paragraph(out, f"No plan for this host: {report.plan_error}")
     else:
         p = report.plan
-        out.print(
+        print_paragraph(
+            out,
             f"Plan {p.hash}: recipe {p.recipe.recipe}, variant {p.variant}, profile {p.profile}, "
             f"{p.gpus_needed} GPUs",
-            markup=False,
         )
     colors = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
-    t = table(None, ["check", "status", "finding", "remedy"])
-    for r in report.results:
-        t.add_row(r.title, Text(r.status, style=colors[r.status]), Text(r.message), Text(r.remedy))
-    out.print(t)
+    rows = [
+        [Text(r.title), Text(r.status, style=colors[r.status]), Text(r.message), Text(r.remedy)]
+        for r in report.results
+    ]
+    # A check's title is prose, not a name to copy: it may wrap between its words.
+    print_table(out, None, ["check", "status", "finding", "remedy"], rows, names=())
     s = report.summary()
     out.print(f"{s['ok']} ok, {s['warn']} warn, {s['fail']} fail, {s['skip']} skip")

@@ -13,7 +13,8 @@ import typer
 
 from m31ctl.capacity.fit import plan_fit
 from m31ctl.cli import output
-from m31ctl.cli.output import console, emit_event, table, text_view
+from m31ctl.cli.output import console, emit_event, text_view
+from m31ctl.cli.screen import print_command, print_paragraph, print_table
 from m31ctl.cli.views import plan_json, print_plan
 from m31ctl.deployment import Deployment
 from m31ctl.runtime import Survey
@@ -128,8 +129,8 @@ def print_dry_run(shown: DryRunShown) -> None:
     print_plan(shown.deployment, plan_fit(shown.deployment), explain=False)
     out = console()
     out.print()
-    out.print(f"{dry.kind.capitalize()} (dry run, nothing started):", markup=False)
-    out.print(shlex.join(dry.argv), markup=False, soft_wrap=True)
+    print_paragraph(out, f"{dry.kind.capitalize()} (dry run, nothing started):")
+    print_command(out, [shlex.quote(word) for word in dry.argv])
 
 
 def phase_events() -> Callable[[Phase, float], None]:
@@ -170,14 +171,10 @@ def print_result(shown: LaunchShown) -> None:
         "max_tokens": 64,
     }
     key = deployment.secrets.api_key
-    auth = f' -H "Authorization: Bearer ${key}"' if key else ""
     out.print(f"endpoint: {result.endpoint}/v1", markup=False)
-    out.print(
-        f"try: curl -s {result.endpoint}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-        f"-d {shlex.quote(jsonlib.dumps(body))}",
-        markup=False,
-        soft_wrap=True,
-    )
+    words = ["curl", "-s", f"{result.endpoint}/v1/chat/completions", "-H", "'Content-Type: application/json'"]
+    words += ["-H", f'"Authorization: Bearer ${key}"'] if key else []
+    print_command(out, [*words, "-d", shlex.quote(jsonlib.dumps(body))], lead="try: ")
 
 
 def print_unreachable(found: Survey) -> None:
@@ -209,6 +206,8 @@ class StatusShown:
 
 @text_view(StatusShown)
 def print_status(shown: StatusShown) -> None:
+    from rich.text import Text  # lazy: rich is start-up cost that --json never needs
+
     found, differences = shown.found, shown.differences
     print_unreachable(found)
     if not found.servers:
@@ -232,23 +231,8 @@ def print_status(shown: StatusShown) -> None:
             changed = differences.get(s.name, ())
             cells.append("\n".join(changed) if changed else "same")
         rows.append(cells)
-    out = console()
-    # A ruled table costs 3 columns a cell plus 1: where the longest cells do not fit the terminal,
-    # rich would fold names, URLs and hashes mid-word. Then each server is a record of its own.
-    widths = [
-        max(len(line) for cell in column for line in cell.split("\n"))
-        for column in zip(columns, *rows, strict=True)
-    ]
-    if sum(widths) + 3 * len(widths) + 1 > out.width:
-        for cells in rows:
-            out.print(f"{cells[0]}  {cells[1]}  {cells[2]}  health {cells[3]}", markup=False, soft_wrap=True)
-            for label, value in zip(columns[4:], cells[4:], strict=True):
-                out.print(f"  {label}: {value.replace(chr(10), '; ')}", markup=False, soft_wrap=True)
-        return
-    t = table(None, columns)
-    for cells in rows:
-        t.add_row(*cells)
-    out.print(t)
+    # Names, URLs and hashes are words: folded between them, or a record a server (m31ctl.cli.screen).
+    print_table(console(), None, columns, [[Text(cell) for cell in cells] for cells in rows])
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from m31ctl.cli.output import console, emit, table, text_view
+from m31ctl.cli.output import console, emit, text_view
+from m31ctl.cli.screen import print_table
 from m31ctl.plan.catalog import Recipe, builtin_recipes, get_recipe
 from m31ctl.plan.resolve import check_recipe_file
 
@@ -73,18 +74,18 @@ def list_recipes(as_json: bool) -> None:
 @text_view(RecipeList)
 def _list_text(listed: RecipeList) -> None:
     recipes = listed.recipes
-    t = table(None, ["recipe", "status", "hardware", "min GPUs", "variants", "profiles"])
-    for r in recipes:
-        profiles = [n for n, o in r.profiles.items() if not o.unsupported]
-        t.add_row(
+    rows = [
+        [
             r.recipe,
             r.status,
             ", ".join(r.match.products) or ", ".join(r.match.families),
             str(r.match.min_gpus),
             ", ".join(r.variants),
-            ", ".join(profiles),
-        )
-    console().print(t)
+            ", ".join(n for n, o in r.profiles.items() if not o.unsupported),
+        ]
+        for r in recipes
+    ]
+    print_table(console(), None, ["recipe", "status", "hardware", "min GPUs", "variants", "profiles"], rows)
 
 
 def show(name: str, as_json: bool) -> None:

@@ -9,7 +9,8 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from m31ctl.cli.output import console, table, text_view
+from m31ctl.cli.output import console, text_view
+from m31ctl.cli.screen import print_command, print_paragraph, print_table
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.engine.validate import GroupValidation, PlanValidation
 from m31ctl.hardware import Hardware
@@ -207,19 +208,17 @@ def disaggregation_json(group: Disaggregated) -> dict[str, Any]:
 
 
 def _print_commands(deployment: Deployment, out: Any) -> None:
-    from rich.text import Text  # lazy: rich, as in print_plan
-
     group = deployment.disaggregated
     for engine in deployment.engines:
         inv = build_invocation(engine)
-        command = shlex.join([*(f"{k}={v}" for k, v in inv.env), "vllm", "serve", *inv.args])
+        command = [*(f"{k}={v}" for k, v in inv.env), "vllm", "serve", *inv.args]
         role = f"{engine.kv_transfer.role.value}, " if engine.kv_transfer else ""
-        out.print(Text(f"Command ({role}image {inv.image}):"))
-        out.print(Text(command), soft_wrap=True)
+        print_paragraph(out, f"Command ({role}image {inv.image}):")
+        print_command(out, [shlex.quote(word) for word in command])
     if group:
         router = loopback_router_invocation(group)
-        out.print(Text(f"Command (router, image {router.image}):"))
-        out.print(Text(shlex.join(router.argv)), soft_wrap=True)
+        print_paragraph(out, f"Command (router, image {router.image}):")
+        print_command(out, [shlex.quote(word) for word in router.argv])
 
 
 def timeline_json(timeline: Timeline) -> dict[str, Any]:
@@ -270,70 +269,79 @@ def _plan_text(shown: PlanShown) -> None:
 
 
 def print_plan(deployment: Deployment, fit: Fit | None, explain: bool, brief: bool = False) -> None:
-    from rich.text import Text  # lazy: rich is start-up cost that `plan --json` never needs
-
     plan = deployment.plan
     out = console()
     hw = plan.hardware
-    out.print(
-        Text(
-            f"Plan {plan.hash}: recipe {plan.recipe.recipe} ({plan.recipe.status}), variant {plan.variant}, "
-            f"profile {plan.profile}",
-            style="bold",
-        )
+    print_paragraph(
+        out,
+        f"Plan {plan.hash}: recipe {plan.recipe.recipe} ({plan.recipe.status}), variant {plan.variant}, "
+        f"profile {plan.profile}",
+        style="bold",
     )
-    out.print(
-        Text(
-            f"Hardware: {hw.count}x {hw.product}, {hw.memory_per_gpu_gib:.0f} GiB each, from {hw.source}; "
-            f"the plan uses {_gpus_used(deployment)}"
-        )
+    print_paragraph(
+        out,
+        f"Hardware: {hw.count}x {hw.product}, {hw.memory_per_gpu_gib:.0f} GiB each, from {hw.source}; "
+        f"the plan uses {_gpus_used(deployment)}",
     )
     if brief:
         overridden = sorted(
             {key.split(".")[0] for key, _value, source in plan.explain() if "--set" in source}
         )
-        out.print(
-            Text(
-                f"Settings: {len(plan.explain())} resolved"
-                + (f" ({', '.join(overridden)} set on the command line)" if overridden else "")
-                + "; `m31ctl plan --explain` lists each with its source"
-            )
+        print_paragraph(
+            out,
+            f"Settings: {len(plan.explain())} resolved"
+            + (f" ({', '.join(overridden)} set on the command line)" if overridden else "")
+            + "; `m31ctl plan --explain` lists each with its source",
         )
     else:
-        columns = ["setting", "value", "source"] if explain else ["setting", "value"]
-        t = table(None, columns)
-        for key, value, source in plan.explain():
-            if not explain and value in (None, [], {}, ()):
-                continue  # unset values say nothing; --explain shows them all
-            row = [Text(key), Text(json.dumps(value))] + ([Text(source)] if explain else [])
-            t.add_row(*row)
-        out.print(t)
+        _print_settings(deployment, explain, out)
     if fit:
-        out.print(Text(f"Capacity: {capacity_line(fit)}"))
+        print_paragraph(out, f"Capacity: {capacity_line(fit)}")
     for engine in deployment.engines:
         moe = engine.plan.moe_layout
         if moe is not None:
             role = f" ({engine.kv_transfer.role.value})" if engine.kv_transfer else ""
-            out.print(Text(f"MoE layout{role}: {moe.describe()}"))
-    out.print(Text(f"Clock: {clock_line(deployment.timeline)}"))
+            print_paragraph(out, f"MoE layout{role}: {moe.describe()}")
+    print_paragraph(out, f"Clock: {clock_line(deployment.timeline)}")
     if explain:
-        clocks = table(None, ["phase", "seconds", "from", "changed by"])
-        for name, clock in deployment.timeline.rows():
-            clocks.add_row(Text(name), Text(str(clock.seconds)), Text(clock.source), Text(clock.setting))
-        out.print(clocks)
-    requirements = plan.recipe.recommended
-    if requirements.cuda_driver:
-        out.print(
-            Text(f"Requires: a driver supporting CUDA {requirements.cuda_driver} (recommended by the recipe)")
-        )
-    if requirements.rocm:
-        out.print(Text(f"Requires: ROCm {requirements.rocm}"))
-    for note in dict.fromkeys(n for engine in deployment.engines for n in build_invocation(engine).effects):
-        out.print(Text(f"Engine: {note}"))
-    for warning in plan.warnings:
-        out.print(Text(f"warning: {warning}", style="yellow"))
+        clocks = [
+            [name, str(clock.seconds), clock.source, clock.setting]
+            for name, clock in deployment.timeline.rows()
+        ]
+        # A phase's setting is a name to copy into --set: never broken either.
+        print_table(out, None, ["phase", "seconds", "from", "changed by"], clocks, names=(0, 3))
+    _print_notes(deployment, out)
     out.print()
     _print_commands(deployment, out)
+
+
+def _print_settings(deployment: Deployment, explain: bool, out: Any) -> None:
+    """Each setting and its value (with --explain its source too, and the unset ones)."""
+    from rich.text import Text  # lazy: rich is start-up cost that `plan --json` never needs
+
+    columns = ["setting", "value", "source"] if explain else ["setting", "value"]
+    rows = []
+    for key, value, source in deployment.plan.explain():
+        if not explain and value in (None, [], {}, ()):
+            continue  # unset values say nothing; --explain shows them all
+        rows.append([Text(key), Text(json.dumps(value))] + ([Text(source)] if explain else []))
+    print_table(out, None, columns, rows)
+
+
+def _print_notes(deployment: Deployment, out: Any) -> None:
+    """What the plan requires of the host, what the engine was told, and the plan's warnings."""
+    plan = deployment.plan
+    requirements = plan.recipe.recommended
+    if requirements.cuda_driver:
+        print_paragraph(
+            out, f"Requires: a driver supporting CUDA {requirements.cuda_driver} (recommended by the recipe)"
+        )
+    if requirements.rocm:
+        print_paragraph(out, f"Requires: ROCm {requirements.rocm}")
+    for note in dict.fromkeys(n for engine in deployment.engines for n in build_invocation(engine).effects):
+        print_paragraph(out, f"Engine: {note}")
+    for warning in plan.warnings:
+        print_paragraph(out, f"warning: {warning}", style="yellow")
 
 
 @dataclass(frozen=True)
