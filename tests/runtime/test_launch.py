@@ -398,7 +398,7 @@ def test_throwaway_containers_are_removed_whatever_happens(images, docker_client
     from m31ctl.deployment import derive
     from m31ctl.hardware import simulated
     from m31ctl.plan import PlanRequest, resolve
-    from m31ctl.runtime.docker import run_in_engine, trial_run
+    from m31ctl.runtime.docker_create import run_in_engine, trial_run
     from m31ctl.runtime.images import engine_schema
 
     mark = uuid.uuid4().hex[:8]

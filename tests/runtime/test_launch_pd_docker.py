@@ -32,9 +32,10 @@ from m31ctl.pair import (
 )
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.redact import API_KEY_ENV
-from m31ctl.runtime import docker_group
+from m31ctl.runtime import docker_group, docker_servers
 from m31ctl.runtime.converge import ExistingServer
-from m31ctl.runtime.docker import create_container
+from m31ctl.runtime.docker_create import create_container
+from m31ctl.runtime.docker_launch import ContainerRun
 from m31ctl.runtime.flow import Found
 from m31ctl.runtime.protocol import LaunchOptions, ServerStatus
 from m31ctl.runtime.readiness import ProcessState
@@ -59,7 +60,7 @@ def test_each_role_runs_on_the_pairs_network_at_the_address_it_advertises():
     d = _group()
     group = d.disaggregated
     assert group is not None
-    roles = docker_group.role_parts(docker_pair(d, "launch"), "/launch/dir")
+    roles = docker_group.role_parts(docker_pair(d, "launch", on_this_host=True), "/launch/dir")
     assert [p.spec.name for p in roles] == [role.name for role in group.roles]
     for index, part in enumerate(roles):
         address = role_address(index)
@@ -75,7 +76,7 @@ def test_the_router_is_the_groups_one_name_with_the_rendered_command_and_the_gro
     d = _group()
     group = d.disaggregated
     assert group is not None
-    router = docker_group.router_part(docker_pair(d, "launch"), "/x")
+    router = docker_group.router_part(docker_pair(d, "launch", on_this_host=True), "/x")
     invocation = pair_router_invocation(group)
     assert router.spec.name == d.name and router.deployment is d
     assert (*router.entrypoint, *router.spec.args) == invocation.argv
@@ -122,7 +123,7 @@ class _Client:
         return ident
 
 
-def _created(part: docker_group.ContainerRun, environ: dict[str, str]) -> dict[str, Any]:
+def _created(part: ContainerRun, environ: dict[str, str]) -> dict[str, Any]:
     client = _Client()
     create_container(
         client,
@@ -139,7 +140,7 @@ def _created(part: docker_group.ContainerRun, environ: dict[str, str]) -> dict[s
 def test_the_api_key_reaches_roles_and_router_only_through_the_container_environment():
     d = _group("runtime.api_key=true")
     environ = {API_KEY_ENV: SECRET, "HF_TOKEN": "hf_x", "UNRELATED": "1"}
-    pair = docker_pair(d, "launch")
+    pair = docker_pair(d, "launch", on_this_host=True)
     roles = docker_group.role_parts(pair, "/x")
     router = docker_group.router_part(pair, "/x")
     for index, part in enumerate(roles):
@@ -177,7 +178,7 @@ def test_dry_run_shows_the_three_containers_and_the_network():
 
 @dataclasses.dataclass
 class _Box:
-    """A container as docker.py's status and stop read it."""
+    """A container as docker_servers.py's status and stop read it."""
 
     name: str
     status: str = "running"
@@ -193,20 +194,20 @@ def test_status_shows_the_group_then_its_parts_and_names_a_part_that_is_down():
     prefill = _Box("g-prefill", labels={Label.GROUP: "g"})
     decode = _Box("g-decode", status="exited", labels={Label.GROUP: "g"})
     alone = _Box("other")
-    rows = docker_group.statuses([router, prefill, decode, alone], _row)
+    rows = docker_servers.statuses([router, prefill, decode, alone], _row)
     assert [(r.name, r.state, r.group) for r in rows] == [
         ("g", "degraded: g-decode down", None),
         ("g-prefill", "running", "g"),
         ("g-decode", "exited", "g"),
         ("other", "running", None),
     ]
-    rows = docker_group.statuses([router, prefill], _row)
+    rows = docker_servers.statuses([router, prefill], _row)
     assert [(r.name, r.state) for r in rows][::2] == [
         ("g", "degraded: g-decode down"),
         ("g-decode", "missing"),
     ]
     # A role whose router is gone stands alone, so `stop --name` reaches it.
-    assert [(r.name, r.group) for r in docker_group.statuses([prefill], _row)] == [("g-prefill", None)]
+    assert [(r.name, r.group) for r in docker_servers.statuses([prefill], _row)] == [("g-prefill", None)]
 
 
 class _Dead:
@@ -226,9 +227,7 @@ class _FakeLaunch:
     """A part's primitives without Docker: a part already serving this plan (found), or one that
     is created and dies while it starts."""
 
-    def __init__(
-        self, part: docker_group.ContainerRun, options: LaunchOptions, seen: list[Any], serving: bool
-    ) -> None:
+    def __init__(self, part: ContainerRun, options: LaunchOptions, seen: list[Any], serving: bool) -> None:
         self.part, self.options, self.serving, self.created = part, options, serving, False
         seen.append(self)
 
@@ -311,7 +310,10 @@ def test_a_role_that_dies_while_the_group_starts_is_named_and_the_group_is_stopp
     serving = iter([True, False])  # prefill serves this plan already; decode is created and dies
     with pytest.raises(ServerDied) as died:
         docker_group.launch_group(
-            d, options, engine, lambda part, o: _FakeLaunch(part, o, seen, next(serving))
+            docker_pair(d, "launch", on_this_host=True),
+            options,
+            engine,
+            lambda part, o: _FakeLaunch(part, o, seen, next(serving)),
         )
     assert engine.made == [(network_name(d), PAIR_SUBNET)]
     message = died.value.message
@@ -329,7 +331,8 @@ def test_without_timeout_the_router_waits_on_the_groups_router_clock():
     assert group is not None
     seen: list[_FakeLaunch] = []
     options = LaunchOptions(report=lambda _: None, confirm=lambda _: False)
-    result = docker_group.launch_group(d, options, _Engine(), lambda p, o: _FakeLaunch(p, o, seen, True))
+    pair = docker_pair(d, "launch", on_this_host=True)
+    result = docker_group.launch_group(pair, options, _Engine(), lambda p, o: _FakeLaunch(p, o, seen, True))
     assert result.server == d.name and result.action == "unchanged"
     assert [f.part.spec.name for f in seen] == [f"{d.name}-prefill", f"{d.name}-decode", d.name]
     assert [f.options.timeout for f in seen] == [None, None, group.router_timeline.start_s]

@@ -179,7 +179,7 @@ def test_a_pulled_checkpoint_reaches_the_container_offline():
     from m31ctl.deployment import derive
     from m31ctl.hardware import simulated
     from m31ctl.plan import PlanRequest, resolve
-    from m31ctl.runtime.docker import create_container
+    from m31ctl.runtime.docker_create import create_container
 
     class Api:
         def __init__(self) -> None:
