@@ -1,18 +1,17 @@
 """The rehearsal's one-host cluster: a private Docker network (with a subnet of its own when pods
 need fixed addresses), the claims' volumes, each pod's address, a forwarder for each Service that
-maps ports (kube-proxy's part), the pods started in the LWS controller's order on the emulated
-kubelet (kubelet.py) and watched until the serving pod is ready, and each node as it ended, from
-its own log (logs.py)."""
+maps ports (kube-proxy's part), the pods handed to the emulated kubelet (kubelet.py: it starts
+them in the LWS controller's order and watches until the serving pod is ready), and each node as
+it ended, from its own log (logs.py)."""
 
 from __future__ import annotations
 
 import ipaddress
 from typing import Any
 
-from m31ctl import interrupt
 from m31ctl.labels import Label
 from m31ctl.rehearsal import docker_verbs
-from m31ctl.rehearsal.kubelet import Kubelet, PodState, claim_volume
+from m31ctl.rehearsal.kubelet import Kubelet, PodState, claim_volume, serving_state, start_pods, watch
 from m31ctl.rehearsal.logs import failure_cause, read_log
 from m31ctl.rehearsal.pods import PodRun, ServiceRun, Volume
 from m31ctl.rehearsal.prepared import Prepared
@@ -21,9 +20,6 @@ from m31ctl.rehearsal.result import NodeOutcome, Run
 from m31ctl.rehearsal.session import Options, Progress
 from m31ctl.runtime import engine_api
 
-TICK_S = 1.0
-# How often the logs are read for a fatal traceback while waiting (a failed node may not exit).
-FATAL_EVERY_S = 10.0
 # Fixed addresses on the rehearsal network start at this host of its subnet (Docker takes .1).
 FIRST_POD_HOST = 10
 FORWARDER_MOUNT = "/m31ctl-rehearsal"
@@ -35,17 +31,18 @@ def kubelet_on_network(
     """The kubelet on the rehearsal's own network, the claims' volumes made, each pod's address
     and the secrets' values known; and why the network could not be made (None: it was)."""
     network, labels = f"m31ctl-rh-{session}", {Label.REHEARSAL: session}
-    unmade = Kubelet(client, session, network)
     subnet = docker_verbs.free_subnet(client, network, labels) if prepared.addressed else None
+    addresses = pod_addresses(subnet, prepared) if subnet else {}
     if prepared.addressed and subnet is None:
-        return unmade, "no free subnet for the rehearsal network (docker network create failed)"
+        return Kubelet(
+            client, session, network
+        ), "no free subnet for the rehearsal network (docker network create failed)"
     refused = engine_api.create_network(client, network, labels, subnet)
     if refused is not None:
-        return unmade, f"docker network create failed: {refused.strip()[-300:]}"
+        return Kubelet(client, session, network), f"docker network create failed: {refused.strip()[-300:]}"
     for claim in (*prepared.manifest.claims, *prepared.reference_claims):
         # Not checked here: a volume the engine refused shows as the pod's own start error.
         docker_verbs.create_volume(client, claim_volume(session, claim), labels)
-    addresses = pod_addresses(subnet, prepared) if subnet else {}
     kubelet = Kubelet(
         client, session, network, addresses=addresses, secrets=secrets, sandboxed=prepared.restarted_in_place
     )
@@ -87,11 +84,14 @@ def forwarder_pod(service: ServiceRun, image: str, addresses: dict[str, str]) ->
 
 
 def start_and_watch(kubelet: Kubelet, prepared: Prepared, options: Options, progress: Progress) -> Run:
-    """The forwarders and the pods started, then watched until the serving pod is ready (its
-    `why` None), or why not."""
+    """The Services' forwarders and the pods started, then watched until the serving pod is
+    ready (its `why` None), or why not."""
     image = prepared.twin.plan.settings.engine.image
-    states = [kubelet.start(forwarder_pod(s, image, kubelet.addresses)) for s in prepared.manifest.forwarded]
-    states += start_pods(kubelet, prepared.manifest.pods, options.timeout_s, options.leader_delay_s, progress)
+    forwarders = [forwarder_pod(s, image, kubelet.addresses) for s in prepared.manifest.forwarded]
+    manifest = prepared.manifest
+    states = start_pods(
+        kubelet, manifest.pods, options.timeout_s, options.leader_delay_s, progress, forwarders
+    )
     progress(f"started {len(states)} container(s) on network {kubelet.network}")
     failed_init = [s for s in states if s.pod.init and s.exit_code != 0]
     if failed_init:  # the kubelet never starts the pod's containers after a failed init
@@ -104,100 +104,9 @@ def start_and_watch(kubelet: Kubelet, prepared: Prepared, options: Options, prog
         return Run(states, f"init container {first.pod.container} of {first.pod.pod} {how}", None)
     # The rendered startup probe's own budget (the timeline's readiness wait) bounds the wait.
     deadline = kubelet.clock() + max(options.timeout_s, prepared.deployment.timeline.ready_s)
-    return Run(states, watch(kubelet, states, deadline, progress, prepared.manifest.api_pod), None)
-
-
-def start_pods(
-    kubelet: Kubelet,
-    pods: tuple[PodRun, ...],
-    timeout: float,
-    leader_delay_s: float = 0.0,
-    progress: Progress = lambda _: None,
-) -> list[PodState]:
-    """Each pod's init containers to completion, then its container; the leader first (the LWS
-    controller creates the group's pods together; the order only saves the workers a retry).
-    With `leader_delay_s`, the workers first and the rest that much later, as a leader pod still
-    pulling its image or downloading would start."""
-    if leader_delay_s > 0:
-        workers = [p for p in pods if p.role == "worker"]
-        first = _start_each(kubelet, workers, timeout, progress)
-        interrupt.sleep(leader_delay_s)
-        rest = [p for p in pods if p.role != "worker"]
-        return first + _start_each(kubelet, rest, timeout, progress)
-    return _start_each(kubelet, list(pods), timeout, progress)
-
-
-def _start_each(kubelet: Kubelet, pods: list[PodRun], timeout: float, progress: Progress) -> list[PodState]:
-    states: list[PodState] = []
-    for pod in pods:
-        if pod.init:
-            progress(f"{pod.pod}: init container {pod.container} runs to its end before the pod starts")
-            running = [s for s in states if not s.pod.init and s.status == "running"]
-
-            def probe_the_others(running: list[PodState] = running) -> None:
-                for other in running:
-                    kubelet.refresh(other)
-                    kubelet.probe_once(other)
-
-            state = kubelet.run_to_completion(pod, timeout, probe_the_others if running else None)
-            states.append(state)
-            if state.exit_code != 0:
-                break
-        else:
-            states.append(kubelet.start(pod))
-    return states
-
-
-def serving_state(states: list[PodState], api_pod: str = "") -> PodState:
-    """The pod clients reach (the API Service's: a P/D plan's router), else the first leader."""
-    serving = [s for s in states if s.pod.role in ("leader", "server") and not s.pod.init]
-    return next((s for s in serving if s.pod.pod == api_pod), serving[0])
-
-
-def fatal_in_log(kubelet: Kubelet, state: PodState) -> str | None:
-    """A node whose vLLM printed a fatal traceback but whose container lives on (a failing API
-    server child leaves the parent `vllm serve` waiting): its final exception line."""
-    text = kubelet.log(state, tail=400)
-    if "Traceback (most recent call last)" not in text:
-        return None
-    return read_log(text).error_line
-
-
-def watch(
-    kubelet: Kubelet, states: list[PodState], deadline: float, progress: Progress, api_pod: str = ""
-) -> str | None:
-    """Probe until the serving pod is ready; why not, when a container ended, a node's vLLM
-    printed a fatal traceback (checked every FATAL_EVERY_S), or time ran out."""
-    leader = serving_state(states, api_pod)
-    announced = False
-    next_scan = kubelet.clock() + FATAL_EVERY_S
-    while True:
-        for state in states:
-            if state.status == "running":
-                kubelet.refresh(state)
-            if state.status != "running" and not state.pod.init:
-                return f"{state.pod.pod} ({state.pod.role}) exited with code {state.exit_code}"
-            if state.pod.init and state.exit_code not in (0, None):
-                return (
-                    f"init container {state.pod.container} of {state.pod.pod} exited with {state.exit_code}"
-                )
-        for state in states:  # the serving pods' own probes (a P/D pair's roles and router)
-            if state.pod.role in ("leader", "server") and not state.pod.init and state.status == "running":
-                kubelet.probe_once(state)
-        if leader.ready_s is not None:
-            return None
-        if not announced and leader.started:
-            progress(f"{leader.pod.pod}: startup probe passed")
-            announced = True
-        if kubelet.clock() > next_scan:
-            next_scan = kubelet.clock() + FATAL_EVERY_S
-            for state in states:
-                line = fatal_in_log(kubelet, state) if state.status == "running" else None
-                if line:
-                    return f"{state.pod.pod} ({state.pod.role}): vLLM failed: {line}"
-        if kubelet.clock() > deadline:
-            return f"{leader.pod.pod} not ready within {deadline - leader.started_at:.0f} s"
-        interrupt.sleep(TICK_S)  # Ctrl-C and SIGTERM end the wait here
+    serving = serving_state(states, manifest.api_pod)
+    why = watch(kubelet, states, serving, deadline, progress)
+    return Run(states, why, None, serving=serving)
 
 
 def node_outcomes(kubelet: Kubelet, states: list[PodState], run_failed: bool) -> tuple[NodeOutcome, ...]:

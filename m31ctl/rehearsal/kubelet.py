@@ -1,4 +1,5 @@
-"""The kubelet's part of a rehearsal: each pod becomes a container on a private Docker network,
+"""The kubelet's part of a rehearsal: the pods started in the LWS controller's order and watched until
+the serving pod is ready; each pod becomes a container on a private Docker network,
 started with the pod's own command and args (as expanded), and its probes run as the kubelet
 runs them: HTTP GET to the pod's IP and the probe's port, exec inside the container with the
 probe's timeout; the startup probe gates liveness and readiness. Periods are shortened to at
@@ -10,18 +11,23 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from m31ctl import interrupt
 from m31ctl.labels import Label
 from m31ctl.rehearsal import docker_verbs
+from m31ctl.rehearsal.logs import read_log
 from m31ctl.rehearsal.pods import NAMESPACE, PodRun, Probe, Volume
+from m31ctl.rehearsal.session import Progress
 from m31ctl.runtime import engine_api
 from m31ctl.units import quantity_bytes
 
 PROBE_PERIOD_S = 2.0
+TICK_S = 1.0
+# How often the logs are read for a fatal traceback while waiting (a failed node may not exit).
+FATAL_EVERY_S = 10.0
 
 
 def container_name(session: str, pod: PodRun) -> str:
@@ -303,3 +309,98 @@ class Kubelet:
             and all(p.passes and not p.failures_in_row for p in readiness)
         ):
             state.ready_s = round(self.clock() - state.started_at, 1)
+
+
+def start_pods(
+    kubelet: Kubelet,
+    pods: tuple[PodRun, ...],
+    timeout: float,
+    leader_delay_s: float = 0.0,
+    progress: Progress = lambda _: None,
+    forwarders: Sequence[PodRun] = (),
+) -> list[PodState]:
+    """The Services' forwarders (kube-proxy is up before any pod), then each pod's init containers
+    to completion, then its container; the leader first (the LWS controller creates the group's
+    pods together; the order only saves the workers a retry). With `leader_delay_s`, the workers
+    first and the rest that much later, as a leader pod still pulling its image or downloading
+    would start."""
+    started = _start_each(kubelet, list(forwarders), timeout, progress)
+    if leader_delay_s > 0:
+        workers = [p for p in pods if p.role == "worker"]
+        started += _start_each(kubelet, workers, timeout, progress)
+        interrupt.sleep(leader_delay_s)
+        rest = [p for p in pods if p.role != "worker"]
+        return started + _start_each(kubelet, rest, timeout, progress)
+    return started + _start_each(kubelet, list(pods), timeout, progress)
+
+
+def _start_each(kubelet: Kubelet, pods: list[PodRun], timeout: float, progress: Progress) -> list[PodState]:
+    states: list[PodState] = []
+    for pod in pods:
+        if pod.init:
+            progress(f"{pod.pod}: init container {pod.container} runs to its end before the pod starts")
+            running = [s for s in states if not s.pod.init and s.status == "running"]
+
+            def probe_the_others(running: list[PodState] = running) -> None:
+                for other in running:
+                    kubelet.refresh(other)
+                    kubelet.probe_once(other)
+
+            state = kubelet.run_to_completion(pod, timeout, probe_the_others if running else None)
+            states.append(state)
+            if state.exit_code != 0:
+                break
+        else:
+            states.append(kubelet.start(pod))
+    return states
+
+
+def serving_state(states: list[PodState], api_pod: str = "") -> PodState:
+    """The pod clients reach (the API Service's: a P/D plan's router), else the first leader."""
+    serving = [s for s in states if s.pod.role in ("leader", "server") and not s.pod.init]
+    return next((s for s in serving if s.pod.pod == api_pod), serving[0])
+
+
+def fatal_in_log(kubelet: Kubelet, state: PodState) -> str | None:
+    """A node whose vLLM printed a fatal traceback but whose container lives on (a failing API
+    server child leaves the parent `vllm serve` waiting): its final exception line."""
+    text = kubelet.log(state, tail=400)
+    if "Traceback (most recent call last)" not in text:
+        return None
+    return read_log(text).error_line
+
+
+def watch(
+    kubelet: Kubelet, states: list[PodState], leader: PodState, deadline: float, progress: Progress
+) -> str | None:
+    """Probe until the serving pod (`leader`, one of `states`) is ready; why not, when a container
+    ended, a node's vLLM printed a fatal traceback (checked every FATAL_EVERY_S), or time ran out."""
+    announced = False
+    next_scan = kubelet.clock() + FATAL_EVERY_S
+    while True:
+        for state in states:
+            if state.status == "running":
+                kubelet.refresh(state)
+            if state.status != "running" and not state.pod.init:
+                return f"{state.pod.pod} ({state.pod.role}) exited with code {state.exit_code}"
+            if state.pod.init and state.exit_code not in (0, None):
+                return (
+                    f"init container {state.pod.container} of {state.pod.pod} exited with {state.exit_code}"
+                )
+        for state in states:  # the serving pods' own probes (a P/D pair's roles and router)
+            if state.pod.role in ("leader", "server") and not state.pod.init and state.status == "running":
+                kubelet.probe_once(state)
+        if leader.ready_s is not None:
+            return None
+        if not announced and leader.started:
+            progress(f"{leader.pod.pod}: startup probe passed")
+            announced = True
+        if kubelet.clock() > next_scan:
+            next_scan = kubelet.clock() + FATAL_EVERY_S
+            for state in states:
+                line = fatal_in_log(kubelet, state) if state.status == "running" else None
+                if line:
+                    return f"{state.pod.pod} ({state.pod.role}): vLLM failed: {line}"
+        if kubelet.clock() > deadline:
+            return f"{leader.pod.pod} not ready within {deadline - leader.started_at:.0f} s"
+        interrupt.sleep(TICK_S)  # Ctrl-C and SIGTERM end the wait here

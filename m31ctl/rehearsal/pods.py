@@ -1,7 +1,9 @@
-"""What Kubernetes would run from a rendered manifest, as plain data: one PodRun per pod of the
-LeaderWorkerSet (or the Deployment's one pod), with the environment the LWS controller and the
-kubelet give each container, and command, args and probes as the kubelet resolves them. Pure:
-the YAML documents in, the pods out; running them is the cluster's business (cluster.py).
+"""What Kubernetes would run from a deployment's render, as plain data: the target rendered by the
+normal render code and its YAML read back as one PodRun per pod of the LeaderWorkerSet (or the
+Deployment's one pod), with the environment the LWS controller and the kubelet give each
+container, and command, args and probes as the kubelet resolves them; a command that would put a
+secret into argv is refused here, before anything starts. Pure: the documents in, the pods out;
+running them is the cluster's business (cluster.py).
 
 Sources: the LWS pod webhook (sigs.k8s.io/lws pkg/utils/pod: LWS_LEADER_ADDRESS is
 `<lws>-<group>.<lws>.<namespace>`, the headless Service named after the LWS; LWS_GROUP_SIZE; the
@@ -12,9 +14,17 @@ expanded against what precedes it; command and args expanded against the result)
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import yaml
+
+from m31ctl.errors import InputError
+from m31ctl.render import get_target
+from m31ctl.render.k8s import API_SERVICE_SUFFIX
 from m31ctl.render.kubelet_expansion import expand, mapping_for
+
+if TYPE_CHECKING:
+    from m31ctl.deployment import Deployment
 
 NAMESPACE = "default"
 GROUP = 0  # the one replica group of `replicas: 1`
@@ -151,7 +161,8 @@ def service_links(services: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 def secret_mark(name: str) -> str:
     """What a `$(SECRET)` reference expands to here: the kubelet would put the secret's value
-    there (into argv, visible in ps and logs); prepared.py refuses a command that holds this."""
+    there (into argv, visible in ps and logs); refuse_secret_expansion refuses a command that
+    holds this."""
     return f"<secret {name}>"
 
 
@@ -394,3 +405,31 @@ def read_manifest(documents: list[dict[str, Any]], api_service: str = "") -> Man
     claims = tuple(d["metadata"]["name"] for d in _by_kind(documents, "PersistentVolumeClaim"))
     kinds = tuple(str(d.get("kind")) for d in documents if d)
     return Manifest(tuple(pods), claims, api_port, kinds, services, api_pod)
+
+
+def render_documents(deployment: Deployment, target: str) -> list[dict[str, Any]]:
+    """The target rendered by the normal render code, read back as the documents it holds."""
+    documents: list[dict[str, Any]] = []
+    for artifact in get_target(target)(deployment):
+        if artifact.name.endswith((".yaml", ".yml")):
+            documents += [d for d in yaml.safe_load_all(artifact.content) if d]
+    return documents
+
+
+def rendered_manifest(deployment: Deployment, target: str) -> Manifest:
+    """The pods, Services and claims Kubernetes would run from the deployment's render."""
+    return read_manifest(render_documents(deployment, target), deployment.name + API_SERVICE_SUFFIX)
+
+
+def refuse_secret_expansion(manifest: Manifest) -> None:
+    """A command or args word the kubelet would expand into a secret's value (argv is visible
+    in ps and in the node's logs): refused before anything starts."""
+    for pod in manifest.pods:
+        words = [*(pod.command or ()), *(pod.args or ())]
+        leaked = [name for name, _ in pod.secrets if any(secret_mark(name) in w for w in words)]
+        if leaked:
+            raise InputError(
+                f"pod {pod.pod}: its command expands the secret {leaked[0]} into argv "
+                "(visible in ps and the node's logs)",
+                hint="read the secret from the environment inside the process, never via $(NAME)",
+            )

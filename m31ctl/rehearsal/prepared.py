@@ -1,23 +1,20 @@
-"""Everything a rehearsal decides before any container starts: the plan's twin (twin.py) and its
-one Deployment, its render read back as pods (pods.py), and, for a P/D plan, the aggregated
-reference server the pair is held against. Each plan that runs is derived once, here. A layout or
-render m31ctl refuses raises here (exit 2), so nothing is left to clean."""
+"""Everything a rehearsal decides before any container starts: the plan's twin (twin.py), each plan
+it runs derived once (the twin, and for a P/D plan the aggregated reference server the pair is
+held against), and their renders read back as pods (pods.py). A layout or render m31ctl refuses
+raises here (exit 2), so nothing is left to clean."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import yaml
+from typing import NamedTuple
 
 from m31ctl.deployment import Deployment, derive
 from m31ctl.errors import InputError
 from m31ctl.plan import Plan
-from m31ctl.rehearsal.pods import Manifest, PodRun, read_manifest, secret_mark
-from m31ctl.rehearsal.provision import model_dir_for, shim_image
+from m31ctl.rehearsal.pods import Manifest, PodRun, refuse_secret_expansion, rendered_manifest
+from m31ctl.rehearsal.provision import shim_image, tiny_models
 from m31ctl.rehearsal.session import Options
 from m31ctl.rehearsal.twin import Twin, rehearsal_twin
-from m31ctl.render import get_target
 from m31ctl.render.k8s import API_SERVICE_SUFFIX
 
 TARGETS = ("k8s",)
@@ -71,63 +68,30 @@ class Prepared(NamedTuple):
 
 
 def prepare(plan: Plan, options: Options) -> Prepared:
-    """The twin of `plan`, derived and rendered once; with a P/D plan, its reference too."""
+    """The twin of `plan` and, for a P/D plan, its aggregated reference: each derived once, here,
+    and rendered once by the normal render code."""
     if options.target not in TARGETS:
         raise InputError(
             f"rehearse runs the {', '.join(TARGETS)} target, not {options.target!r}",
             hint="--target k8s (its LeaderWorkerSet is the multi-node layout worth rehearsing)",
         )
-    model_dir = model_dir_for(options.cache, plan.settings.parallelism.expert)
     twin = rehearsal_twin(
-        plan, str(model_dir), shim_image(options.base_image), options.timeout_s, options.clock_scale
+        plan,
+        tiny_models(options.cache),
+        shim_image(options.base_image),
+        options.timeout_s,
+        options.clock_scale,
     )
     deployment = derive(twin.plan)
+    alone = None if twin.reference is None else derive(twin.reference)
     manifest = rendered_manifest(deployment, options.target)
     if not [p for p in manifest.pods if not p.init]:
         raise InputError(f"the {options.target} render holds no pod to run")
     refuse_secret_expansion(manifest)
-    if deployment.disaggregated is None:
-        return Prepared(twin, deployment, manifest, model_dir)
-    reference, claims = reference_pod(twin.plan, options.target)
-    return Prepared(twin, deployment, manifest, model_dir, reference, claims)
-
-
-def render_documents(deployment: Deployment, target: str) -> list[dict[str, Any]]:
-    """The target rendered by the normal render code, read back as the documents it holds."""
-    documents: list[dict[str, Any]] = []
-    for artifact in get_target(target)(deployment):
-        if artifact.name.endswith((".yaml", ".yml")):
-            documents += [d for d in yaml.safe_load_all(artifact.content) if d]
-    return documents
-
-
-def rendered_manifest(deployment: Deployment, target: str) -> Manifest:
-    """The pods, Services and claims Kubernetes would run from the deployment's render."""
-    return read_manifest(render_documents(deployment, target), deployment.name + API_SERVICE_SUFFIX)
-
-
-def reference_pod(paired: Plan, target: str) -> tuple[PodRun, tuple[str, ...]]:
-    """The P/D twin's aggregated twin (the same settings, disaggregation off) rendered by the
-    normal render code: its serving pod, renamed and without the Service names (those are the
-    pair's), and the claims it mounts."""
-    settings = paired.settings
-    alone = settings.model_copy(
-        update={"disaggregation": settings.disaggregation.model_copy(update={"enabled": False})}
-    )
-    manifest = rendered_manifest(derive(paired._replace(settings=alone)), target)
-    pod = next(p for p in manifest.pods if p.pod == manifest.api_pod and not p.init)
-    return pod._replace(pod=REFERENCE_POD, hostname=REFERENCE_POD, aliases=()), manifest.claims
-
-
-def refuse_secret_expansion(manifest: Manifest) -> None:
-    """A command or args word the kubelet would expand into a secret's value (argv is visible
-    in ps and in the node's logs): refused before anything starts."""
-    for pod in manifest.pods:
-        words = [*(pod.command or ()), *(pod.args or ())]
-        leaked = [name for name, _ in pod.secrets if any(secret_mark(name) in w for w in words)]
-        if leaked:
-            raise InputError(
-                f"pod {pod.pod}: its command expands the secret {leaked[0]} into argv "
-                "(visible in ps and the node's logs)",
-                hint="read the secret from the environment inside the process, never via $(NAME)",
-            )
+    if alone is None:
+        return Prepared(twin, deployment, manifest, twin.model_dir)
+    # The reference's serving pod, renamed and without the Service names (those are the pair's).
+    reference = rendered_manifest(alone, options.target)
+    pod = next(p for p in reference.pods if p.pod == reference.api_pod and not p.init)
+    pod = pod._replace(pod=REFERENCE_POD, hostname=REFERENCE_POD, aliases=())
+    return Prepared(twin, deployment, manifest, twin.model_dir, pod, reference.claims)

@@ -12,8 +12,7 @@ from m31ctl import interrupt
 from m31ctl.deployment import Deployment
 from m31ctl.errors import M31Error
 from m31ctl.rehearsal import pairing
-from m31ctl.rehearsal.cluster import serving_state, watch
-from m31ctl.rehearsal.kubelet import Kubelet, PodState
+from m31ctl.rehearsal.kubelet import Kubelet, PodState, watch
 from m31ctl.rehearsal.pods import PodRun
 from m31ctl.rehearsal.prepared import Prepared
 from m31ctl.rehearsal.result import Run, Served
@@ -29,7 +28,8 @@ PROMPT = "The rehearsal says"
 
 def serves(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:
     """Completions and smoke through the serving pod; then every pod still running."""
-    leader = serving_state(run.states, prepared.manifest.api_pod)
+    leader = run.serving
+    assert leader is not None  # the pods started and the serving one is ready
     progress(f"{leader.pod.pod} ready after {leader.ready_s} s: sending completions and smoke")
     served = serve_checks(prepared, leader, timeout=min(120.0, options.timeout_s))
     time.sleep(SETTLE_S)  # a rank that dies at its first request takes a moment to be seen
@@ -84,7 +84,7 @@ def _engine_url(prepared: Prepared, role: Deployment, states: list[PodState]) ->
     """A P/D role's base URL on the rehearsal network (its pod's address and vLLM's port, as
     the role's API Service targets it) and its pod."""
     service = next(s for s in prepared.manifest.services if s.name == role.name + API_SERVICE_SUFFIX)
-    state = next(s for s in states if s.pod.pod == prepared.role_pod(role) and not s.pod.init)
+    state = next(s for s in states if s.pod.pod == service.pod and not s.pod.init)
     return f"http://{state.ip}:{service.ports[0][1]}", state
 
 
@@ -130,7 +130,7 @@ def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options,
             kubelet.kill(role)
         state = kubelet.start(reference)
         started.append(state)
-        why = watch(kubelet, [state], kubelet.clock() + budget_s, progress)
+        why = watch(kubelet, [state], state, kubelet.clock() + budget_s, progress)
         return f"http://{state.ip}:{api_port(reference, prepared)}", why
 
     pair = pairing.Pair(
@@ -148,4 +148,4 @@ def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options,
     for role in (prefill, decode_state):
         kubelet.refresh(role)
     why = None if outcome.ok else f"the pair: {outcome.failure}"
-    return Run([*run.states, *started], why, run.served, outcome)
+    return run._replace(states=[*run.states, *started], why=why, pairing=outcome)

@@ -10,7 +10,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from m31ctl.errors import HostPreconditionError
 from m31ctl.labels import Label
@@ -100,11 +100,18 @@ def ensure_image(client: Any, base: str) -> str:
     return shim
 
 
-def model_dir_for(root: Path, moe: bool) -> Path:
-    """Where the tiny model for this kind lives: keyed on the generators' bytes, so an edit of
-    them makes a new one (the weights are seeded: the same code makes the same model)."""
+class TinyModels(NamedTuple):
+    """Where this host keeps the tiny models, one a kind; the twin serves the one of its plan's
+    kind (twin.py). Keyed on the generators' bytes, so an edit of them makes new ones (the
+    weights are seeded: the same code makes the same model)."""
+
+    dense: Path  # make_tiny_model.py's Llama
+    moe: Path  # make_tiny_moe.py's, for a plan with expert parallelism
+
+
+def tiny_models(root: Path) -> TinyModels:
     digest = hashlib.sha256(b"".join((PACKAGE_DIR / g).read_bytes() for g in GENERATORS)).hexdigest()[:10]
-    return root / f"tiny-{'moe' if moe else 'llama'}-{digest}"
+    return TinyModels(root / f"tiny-llama-{digest}", root / f"tiny-moe-{digest}")
 
 
 def ensure_model(client: Any, image: str, model_dir: Path, moe: bool, session: str) -> None:

@@ -43,6 +43,8 @@ class Run(NamedTuple):
     why: str | None  # why it did not serve; None when it served
     served: Served | None
     pairing: PairingOutcome | None = None  # a P/D plan's proof (pairing.py)
+    # The pod clients reach (the API Service's; a P/D plan's router), once the pods started.
+    serving: PodState | None = None
 
 
 class ProbeOutcome(NamedTuple):

@@ -16,8 +16,7 @@ from typing import Any
 
 from m31ctl.plan import Plan
 from m31ctl.rehearsal import cluster, proofs
-from m31ctl.rehearsal.kubelet import Kubelet
-from m31ctl.rehearsal.prepared import Prepared, prepare
+from m31ctl.rehearsal.prepared import prepare
 from m31ctl.rehearsal.provision import ensure_image, ensure_model
 from m31ctl.rehearsal.result import RehearsalResult, Run, assemble
 from m31ctl.rehearsal.session import (
@@ -44,7 +43,9 @@ def rehearse(
     """Rehearse `plan`: refused layouts raise before any container (InputError, exit 2); the
     result says whether it served. Everything made is removed unless options.keep, also when
     this raises (Ctrl-C included). Engine errors end it through engine_api's one boundary (lost
-    engine: 3; refused request: 6)."""
+    engine: 3; refused request: 6). The steps in order, each a call into the module that owns it:
+    the plan prepared, the image, then under one session's label the model, the network and the
+    kubelet, the pods started and watched, each proof while the previous one held, the cleanup."""
     started = time.monotonic()
     prepared = prepare(plan, options)
     with engine_api.engine_boundary("rehearsing"):
@@ -52,41 +53,26 @@ def rehearse(
         image = ensure_image(client, options.base_image)
         timings = {"image_s": round(time.monotonic() - started, 1)}
         with sigterm_interrupts():
-            return _session(prepared, options, client, image, timings, started, progress)
-
-
-def _session(
-    prepared: Prepared,
-    options: Options,
-    client: Any,
-    image: str,
-    timings: dict[str, float],
-    started: float,
-    progress: Progress,
-) -> RehearsalResult:
-    """The model, the pods and the proofs under one session's label; then its cleanup."""
-    session = new_session()
-    run = Run([], "interrupted", None)
-    try:
-        model_started = time.monotonic()
-        ensure_model(client, image, prepared.model_dir, prepared.twin.moe, session)
-        timings["model_s"] = round(time.monotonic() - model_started, 1)
-        progress(f"rehearsing {prepared.layout}")
-        with secret_values(prepared.manifest) as keys:
-            kubelet, refused = cluster.kubelet_on_network(client, prepared, session, keys)
-            run = _run(kubelet, prepared, options, progress) if refused is None else Run([], refused, None)
-        nodes = cluster.node_outcomes(kubelet, run.states, run.why is not None)
-    finally:
-        leftovers = [] if options.keep else clean_up(client, session)
-    timings["total_s"] = round(time.monotonic() - started, 1)
-    return assemble(prepared, run, nodes, timings, tuple(leftovers), options.keep, session)
-
-
-def _run(kubelet: Kubelet, prepared: Prepared, options: Options, progress: Progress) -> Run:
-    """The pods started and watched, then each proof while the previous one held."""
-    run = cluster.start_and_watch(kubelet, prepared, options, progress)
-    if run.why is None:
-        run = proofs.serves(kubelet, prepared, run, options, progress)
-    if run.why is None and prepared.reference is not None:
-        run = proofs.prove_pair(kubelet, prepared, run, options, progress)
-    return run
+            session = new_session()
+            run = Run([], "interrupted", None)
+            try:
+                model_started = time.monotonic()
+                ensure_model(client, image, prepared.model_dir, prepared.twin.moe, session)
+                timings["model_s"] = round(time.monotonic() - model_started, 1)
+                progress(f"rehearsing {prepared.layout}")
+                with secret_values(prepared.manifest) as keys:
+                    kubelet, refused = cluster.kubelet_on_network(client, prepared, session, keys)
+                    run = (
+                        cluster.start_and_watch(kubelet, prepared, options, progress)
+                        if refused is None
+                        else Run([], refused, None)
+                    )
+                    if run.why is None:
+                        run = proofs.serves(kubelet, prepared, run, options, progress)
+                    if run.why is None and prepared.reference is not None:
+                        run = proofs.prove_pair(kubelet, prepared, run, options, progress)
+                nodes = cluster.node_outcomes(kubelet, run.states, run.why is not None)
+            finally:
+                leftovers = [] if options.keep else clean_up(client, session)
+            timings["total_s"] = round(time.monotonic() - started, 1)
+            return assemble(prepared, run, nodes, timings, tuple(leftovers), options.keep, session)

@@ -11,8 +11,9 @@ decoding, the tool and reasoning parsers (MiniMax's own), and the rank counts.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from m31ctl.hardware import Platform
 from m31ctl.plan import Plan
@@ -21,6 +22,9 @@ from m31ctl.plan.disaggregation import UCX_TRANSPORTS
 from m31ctl.plan.layers import Source
 from m31ctl.plan.settings import PlanSettings
 from m31ctl.timeline import VLLM_HANDSHAKE_S
+
+if TYPE_CHECKING:
+    from m31ctl.rehearsal.provision import TinyModels
 
 # Two containers of one rank each at most: the machines this runs on have a few cores, and one
 # vLLM CPU rank wants a core to itself (more ranks than cores starve each other's OpenMP threads).
@@ -61,6 +65,10 @@ class Twin(NamedTuple):
     changes: tuple[Change, ...]
     moe: bool  # the tiny model has experts (the plan enables expert parallelism)
     ranks_per_node: int
+    model_dir: Path  # the tiny model it serves (provision.py makes it there)
+    # A P/D twin's aggregated twin (the same settings, disaggregation off), the server the pair is
+    # held against; None: not a P/D plan.
+    reference: Plan | None = None
 
     @property
     def nodes(self) -> int:
@@ -262,15 +270,27 @@ def changes_between(before: dict[str, Any], after: dict[str, Any], layout_why: s
     return tuple(found)
 
 
+def aggregated(paired: Plan) -> Plan:
+    """A P/D twin's aggregated twin: the same settings with disaggregation off."""
+    settings = paired.settings
+    alone = settings.model_copy(
+        update={"disaggregation": settings.disaggregation.model_copy(update={"enabled": False})}
+    )
+    return paired._replace(settings=alone)
+
+
 def rehearsal_twin(
-    plan: Plan, model_dir: str, image: str, startup_s: int, scale: float | None = None
+    plan: Plan, models: TinyModels, image: str, startup_s: int, scale: float | None = None
 ) -> Twin:
-    """The twin of `plan` serving the tiny model in `model_dir` from `image` (at the plan's own
-    clock scaled by `scale`, with a slow load injected, when given)."""
-    tree, why = twin_settings(plan, model_dir, image, startup_s, scale)
+    """The twin of `plan` serving the tiny model of its kind from `models` (the MoE one when the
+    plan enables expert parallelism) from `image` (at the plan's own clock scaled by `scale`,
+    with a slow load injected, when given)."""
+    model_dir = models.moe if plan.settings.parallelism.expert else models.dense
+    tree, why = twin_settings(plan, str(model_dir), image, startup_s, scale)
     settings = PlanSettings.model_validate(tree)
     provenance = dict(plan.provenance)
-    for change in changes_between(plan.settings_dict(), settings.model_dump(mode="json"), why):
+    changes = changes_between(plan.settings_dict(), settings.model_dump(mode="json"), why)
+    for change in changes:
         provenance[change.key] = _SOURCE
     twin_plan = plan._replace(
         model=get_model(TINY_MODEL_ID), settings=settings, provenance=MappingProxyType(provenance)
@@ -278,8 +298,10 @@ def rehearsal_twin(
     return Twin(
         plan=twin_plan,
         original=plan,
-        changes=changes_between(plan.settings_dict(), settings.model_dump(mode="json"), why),
+        changes=changes,
         moe=settings.parallelism.expert,
         ranks_per_node=settings.parallelism.tensor
         * (settings.parallelism.data if settings.parallelism.nodes == 1 else 1),
+        model_dir=model_dir,
+        reference=aggregated(twin_plan) if settings.disaggregation.enabled else None,
     )

@@ -18,8 +18,8 @@ from m31ctl.errors import InputError
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.rehearsal import logs
-from m31ctl.rehearsal.pods import read_manifest, service_links
-from m31ctl.rehearsal.prepared import prepare, refuse_secret_expansion
+from m31ctl.rehearsal.pods import read_manifest, refuse_secret_expansion, service_links
+from m31ctl.rehearsal.prepared import prepare
 from m31ctl.rehearsal.session import Options
 from m31ctl.render.kubelet_expansion import literal
 from tests.conftest import ROOT
