@@ -336,8 +336,7 @@ class Deployment(NamedTuple):
 
 
 class _HostPaths(NamedTuple):
-    """The plan's paths on the host, read once for every engine (a P/D pair's roles share the
-    plan's model.path and runtime.hf_cache)."""
+    """The plan's host paths, read once for every engine (a P/D pair's roles share them)."""
 
     model: ModelSource
     hf_cache: str
@@ -345,8 +344,7 @@ class _HostPaths(NamedTuple):
 
 
 class _PairRules(NamedTuple):
-    """What plan/disaggregation.py rules for a P/D plan: each role's plan with its part in the KV
-    transfer (prefill first), and the router on the plan's API address."""
+    """A P/D plan's roles (prefill first), each with its KV transfer, and the router."""
 
     roles: tuple[tuple[Plan, KvTransfer], ...]
     router: Router
@@ -359,10 +357,8 @@ def derive(
     commit to pin a hub checkpoint at (resolved by the caller: the lock's, or the hub's answer
     at render time); ignored for a local checkpoint.
 
-    One pass, each source asked once and in this order: the host's paths (checkpoint.py), a P/D
-    plan's role rules (plan/disaggregation.py), then each engine's own facts, its clocks last
-    (timeline.py reads the checkpoint's source and the layout). A P/D group is its roles'
-    engines under the plan's name and API address."""
+    One pass, each source asked once, in order: the host's paths (checkpoint.py), a P/D plan's
+    role rules (plan/disaggregation.py), then each engine's facts with its clocks last."""
     model = model_source(plan.settings.model.path, home, cwd)
     hf_cache = host_path(plan.settings.runtime.hf_cache, "runtime.hf_cache", home)
     if commit is not None and not model.local:
@@ -386,7 +382,8 @@ def derive(
 
 
 def _pair_rules(plan: Plan) -> _PairRules:
-    """Each role's engine plan (its own layout, port, name) and KV transfer, and the router."""
+    """Each role's engine plan (its own layout, port, name) and KV transfer; the router on the
+    plan's API address."""
     settings, runtime = plan.settings, plan.settings.runtime
     pd = settings.disaggregation
     connector = connector_of(settings)
