@@ -208,7 +208,7 @@ def _fail(exc: M31Error, as_json: bool) -> int:
         except (BrokenPipeError, OutputError):  # the exit code and stderr still tell
             _silence_stdout()
     for line in exc.details:
-        _stderr(f"m31ctl: {redact(line)}\n")
+        _stderr(_fitted(f"m31ctl: {redact(line)}") + "\n")
     return _say(exc.one_line(), exc.exit_code)
 
 
@@ -218,24 +218,12 @@ def _say(message: str, code: int) -> int:
 
 
 def _fitted(line: str) -> str:
-    """The error line as a terminal shows it: wrapped at its width between words, continuation
-    lines indented, a word never split (a setting, a path, a `--set k=v` stay whole and copyable).
-    Piped or redirected (CI logs, grep) it stays one line."""
-    try:
-        if not sys.stderr.isatty():
-            return line
-        width = os.get_terminal_size(sys.stderr.fileno()).columns
-    except (AttributeError, OSError, ValueError):
-        return line
-    if len(line) <= width or width < 40:
-        return line
-    import textwrap  # lazy: only an error on a terminal narrower than its line pays for it
+    """The error line as a terminal shows it: wrapped at its width between phrases, continuation
+    lines indented, a setting, a path or a `--set k=v` never split (m31ctl.cli.screen). Piped or
+    redirected (CI logs, grep) it stays one line."""
+    from m31ctl.cli.screen import for_stderr  # lazy: as the app, after interrupt.install()
 
-    return "\n".join(
-        textwrap.wrap(
-            line, width=width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
-        )
-    )
+    return for_stderr(line)
 
 
 def _stderr(text: str) -> None:

@@ -14,7 +14,7 @@ import typer
 from m31ctl.capacity.fit import plan_fit
 from m31ctl.cli import output
 from m31ctl.cli.output import console, emit_event, text_view
-from m31ctl.cli.screen import print_command, print_paragraph, print_table
+from m31ctl.cli.screen import for_stderr, print_command, print_paragraph, print_table
 from m31ctl.cli.views import plan_json, print_plan
 from m31ctl.deployment import Deployment
 from m31ctl.runtime import Survey
@@ -28,7 +28,7 @@ def reporter() -> Reporter:
     def report(line: str) -> None:
         if output.QUIET:
             return
-        sys.stderr.write(f"m31ctl: {line}\n")
+        sys.stderr.write(for_stderr(f"m31ctl: {line}") + "\n")
         sys.stderr.flush()
 
     return report
@@ -179,7 +179,7 @@ def print_result(shown: LaunchShown) -> None:
 
 def print_unreachable(found: Survey) -> None:
     for name, error in found.unreachable.items():
-        sys.stderr.write(f"m31ctl: {name} runtime not asked: {error.one_line()}\n")
+        sys.stderr.write(for_stderr(f"m31ctl: {name} runtime not asked: {error.one_line()}") + "\n")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from m31ctl.cli.output import text_view, write_file
+from m31ctl.cli.screen import for_stderr
 from m31ctl.deployment import Deployment
 from m31ctl.lockfile import Drift, LockFile, apply, checkpoint_gap, compare, current, drift_lines, to_text
 
@@ -70,7 +71,7 @@ def _written_text(written: LockWritten) -> None:
     pinned = image.digest or image.id or written.gap
     sys.stderr.write(f"wrote {written.path}: plan {lock.plan_hash}, image {image.reference} -> {pinned}\n")
     if written.checkpoint_gap:
-        sys.stderr.write(f"m31ctl: warning: {written.checkpoint_gap}\n")
+        sys.stderr.write(for_stderr(f"m31ctl: warning: {written.checkpoint_gap}") + "\n")
 
 
 def check_lock(path: Path, deployment: Deployment, files: tuple[Path, ...]) -> LockChecked:

@@ -22,6 +22,7 @@ from m31ctl.cli.options import (
     not_a_format,
 )
 from m31ctl.cli.output import emit, text_view
+from m31ctl.cli.screen import for_stderr
 from m31ctl.commands import Version
 from m31ctl.errors import ConflictError, ExitCode, InputError
 from m31ctl.resources import LOCK_FILE
@@ -169,9 +170,9 @@ def render(
         d = apply_lock(d, request.files, locked, update_lock, by_id=False)
     d, unpinned = pin_checkpoint(d, target, locked, revision)
     if unpinned is not None:
-        sys.stderr.write(f"m31ctl: warning: {unpinned}\n")
+        sys.stderr.write(for_stderr(f"m31ctl: warning: {unpinned}") + "\n")
     for conflict in conflicts(d.timeline, dict(d.plan.settings.runtime.env)):
-        sys.stderr.write(f"m31ctl: warning: {conflict.message}\n")
+        sys.stderr.write(for_stderr(f"m31ctl: warning: {conflict.message}") + "\n")
     artifacts = renderer(d)
     if check is not None:
         drift = files.diff(check, artifacts)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from m31ctl.cli.output import console, emit, emit_error, emit_event, text_view
+from m31ctl.cli.screen import for_stderr
 from m31ctl.errors import ExitCode, InputError, M31Error
 from m31ctl.interrupt import StoppedAsAsked
 from m31ctl.pull import (
@@ -273,6 +274,6 @@ def _short(path: str, width: int = 40) -> str:
 def _json_error(exc: M31Error) -> int:
     emit_error(exc.to_json())
     for line in exc.details:
-        sys.stderr.write(f"m31ctl: {redact(line)}\n")
-    sys.stderr.write(f"m31ctl: error: {redact(exc.one_line())}\n")
+        sys.stderr.write(for_stderr(f"m31ctl: {redact(line)}") + "\n")
+    sys.stderr.write(for_stderr(f"m31ctl: error: {redact(exc.one_line())}") + "\n")
     return int(exc.exit_code)

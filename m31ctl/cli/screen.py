@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +40,8 @@ _NUMBER = re.compile(r"[-+]?[\d.,]+(e[-+]?\d+)?%?$")
 _NOTE = re.compile(r"\([^()\s]+\)[,;]?$")
 # A column this few characters short of its widest cell is given them before the others share.
 _FEW = 8
+# Narrower than this, wrapping helps no one: a line is left to the terminal.
+_NARROWEST = 40
 _CONTINUED = "  "  # a paragraph's or a stacked field's continuation lines
 _COMMAND_CONTINUED = "    "
 
@@ -104,6 +107,21 @@ def wrap(text: str, columns: int, first: str = "", indent: str = _CONTINUED) -> 
         filled = True
     lines.append(line)
     return lines
+
+
+def for_stderr(line: str) -> str:
+    """A line for stderr (an error, a warning, a progress line) as a terminal shows it: wrapped
+    between phrases at its width, continuation lines indented. Piped or redirected (CI logs, grep)
+    it stays one line: COLUMNS is not asked, a log has no width."""
+    try:
+        if not sys.stderr.isatty():
+            return line
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return line
+    if len(line) <= columns or columns < _NARROWEST:
+        return line
+    return "\n".join(wrap(line, columns))
 
 
 def print_paragraph(out: Any, text: str, style: str = "") -> None:
@@ -232,7 +250,8 @@ def _narrowest(columns: Sequence[str], cells: list[list[str]], names: Sequence[i
 def _shared_out(narrowest: list[int], natural: list[int], room: int) -> list[int]:
     """Column widths from their narrowest up, the `room` to spare shared out: first whole to the
     columns a few characters short of their cells (a header of two words, a figure with its
-    change), the fewest first; then evenly over the others."""
+    change), the fewest first; then over the others in proportion to what each still lacks (a
+    column of findings more than one of short remedies)."""
     chosen = list(narrowest)
     spare = room - sum(narrowest)
     order = sorted(range(len(chosen)), key=lambda i: natural[i] - narrowest[i])
@@ -241,12 +260,13 @@ def _shared_out(narrowest: list[int], natural: list[int], room: int) -> list[int
         if short <= min(spare, _FEW):
             chosen[i] += short
             spare -= short
-    wanting = [i for i in order if chosen[i] < natural[i]]
-    for done, i in enumerate(wanting):
-        given = min(natural[i] - chosen[i], spare // (len(wanting) - done))
-        chosen[i] += given
-        spare -= given
-    return chosen
+    lacking = {i: natural[i] - chosen[i] for i in order if chosen[i] < natural[i]}
+    total = sum(lacking.values())
+    shares = {i: min(short, spare * short // total) for i, short in lacking.items()} if total else {}
+    left = spare - sum(shares.values())
+    for i in sorted(lacking, key=lambda i: lacking[i] - shares[i], reverse=True)[:left]:
+        shares[i] += 1  # what rounding down left, one column each
+    return [width + shares.get(i, 0) for i, width in enumerate(chosen)]
 
 
 def _folded(cell: Any, columns: int) -> Any:

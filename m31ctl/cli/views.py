@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from m31ctl.cli.output import console, text_view
-from m31ctl.cli.screen import print_command, print_paragraph, print_table
+from m31ctl.cli.screen import for_stderr, print_command, print_paragraph, print_table
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.engine.validate import GroupValidation, PlanValidation
 from m31ctl.hardware import Hardware
@@ -462,7 +462,7 @@ def _print_engine_validation(report: PlanValidation, role: str) -> None:
     """One engine's findings and verdict (`role`: the P/D role it plays, said first)."""
     said = f"{role}: " if role else ""
     for finding in report.findings:
-        sys.stderr.write(f"m31ctl: {said}{finding.line()}\n")
+        sys.stderr.write(for_stderr(f"m31ctl: {said}{finding.line()}") + "\n")
     if report.ok:
         inv = report.invocation
         sys.stdout.write(

@@ -302,6 +302,7 @@ def test_a_busy_port_is_refused_before_the_preflight(tmp_path, monkeypatch):
 
 # --- 2: 80 columns --------------------------------------------------------------------------------
 
+
 def _one_argument(line: str) -> bool:
     """A command is broken between its arguments, a backslash ending each line that goes on (issue
     51); one argument wider than the screen (a JSON --speculative-config) has a line of its own."""

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import termios
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -151,17 +152,17 @@ def test_a_pipe_without_columns_keeps_the_command_on_one_line():
     assert line.endswith(shlex.join(["vllm", "serve", *plan["argv"]])) and not line.endswith("\\")
 
 
-def test_a_terminal_of_80_columns_is_measured_without_columns():
-    """On a terminal the width is the terminal's own: COLUMNS is a shell variable a shell does not
-    export."""
+def _on_a_terminal(argv: list[str], stream: str, cwd: Path = ROOT) -> tuple[int, str]:
+    """Run m31ctl with its `stream` ("stdout" or "stderr") on an 80-column pty and COLUMNS unset;
+    the exit code and what the terminal got, colours left out."""
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 80, 0, 0))
     env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
+    streams = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, stream: follower}
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "m31ctl", "plan", "--hardware", "b300x4", "--explain"],
-            stdout=follower, stderr=subprocess.DEVNULL, cwd=ROOT, env=env, timeout=120, check=False,
-        )  # fmt: skip
+            [sys.executable, "-m", "m31ctl", *argv], **streams, cwd=cwd, env=env, timeout=120, check=False
+        )
     finally:
         os.close(follower)
     said = b""
@@ -174,10 +175,31 @@ def test_a_terminal_of_80_columns_is_measured_without_columns():
             break
         said += chunk
     os.close(leader)
-    text = re.sub(r"\x1b\[[0-9;]*m", "", said.decode().replace("\r\n", "\n"))
-    assert done.returncode == 0 and "cache.block_size" in text
+    return done.returncode, re.sub(r"\x1b\[[0-9;]*m", "", said.decode().replace("\r\n", "\n"))
+
+
+def test_a_terminal_of_80_columns_is_measured_without_columns():
+    """On a terminal the width is the terminal's own: COLUMNS is a shell variable a shell does not
+    export."""
+    code, text = _on_a_terminal(["plan", "--hardware", "b300x4", "--explain"], "stdout")
+    assert code == 0 and "cache.block_size" in text
     _assert_fits(text, 80)
     assert any(line.endswith(" \\") for line in text.splitlines())  # the command, broken to fit
+
+
+def test_a_warning_on_a_terminal_wraps_between_phrases(tmp_path):
+    """render's warning of an unpinned checkpoint (several hundred characters) on an 80-column
+    terminal: wrapped, `m31ctl lock` and --revision COMMIT whole (the terminal cut "th" / "is")."""
+    argv = ["render", "--target", "k8s", "--hardware", "h200x8", "-o", str(tmp_path / "deploy")]
+    code, text = _on_a_terminal(argv, "stderr", cwd=tmp_path)
+    warning = [line for line in text.split("m31ctl: ") if line.startswith("warning:")]
+    if not warning:
+        pytest.skip("the checkpoint is pinned on this machine: no warning to wrap")
+    lines = text.strip("\n").splitlines()
+    # "written: PATH" is one path, as long as the test's temporary directory makes it.
+    assert code == 0 and all(len(line) <= 80 for line in lines if not line.startswith("written: ")), text
+    assert any("--revision COMMIT" in line for line in lines), text
+    assert any("`m31ctl lock`" in line for line in lines), text
 
 
 def test_phrases_keep_what_is_read_or_copied_together():
