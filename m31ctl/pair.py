@@ -136,11 +136,11 @@ class DockerPair(NamedTuple):
     deployment: Deployment  # the group's
     group: Disaggregated
     network: str  # on the host (`NAME-pd`)
-    labels: tuple[tuple[str, str], ...]  # the group's plan (labels_for): its router's and network's
     roles: tuple[PairRole, PairRole]
     router: RouterInvocation
     # vllm-router's container, under its rendered name (NAME-router): the Docker targets' and
-    # launch's, so every one runs it with the same image, command line, clocks and log rotation.
+    # launch's, so every one runs it with the same image, command line, labels (the group's
+    # plan's, which the pair's network carries too), clocks and log rotation.
     router_spec: ContainerSpec
 
     @property
@@ -154,13 +154,12 @@ def docker_pair(deployment: Deployment, target: str, *, on_this_host: bool = Fal
     rather than the rendered files' group names)."""
     group = on_one_host(deployment, target)
     network = network_name(deployment)
-    labels = labels_for(deployment.plan)
     prefill, decode = (
         _pair_role(role, index, network, on_this_host) for index, role in enumerate(group.roles)
     )
     router = pair_router_invocation(group)
-    router_spec = _router_spec(deployment, group, labels, prefill.spec, router)
-    return DockerPair(deployment, group, network, labels, (prefill, decode), router, router_spec)
+    router_spec = _router_spec(deployment, group, prefill.spec, router)
+    return DockerPair(deployment, group, network, (prefill, decode), router, router_spec)
 
 
 def network_name(deployment: Deployment) -> str:
@@ -217,7 +216,6 @@ def _pair_role(role: Deployment, index: int, network: str, on_this_host: bool) -
 def _router_spec(
     deployment: Deployment,
     group: Disaggregated,
-    labels: tuple[tuple[str, str], ...],
     role: ContainerSpec,
     invocation: RouterInvocation,
 ) -> ContainerSpec:
@@ -233,7 +231,7 @@ def _router_spec(
         args=invocation.argv[1:],
         env=(),
         secret_env=(ROUTER_API_KEY_ENV,) if deployment.secrets.api_key else (),
-        labels=labels,
+        labels=labels_for(deployment.plan),
         vendor=role.vendor,
         device_request=False,
         gpu_count=0,

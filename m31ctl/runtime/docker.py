@@ -59,13 +59,13 @@ class DockerRuntime:
 
     def launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
         with engine_api.engine_boundary("launching"):
-            client = engine_api.connect()
+            client, cwd = engine_api.connect(), os.getcwd()
             if deployment.disaggregated is not None:
                 pair = docker_pair(deployment, "launch", on_this_host=True)
                 return docker_group.launch_group(
-                    pair, options, client, lambda part, o: ContainerLaunch(part, o, client)
+                    pair, options, client, lambda part, o: ContainerLaunch(part, o, client, cwd)
                 )
-            backend = ContainerLaunch(single(deployment, os.getcwd()), options, client)
+            backend = ContainerLaunch(single(deployment), options, client, cwd)
             return converge(self.name, backend, deployment, options)
 
     def servers(self) -> list[ServerStatus]:

@@ -19,7 +19,6 @@ group starts stops the group.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -32,23 +31,21 @@ from m31ctl.runtime import engine_api
 from m31ctl.runtime.docker_launch import ContainerRun
 from m31ctl.runtime.docker_servers import RUNTIME, group_of, ours, parts_of
 from m31ctl.runtime.flow import Backend, converge
-from m31ctl.runtime.planrecord import record_of
 from m31ctl.runtime.protocol import DryRun, LaunchOptions, LaunchResult, Reporter
 
 
-def role_parts(pair: DockerPair, cwd: str) -> list[ContainerRun]:
+def role_parts(pair: DockerPair) -> list[ContainerRun]:
     """Each role's container as the pair places it (its engine's container advertising its fixed
     address, attached to the pair's network at that address under its role's alias), labelled
-    with its group and the plan it was launched with."""
-    parts = []
-    for role in pair.roles:
-        record = record_of(role.engine, cwd).to_json()
-        labels = {**role.spec.label_dict, Label.PLAN: record, Label.GROUP: pair.deployment.name}
-        parts.append(ContainerRun(role.engine, role.spec, labels, role.attachment))
-    return parts
+    with its group."""
+    group = {Label.GROUP: pair.deployment.name}
+    return [
+        ContainerRun(role.engine, role.spec, {**role.spec.label_dict, **group}, role.attachment)
+        for role in pair.roles
+    ]
 
 
-def router_part(pair: DockerPair, cwd: str) -> ContainerRun:
+def router_part(pair: DockerPair) -> ContainerRun:
     """vllm-router as the pair runs it, under the group's name (its one endpoint, as the native
     group's router record is) and listing its parts; its metrics on
     disaggregation.router.metrics_port (0: a port Docker picks). The roles' API key reaches it
@@ -56,11 +53,7 @@ def router_part(pair: DockerPair, cwd: str) -> ContainerRun:
     deployment, group = pair.deployment, pair.group
     spec = pair.router_spec._replace(name=deployment.name)
     key = deployment.secrets.api_key
-    labels = {
-        **spec.label_dict,
-        Label.PLAN: record_of(deployment, cwd).to_json(),
-        Label.PARTS: ",".join(role.name for role in group.roles),
-    }
+    labels = {**spec.label_dict, Label.PARTS: ",".join(role.name for role in group.roles)}
     return ContainerRun(
         deployment,
         spec,
@@ -91,7 +84,7 @@ def ensure_network(client: Any, pair: DockerPair) -> None:
         if network is not None:
             _check_network(network, name, deployment.name)
             return
-        labels = {**dict(pair.labels), Label.GROUP: deployment.name}
+        labels = {**pair.router_spec.label_dict, Label.GROUP: deployment.name}  # the group's plan
         refused = engine_api.create_network(client, name, labels, PAIR_SUBNET)
         if refused is None:
             return
@@ -141,20 +134,20 @@ def launch_group(
     then the router, waited for on the group's router clock unless --timeout says otherwise. A
     part that fails once this launch created something stops every part of the group before the
     error goes on, naming the group and what was stopped."""
-    deployment, cwd = pair.deployment, os.getcwd()
+    deployment = pair.deployment
+    roles, router = role_parts(pair), router_part(pair)
     ensure_network(client, pair)
-    roles = role_parts(pair, cwd)
     role_options = dataclasses.replace(options, detach=False)
     router_options = options
     if options.timeout is None:
         router_options = dataclasses.replace(options, timeout=float(pair.group.router_timeline.start_s))
     launches: list[PartLaunch] = []
     try:
-        for part in roles:
-            launches.append(backend_for(part, role_options))
-            converge(RUNTIME, launches[-1], part.deployment, role_options)
-        launches.append(backend_for(router_part(pair, cwd), router_options))
-        return converge(RUNTIME, launches[-1], deployment, router_options)
+        for part in (*roles, router):
+            part_options = router_options if part is router else role_options
+            launches.append(backend_for(part, part_options))
+            result = converge(RUNTIME, launches[-1], part.deployment, part_options)
+        return result  # the router's, converged last: the group's one endpoint
     except M31Error as exc:
         if not any(launch.created for launch in launches):
             raise  # refused before this launch created anything: what ran before is untouched

@@ -37,6 +37,8 @@ class ContainerRun(NamedTuple):
 
     deployment: Deployment  # what converge decides on: the engine, or the group for its router
     spec: ContainerSpec
+    # The spec's and what its place adds (a role's group, a router's parts); the plan it was
+    # launched with is added as it is created (launched_labels).
     labels: Mapping[str, str]
     attachment: Attachment | None = None  # on the pair's network (None: Docker's default bridge)
     entrypoint: tuple[str, ...] = ()  # () keeps the image's own
@@ -53,13 +55,17 @@ class ContainerRun(NamedTuple):
             return dict(environ)
         return {inside: environ[outside] for inside, outside in self.secrets_from if environ.get(outside)}
 
+    def launched_labels(self, cwd: str) -> dict[str, str]:
+        """Its labels and the plan it was launched with (runtime/planrecord.py: status, verify
+        and smoke read it back); `cwd`, where launch ran, reads a relative model path again.
+        Every container launch creates is labelled here, the aggregated one and a group's."""
+        return {**self.labels, Label.PLAN: record_of(self.deployment, cwd).to_json()}
 
-def single(deployment: Deployment, cwd: str) -> ContainerRun:
-    """An aggregated server's container, with the plan it was launched with."""
+
+def single(deployment: Deployment) -> ContainerRun:
+    """An aggregated server's container."""
     spec = container_spec(deployment)
-    return ContainerRun(
-        deployment, spec, {**spec.label_dict, Label.PLAN: record_of(deployment, cwd).to_json()}
-    )
+    return ContainerRun(deployment, spec, spec.label_dict)
 
 
 def endpoint(spec: ContainerSpec) -> str:
@@ -123,8 +129,9 @@ class ContainerLaunch:
     """The docker runtime's launch primitives for one container, `part` (runtime/flow.py runs
     the flow): an aggregated server, or a part of a P/D group (runtime/docker_group.py)."""
 
-    def __init__(self, part: ContainerRun, options: LaunchOptions, client: Any) -> None:
+    def __init__(self, part: ContainerRun, options: LaunchOptions, client: Any, cwd: str) -> None:
         self.part = part
+        self.cwd = cwd  # where launch ran, for the plan record (ContainerRun.launched_labels)
         self.spec = part.spec
         self.options = options
         self.client = client
@@ -152,7 +159,7 @@ class ContainerLaunch:
         _ensure_image(self.client, self.spec.image, self.options.report, self.options.pull_progress)
 
     def create(self) -> Any:
-        container = _create_and_start(self.client, self.part, self.options.environ)
+        container = _create_and_start(self.client, self.part, self.options.environ, self.cwd)
         self.created = True
         return container
 
@@ -180,7 +187,7 @@ class ContainerLaunch:
         return f"started {self.spec.name} ({container.short_id}) from {self.spec.image}"
 
 
-def _create_and_start(client: Any, part: ContainerRun, environ: Mapping[str, str]) -> Any:
+def _create_and_start(client: Any, part: ContainerRun, environ: Mapping[str, str], cwd: str) -> Any:
     """Create then start. A name taken meanwhile is a ConflictError (the caller may join the
     winner); a container of ours that fails to start is removed by its id, never by name, so a
     concurrent launch's container is never touched."""
@@ -190,7 +197,7 @@ def _create_and_start(client: Any, part: ContainerRun, environ: Mapping[str, str
             client,
             spec,
             part.environ(environ),
-            part.labels,
+            part.launched_labels(cwd),
             attachment=part.attachment,
             entrypoint=part.entrypoint,
             published=part.published,

@@ -60,7 +60,7 @@ def test_each_role_runs_on_the_pairs_network_at_the_address_it_advertises():
     d = _group()
     group = d.disaggregated
     assert group is not None
-    roles = docker_group.role_parts(docker_pair(d, "launch", on_this_host=True), "/launch/dir")
+    roles = docker_group.role_parts(docker_pair(d, "launch", on_this_host=True))
     assert [p.spec.name for p in roles] == [role.name for role in group.roles]
     for index, part in enumerate(roles):
         address = role_address(index)
@@ -68,7 +68,9 @@ def test_each_role_runs_on_the_pairs_network_at_the_address_it_advertises():
         # NIXL's side channel binds the address the role advertises: the container's own.
         assert dict(part.spec.env)[SIDE_CHANNEL_HOST_ENV] == address
         assert part.labels[Label.GROUP] == d.name and part.labels[Label.OWNER] == OWNER
-        assert json.loads(part.labels[Label.PLAN])["plan_hash"] == part.deployment.plan.hash
+        # Created, it carries the plan it was launched with, and where launch ran.
+        record = json.loads(part.launched_labels("/launch/dir")[Label.PLAN])
+        assert (record["plan_hash"], record["cwd"]) == (part.deployment.plan.hash, "/launch/dir")
     assert "kv_producer" in " ".join(roles[0].spec.args) and "kv_consumer" in " ".join(roles[1].spec.args)
 
 
@@ -76,7 +78,7 @@ def test_the_router_is_the_groups_one_name_with_the_rendered_command_and_the_gro
     d = _group()
     group = d.disaggregated
     assert group is not None
-    router = docker_group.router_part(docker_pair(d, "launch", on_this_host=True), "/x")
+    router = docker_group.router_part(docker_pair(d, "launch", on_this_host=True))
     invocation = pair_router_invocation(group)
     assert router.spec.name == d.name and router.deployment is d
     assert (*router.entrypoint, *router.spec.args) == invocation.argv
@@ -129,7 +131,7 @@ def _created(part: ContainerRun, environ: dict[str, str]) -> dict[str, Any]:
         client,
         part.spec,
         part.environ(environ),
-        part.labels,
+        part.launched_labels("/x"),
         attachment=part.attachment,
         entrypoint=part.entrypoint,
         published=part.published,
@@ -141,8 +143,8 @@ def test_the_api_key_reaches_roles_and_router_only_through_the_container_environ
     d = _group("runtime.api_key=true")
     environ = {API_KEY_ENV: SECRET, "HF_TOKEN": "hf_x", "UNRELATED": "1"}
     pair = docker_pair(d, "launch", on_this_host=True)
-    roles = docker_group.role_parts(pair, "/x")
-    router = docker_group.router_part(pair, "/x")
+    roles = docker_group.role_parts(pair)
+    router = docker_group.router_part(pair)
     for index, part in enumerate(roles):
         made = _created(part, environ)
         assert made["environment"][API_KEY_ENV] == SECRET and "UNRELATED" not in made["environment"]
