@@ -157,7 +157,7 @@ def command_lines(words: Sequence[str], columns: int, lead: str = "") -> list[st
     """`words` as shell lines of at most `columns` where each argument fits (see print_command)."""
     lines: list[str] = []
     line, filled = lead, False  # filled: the line holds an argument
-    for argument in _arguments(words):
+    for argument in _arguments(words, columns - len(_COMMAND_CONTINUED) - 2):
         # Room for the " \" that ends a line that goes on.
         if filled and len(line) + 1 + len(argument) + 2 > columns:
             lines.append(line + " \\")
@@ -169,12 +169,20 @@ def command_lines(words: Sequence[str], columns: int, lead: str = "") -> list[st
     return lines
 
 
-def _arguments(words: Sequence[str]) -> list[str]:
-    """The command's words, an option joined to the value that follows it."""
+def _arguments(words: Sequence[str], widest: int) -> list[str]:
+    """The command's words, an option joined to the value that follows it where the two fit in
+    `widest` (a JSON value of 70 characters goes on the line after its option, whole)."""
     found: list[str] = []
     for word in words:
-        if found and found[-1].startswith("-") and " " not in found[-1] and not word.startswith("-"):
-            found[-1] += " " + word
+        option = found[-1] if found else ""
+        joined = f"{option} {word}"
+        if (
+            option.startswith("-")
+            and " " not in option
+            and not word.startswith("-")
+            and len(joined) <= widest
+        ):
+            found[-1] = joined
         else:
             found.append(word)
     return found
