@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from m31ctl.cli.output import console, emit, text_view
-from m31ctl.cli.screen import print_table
+from m31ctl.cli.screen import print_paragraph, print_table
 from m31ctl.plan.catalog import Recipe, builtin_recipes, get_recipe
 from m31ctl.plan.resolve import check_recipe_file
 
@@ -94,29 +94,26 @@ def show(name: str, as_json: bool) -> None:
 
 @text_view(RecipeShown)
 def _show_text(shown: RecipeShown) -> None:
-    from rich.text import Text  # lazy: rich is start-up cost that --json never needs
-
     data = shown.data
     out = console()
-    out.print(Text(f"{data['name']} ({data['status']}): {data['description']}", style="bold"))
-    out.print(Text(f"file: {data['file']}"))
+    print_paragraph(out, f"{data['name']} ({data['status']}): {data['description']}", style="bold")
+    print_paragraph(out, f"file: {data['file']}")
     match = data["match"]
-    out.print(
-        Text(
-            f"matches: {match['vendor']} {', '.join(match['families'])} "
-            f"({', '.join(match['products']) or 'any product'}), at least {match['min_gpus']} GPUs"
-        )
+    print_paragraph(
+        out,
+        f"matches: {match['vendor']} {', '.join(match['families'])} "
+        f"({', '.join(match['products']) or 'any product'}), at least {match['min_gpus']} GPUs",
     )
     for key, value in data["recommended"].items():
-        out.print(Text(f"recommended {key}: {value}"))
+        print_paragraph(out, f"recommended {key}: {value}")
     for rule in data["rules"]:
         cond = {k: v for k, v in rule.items() if k in ("equals", "one_of", "not_in")}
-        out.print(Text(f"rule {rule['id']}: {rule['key']} {cond} because {rule['reason']}"))
-        out.print(Text(f"  source: {rule['source']}"))
+        print_paragraph(out, f"rule {rule['id']}: {rule['key']} {cond} because {rule['reason']}")
+        print_paragraph(out, f"  source: {rule['source']}")
     for kind in ("variants", "profiles"):
         for option, text in data[kind].items():
             marker = " (default)" if kind == "variants" and option == data["default_variant"] else ""
-            out.print(Text(f"{kind[:-1]} {option}{marker}: {text}"))
+            print_paragraph(out, f"{kind[:-1]} {option}{marker}: {text}")
 
 
 def validate(path: Path, as_json: bool) -> None:

@@ -133,7 +133,9 @@ def print_paragraph(out: Any, text: str, style: str = "") -> None:
     if columns is None or len(text) <= columns:
         out.print(Text(text, style=style))
         return
-    for line in wrap(text, columns):
+    body = text.lstrip()
+    leading = text[: len(text) - len(body)]  # a line indented under another keeps its indent
+    for line in wrap(body, columns, leading, leading + _CONTINUED):
         out.print(Text(line, style=style), soft_wrap=True)
 
 
