@@ -33,13 +33,12 @@ def kubelet_on_network(
     network, labels = f"m31ctl-rh-{session}", {Label.REHEARSAL: session}
     subnet = docker_verbs.free_subnet(client, network, labels) if prepared.addressed else None
     addresses = pod_addresses(subnet, prepared) if subnet else {}
+    unmade = Kubelet(client, session, network)  # runs nothing: where the network was not made
     if prepared.addressed and subnet is None:
-        return Kubelet(
-            client, session, network
-        ), "no free subnet for the rehearsal network (docker network create failed)"
+        return unmade, "no free subnet for the rehearsal network (docker network create failed)"
     refused = engine_api.create_network(client, network, labels, subnet)
     if refused is not None:
-        return Kubelet(client, session, network), f"docker network create failed: {refused.strip()[-300:]}"
+        return unmade, f"docker network create failed: {refused.strip()[-300:]}"
     for claim in (*prepared.manifest.claims, *prepared.reference_claims):
         # Not checked here: a volume the engine refused shows as the pod's own start error.
         docker_verbs.create_volume(client, claim_volume(session, claim), labels)
@@ -86,9 +85,9 @@ def forwarder_pod(service: ServiceRun, image: str, addresses: dict[str, str]) ->
 def start_and_watch(kubelet: Kubelet, prepared: Prepared, options: Options, progress: Progress) -> Run:
     """The Services' forwarders and the pods started, then watched until the serving pod is
     ready (its `why` None), or why not."""
-    image = prepared.twin.plan.settings.engine.image
-    forwarders = [forwarder_pod(s, image, kubelet.addresses) for s in prepared.manifest.forwarded]
     manifest = prepared.manifest
+    image = prepared.twin.plan.settings.engine.image
+    forwarders = [forwarder_pod(s, image, kubelet.addresses) for s in manifest.forwarded]
     states = start_pods(
         kubelet, manifest.pods, options.timeout_s, options.leader_delay_s, progress, forwarders
     )

@@ -1,10 +1,10 @@
-"""The kubelet's part of a rehearsal: the pods started in the LWS controller's order and watched until
-the serving pod is ready; each pod becomes a container on a private Docker network,
-started with the pod's own command and args (as expanded), and its probes run as the kubelet
-runs them: HTTP GET to the pod's IP and the probe's port, exec inside the container with the
-probe's timeout; the startup probe gates liveness and readiness. Periods are shortened to at
-most PROBE_PERIOD_S (a rehearsal has no minutes to spare); paths, ports, commands, timeouts
-and the order are as rendered."""
+"""The kubelet's part of a rehearsal: the pods started in the LWS controller's order and watched
+until the serving pod is ready. Each pod becomes a container on a private Docker network, started
+with the pod's own command and args (as expanded), and its probes run as the kubelet runs them:
+HTTP GET to the pod's IP and the probe's port, exec inside the container with the probe's
+timeout; the startup probe gates liveness and readiness. Periods are shortened to at most
+PROBE_PERIOD_S (a rehearsal has no minutes to spare); paths, ports, commands, timeouts and the
+order are as rendered."""
 
 from __future__ import annotations
 
