@@ -21,7 +21,7 @@ from m31ctl.docker_run import docker_run_argv
 from m31ctl.errors import M31Error
 from m31ctl.pair import docker_pair
 from m31ctl.runtime import docker_group, docker_servers, engine_api
-from m31ctl.runtime.docker_create import create_container, run_script, trial_run
+from m31ctl.runtime.docker_create import run_script, trial_run
 from m31ctl.runtime.docker_launch import ContainerLaunch, single
 from m31ctl.runtime.flow import converge
 from m31ctl.runtime.gates import CheckId
@@ -61,6 +61,8 @@ class DockerRuntime:
         with engine_api.engine_boundary("launching"):
             client, cwd = engine_api.connect(), os.getcwd()
             if deployment.disaggregated is not None:
+                # Placed once (m31ctl/pair.py) and read by the group's launch; started here, its
+                # roles join this host's GPU groups by GID.
                 pair = docker_pair(deployment, "launch", on_this_host=True)
                 return docker_group.launch_group(
                     pair, options, client, lambda part, o: ContainerLaunch(part, o, client, cwd)
@@ -111,6 +113,5 @@ class DockerRuntime:
         return f"{image} {found.id}" if found is not None else None
 
 
-# doctor's host check runs the trial container from here (m31ctl/doctor/checks/host.py), and the
-# tests create containers as launch does.
-__all__ = ["DockerRuntime", "create_container", "run_script", "trial_run"]
+# doctor's host check imports the trial run from here (m31ctl/doctor/checks/host.py).
+__all__ = ["DockerRuntime", "trial_run"]

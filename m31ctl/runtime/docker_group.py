@@ -38,9 +38,9 @@ def role_parts(pair: DockerPair) -> list[ContainerRun]:
     """Each role's container as the pair places it (its engine's container advertising its fixed
     address, attached to the pair's network at that address under its role's alias), labelled
     with its group."""
-    group = {Label.GROUP: pair.deployment.name}
+    member = {Label.GROUP: pair.deployment.name}
     return [
-        ContainerRun(role.engine, role.spec, {**role.spec.label_dict, **group}, role.attachment)
+        ContainerRun(role.engine, role.spec, {**role.spec.label_dict, **member}, role.attachment)
         for role in pair.roles
     ]
 
