@@ -11,6 +11,7 @@ from m31ctl.redact import API_KEY_ENV
 from m31ctl.render.common import in_comment
 from m31ctl.render.k8s_copies import rollout_note
 from m31ctl.render.k8s_pods import RAY_PORT, Group, Pods, pods_of
+from m31ctl.render.k8s_probes import readiness_note
 from m31ctl.revision import is_commit
 from m31ctl.timeline import ENDPOINT_REMOVAL_S, ENGINE_READY_ENV, VLLM_HANDSHAKE_S
 
@@ -58,6 +59,7 @@ def k8s_comments(deployment: Deployment, group: Group | None = None) -> list[str
         f"drop the pod ({ENDPOINT_REMOVAL_S} s), vLLM's drain (serving.shutdown_timeout) and the workers' exit."
     )
     notes.append(rollout_note(deployment))
+    notes.append(readiness_note())
     if spec.ulimits:
         wanted = ", ".join(f"{n}={'unlimited' if soft == -1 else soft}" for n, soft, _ in spec.ulimits)
         unit = " and ".join(

@@ -230,7 +230,7 @@ def test_k8s_validates_against_kubernetes_schemas(hw, tmp_path):
                "mi355xx8": ("amd.com/gpu.device-id", "75a3")}[hw]  # fmt: skip
     assert pod["nodeSelector"] == dict([product])
     assert "securityContext" not in container  # Pod Security "baseline" (kubernetes.pod_security)
-    assert "/v1/models" in " ".join(container["readinessProbe"]["exec"]["command"])
+    assert "/v1/completions" in " ".join(container["readinessProbe"]["exec"]["command"])
     assert pod["terminationGracePeriodSeconds"] >= 30
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in pod["volumes"]
     assert all("value" not in e or e["name"] not in ("HF_TOKEN", "VLLM_API_KEY") for e in container["env"])
