@@ -62,13 +62,17 @@ def pin_checkpoint(deployment: Deployment, target: str, locked: Path | None, rev
     repo = deployment.model.repo_id
     if repo is None or target in CHECKPOINT_FREE:
         return Pinned(deployment)
-    # lazy: the lock's model and the cache's layout, only for a hub checkpoint
-    from m31ctl import lockfile
+    # lazy: the cache's layout only for a hub checkpoint, and the lock's model (pydantic models,
+    # the image facts: a third of render's start) only when a lock is given
     from m31ctl.checkpoint import cached_commit, hub_dir
     from m31ctl.deployment import derive
 
     checked_revision(revision)
-    recorded = lockfile.read(locked).checkpoint if locked is not None else None
+    recorded = None
+    if locked is not None:
+        from m31ctl import lockfile
+
+        recorded = lockfile.read(locked).checkpoint
     if recorded is not None and recorded.commit:
         commit: str | None = recorded.commit
     elif is_commit(revision):

@@ -149,8 +149,7 @@ def render(
     """Write deployment files: script, compose, k8s, systemd.
 
     Render deployment artifacts (bash script, Compose, Kubernetes, systemd) from the plan."""
-    # lazy: only the command run loads its modules (COMMANDS)
-    from m31ctl.cli.locking import apply_lock
+    # lazy: only the command run loads its modules (COMMANDS), the lock's only with --locked
     from m31ctl.commands import deployment
     from m31ctl.render import files, get_target
     from m31ctl.revision import pin_checkpoint
@@ -167,6 +166,8 @@ def render(
         # The lock applied: drift refused (exit 4) unless --update-lock, the image pinned (the argv
         # was checked before: the schema is the image tag's). Rendered files pin a registry digest
         # only: a local image ID means nothing elsewhere.
+        from m31ctl.cli.locking import apply_lock
+
         d = apply_lock(d, request.files, locked, update_lock, by_id=False)
     d, unpinned = pin_checkpoint(d, target, locked, revision)
     if unpinned is not None:
