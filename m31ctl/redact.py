@@ -95,7 +95,11 @@ def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def redact(text: str, environ: Mapping[str, str] | None = None) -> str:
-    for value in secret_values(environ):
+    return _redacted(text, secret_values(environ))
+
+
+def _redacted(text: str, values: list[str]) -> str:
+    for value in values:
         text = text.replace(value, MASK)
         text = text.replace(repr(value)[1:-1], MASK)  # as quoted inside a repr() or bytes literal
     text = _TOKEN_SHAPES.sub(MASK, text)
@@ -143,12 +147,18 @@ def redact_setting(key: str, value: object, environ: Mapping[str, str] | None = 
 
 def redact_data(data: object, environ: Mapping[str, str] | None = None) -> object:
     """`redact` over every string of a JSON-able structure; besides, the string value of a secret
-    key (`{"HF_TOKEN": ...}`) and the item after a secret flag in a list (argv) are masked whole."""
+    key (`{"HF_TOKEN": ...}`) and the item after a secret flag in a list (argv) are masked whole.
+    The secret values are read from the environment once for the whole structure (a plan's JSON
+    has about 200 strings)."""
+    return _redacted_data(data, secret_values(environ))
+
+
+def _redacted_data(data: object, values: list[str]) -> object:
     if isinstance(data, str):
-        return redact(data, environ)
+        return _redacted(data, values)
     if isinstance(data, dict):
         return {
-            k: MASK if _secret_key(k) and isinstance(v, str) and v else redact_data(v, environ)
+            k: MASK if _secret_key(k) and isinstance(v, str) and v else _redacted_data(v, values)
             for k, v in data.items()
         }
     if isinstance(data, (list, tuple)):
@@ -157,6 +167,6 @@ def redact_data(data: object, environ: Mapping[str, str] | None = None) -> objec
             previous = data[index - 1] if index else None
             follows_flag = isinstance(previous, str) and "=" not in previous and secret_flag(previous)
             secret = follows_flag and isinstance(item, str) and not item.startswith("--")
-            out.append(MASK if secret else redact_data(item, environ))
+            out.append(MASK if secret else _redacted_data(item, values))
         return out
     return data
