@@ -5,8 +5,9 @@ A disaggregated plan is one plan: the prefill and decode engines are the plan's 
 role's parallelism, port and name (`role_settings`), so every rule, render and runtime that knows
 one engine knows each role. What is refused here is what vLLM would refuse only once both roles
 run, after the download: a connector without hybrid KV support for a model whose indexer cache is
-its own KV group, a connector the platform lacks, roles whose NIXL compatibility hash differs, and
-ports that clash on one host.
+its own KV group, a connector the platform lacks, a connector m31ctl cannot pair (MoRIIO: its router
+runs only in discovery mode), roles whose NIXL compatibility hash differs, and ports that clash
+on one host.
 """
 
 from __future__ import annotations
@@ -66,6 +67,25 @@ class Connector(NamedTuple):
     platforms: frozenset[Platform]
     uses_ucx: bool  # NIXL moves the KV over UCX (UCX_TLS, UCX_NET_DEVICES)
     source: str
+    # Why m31ctl refuses to pair it although vLLM and vllm-router know it; None: it pairs.
+    unpaired: str | None = None
+
+
+# vllm-router 0.1.17 (the pinned image, recipes/defaults.yaml) takes --kv-connector moriio only
+# with --vllm-discovery-address: with the fixed --prefill/--decode URLs m31ctl renders it exits 1
+# at start (config validation, run here: "MoRI-IO KV connector requires service discovery to be
+# enabled (ZMQ addresses are obtained via instance registration)"). In discovery mode each role
+# registers from its kv_connector_extra_config (vllm 0.32 moriio/moriio_common.py
+# MoRIIOConfig.from_vllm_config: http_port is required, proxy_ip and proxy_ping_port start the
+# heartbeat, moriio_connector.py _start_heartbeat) at get_ip() or host_ip, not the loopback the
+# roles listen on. Rendering that for every target is unproven here (no AMD GPU; the CPU build
+# has no MORI-IO engine), so the plan refuses it (docs/decisions.md).
+MORIIO_UNPAIRED = (
+    "vllm-router 0.1.17 pairs it only in ZMQ discovery mode (with fixed --prefill/--decode URLs "
+    'it exits at start: "MoRI-IO KV connector requires service discovery"), where each role '
+    "registers from kv_connector_extra_config (proxy_ip, proxy_ping_port, http_port; vllm 0.32 "
+    "moriio_common.py), and m31ctl renders neither"
+)
 
 
 CONNECTORS: dict[str, Connector] = {
@@ -77,7 +97,7 @@ CONNECTORS: dict[str, Connector] = {
     "moriio": Connector(
         "MoRIIOConnector", "moriio", True, frozenset({Platform.ROCM}), False,
         "vllm 0.32 kv_connector/v1/moriio/moriio_connector.py:225 (SupportsHMA); AMD's MORI-IO "
-        "RDMA library (ROCm/mori); vllm-router --kv-connector moriio",
+        "RDMA library (ROCm/mori); vllm-router --kv-connector moriio", MORIIO_UNPAIRED,
     ),
     "mooncake": Connector(
         "MooncakeConnector", "mooncake", True, frozenset({Platform.CUDA, Platform.ROCM}), False,
@@ -237,7 +257,7 @@ def _connector_problem(settings: PlanSettings, hw: Hardware, model: ModelFacts) 
     connector = CONNECTORS[name]
     platform = vendor_facts(hw.vendor).platform
     if platform not in connector.platforms:
-        usable = sorted(n for n, c in CONNECTORS.items() if platform in c.platforms and c.hybrid)
+        usable = sorted(n for n, c in CONNECTORS.items() if platform in c.platforms and _pairs(c))
         return (
             "disaggregation.connector",
             f"{connector.vllm_name} does not run on {platform.value} ({connector.source})",
@@ -250,7 +270,7 @@ def _connector_problem(settings: PlanSettings, hw: Hardware, model: ModelFacts) 
             'sparse-attention indexer cache is its own KV group: vLLM refuses it at start ("does not '
             'support HMA", kv_connector/factory.py), and turning the hybrid manager off would drop the '
             f"indexer cache from the transfer ({connector.source})",
-            "use disaggregation.connector=nixl (or moriio on AMD)",
+            "use disaggregation.connector=nixl",
         )
     if connector.router_name is None:
         return (
@@ -258,7 +278,18 @@ def _connector_problem(settings: PlanSettings, hw: Hardware, model: ModelFacts) 
             f"vllm-router cannot pair {connector.vllm_name} (its --kv-connector takes nixl, mooncake, moriio)",
             "use disaggregation.connector=nixl",
         )
+    if connector.unpaired:
+        return (
+            "disaggregation.connector",
+            f"m31ctl cannot pair {connector.vllm_name} yet: {connector.unpaired}",
+            f"use disaggregation.connector=nixl, which runs on {platform.value} too",
+        )
     return None
+
+
+def _pairs(connector: Connector) -> bool:
+    """Whether a plan may name the connector: hybrid KV support, and a router pairing m31ctl renders."""
+    return connector.hybrid and connector.router_name is not None and connector.unpaired is None
 
 
 def _pairing_problem(settings: PlanSettings, hw: Hardware, model: ModelFacts) -> _Problem:

@@ -334,7 +334,9 @@ class VerifySettings(_Frozen):
     )
 
 
-# The KV connectors a disaggregated plan may name (plan/disaggregation.py holds their facts).
+# The KV connectors a disaggregated plan may name (plan/disaggregation.py holds their facts); the
+# plan rules refuse, each with its reason, those m31ctl cannot pair (lmcache, moriio), so they stay
+# names here rather than fail as unknown values.
 ConnectorName = Literal["nixl", "moriio", "mooncake", "lmcache"]
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from m31ctl.pair import PairWiderThanHost, loopback_router_invocation, on_one_ho
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.disaggregation import CONNECTORS, Role
 from tests.conftest import run_cli
+from tests.ports import free_ports
 from tests.support import cli_json
 
 PD = "disaggregation.enabled=true"
@@ -144,12 +147,72 @@ def test_a_pair_vllm_could_not_serve_is_refused_naming_the_setting(sets, key, wo
     assert caught.value.message.startswith(f"{key}: ") and words in caught.value.message
 
 
-def test_amd_pairs_over_moriio_and_nvidia_refuses_it():
-    group = derive(plan_for("mi355xx8", "disaggregation.connector=moriio")).disaggregated
+MORIIO = ("disaggregation.enabled=true", "disaggregation.connector=moriio")
+
+
+def test_moriio_is_refused_with_its_reason_on_amd_and_as_foreign_on_nvidia():
+    """vllm-router pairs MoRIIO only in discovery mode, which m31ctl does not render (issue 49):
+    refused on AMD naming the router's own refusal and the extra config, with NIXL as the way;
+    on NVIDIA the platform refusal comes first, its hint naming only connectors m31ctl pairs."""
+    with pytest.raises(InputError) as amd:
+        plan_for("mi355xx8", "disaggregation.connector=moriio")
+    assert amd.value.message.startswith("disaggregation.connector: m31ctl cannot pair MoRIIOConnector yet: ")
+    for words in ("only in ZMQ discovery mode", "MoRI-IO KV connector requires service discovery",
+                  "proxy_ip, proxy_ping_port, http_port"):  # fmt: skip
+        assert words in amd.value.message
+    assert amd.value.hint == "use disaggregation.connector=nixl, which runs on rocm too"
+    assert amd.value.where == "--set #2"
+    with pytest.raises(InputError) as nvidia:
+        plan_for("b300x8", "disaggregation.connector=moriio")
+    assert "does not run on cuda" in nvidia.value.message
+    assert nvidia.value.hint == "use disaggregation.connector=mooncake or nixl"
+    assert CONNECTORS["moriio"].unpaired and not CONNECTORS["nixl"].unpaired
+
+
+def test_amd_pairs_over_nixl_by_default():
+    group = derive(plan_for("mi355xx8")).disaggregated
     assert group is not None
-    args = build_invocation(group.decode).args
-    assert _kv_config(args)["kv_connector"] == "MoRIIOConnector"
-    assert "UCX_TLS" not in build_invocation(group.decode).env_dict  # MoRIIO moves KV over RDMA itself
+    assert {_kv_config(build_invocation(r).args)["kv_connector"] for r in group.roles} == {"NixlConnector"}
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_moriio_refusal_through_the_cli_is_one_line_and_exit_2(json_out):
+    sets = [a for s in MORIIO for a in ("--set", s)]
+    done = run_cli("plan", "--hardware", "mi355xx8", *sets, *(["--json"] if json_out else []))
+    assert done.returncode == ExitCode.BAD_INPUT == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(
+        "m31ctl: error: --set #2: disaggregation.connector: m31ctl cannot pair MoRIIOConnector yet: "
+    )
+    assert done.stderr.rstrip().endswith("(use disaggregation.connector=nixl, which runs on rocm too)")
+    if json_out:
+        error = cli_json.error(done.stdout)
+        assert error["exit_code"] == 2 and error["where"] == "--set #2"
+        assert error["message"].startswith("disaggregation.connector: m31ctl cannot pair MoRIIOConnector")
+    else:
+        assert done.stdout == ""
+
+
+@pytest.mark.vllm
+def test_the_pinned_router_refuses_moriio_with_the_urls_m31ctl_renders(vllm_py):
+    """The refusal's premise, on the real vllm-router (0.1.17, beside the tests' vLLM): the
+    router command m31ctl renders for an AMD pair, with --kv-connector moriio, exits at start.
+    When a router pairs MoRIIO over fixed URLs this fails, and the refusal is to be revisited."""
+    router = Path(vllm_py).parent / "vllm-router"
+    if not router.exists():
+        pytest.skip(f"no vllm-router beside {vllm_py}")
+    group = derive(plan_for("mi355xx8")).disaggregated
+    assert group is not None
+    argv = list(loopback_router_invocation(group).argv)
+    port, metrics, prefill, decode = free_ports(4)
+    values = {"--kv-connector": "moriio", "--port": str(port), "--prometheus-port": str(metrics),
+              "--prefill": f"http://127.0.0.1:{prefill}", "--decode": f"http://127.0.0.1:{decode}",
+              "--worker-startup-timeout-secs": "5"}  # fmt: skip
+    for flag, value in values.items():
+        argv[argv.index(flag) + 1] = value
+    done = subprocess.run([str(router), *argv[1:]], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0, done.stderr[-2000:]
+    assert "MoRI-IO KV connector requires service discovery" in done.stderr, done.stderr[-2000:]
 
 
 def test_every_connector_the_router_pairs_declares_hybrid_support():
