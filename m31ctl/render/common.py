@@ -9,7 +9,7 @@ from m31ctl import __version__
 from m31ctl.container import ContainerSpec
 from m31ctl.deployment import Deployment
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
-from m31ctl.render.escape import shell_word, systemd_word
+from m31ctl.render.escape import shell_word, systemd_command, systemd_word
 from m31ctl.resources import templates_dir
 
 if TYPE_CHECKING:
@@ -74,6 +74,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters["sh"] = shell_word
     env.filters["systemd"] = systemd_word
+    env.filters["systemd_command"] = systemd_command
     return env
 
 

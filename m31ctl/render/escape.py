@@ -38,6 +38,27 @@ def systemd_word(value: object) -> str:
     return f'"{escaped}"'
 
 
+# An Exec line's continuation: systemd joins a line ending in a backslash with the next one, the
+# backslash read as a space (systemd.syntax(7)), so a folded line is the same command.
+SYSTEMD_CONTINUATION = " \\\n    "
+
+
+def systemd_command(words: Sequence[object]) -> str:
+    """An Exec line's words, folded one option a line: a `docker run` of 60 words on one line
+    was 1,322 characters no reviewer reads. A line starts at each word that begins with `-`, and
+    at a positional word after an option that has its value (the image after `--gpus all`); the
+    words before the first option (the program and its subcommand) stay together."""
+    lines: list[list[str]] = []
+    for word in map(str, words):
+        starts_option = word.startswith("-")
+        after_value = bool(lines) and lines[-1][0].startswith("-") and len(lines[-1]) == 2
+        if not lines or starts_option or after_value:
+            lines.append([word])
+        else:
+            lines[-1].append(word)
+    return SYSTEMD_CONTINUATION.join(" ".join(systemd_word(w) for w in line) for line in lines)
+
+
 @cache
 def _dumper() -> type:
     """libyaml's emitter where PyYAML was built with it (the pure-Python one is ten times slower;

@@ -18,7 +18,16 @@ import pytest
 
 from m31ctl.pair import PAIR_SUBNET, network_name, pair_upstreams, role_address
 from m31ctl.render import PD_RENDERERS, Artifact
-from tests.support.render import HOSTILE, PLANS, REFERENCE, pd_deployment, render, shlex_split_systemd, tool
+from tests.support.render import (
+    HOSTILE,
+    PLANS,
+    REFERENCE,
+    pd_deployment,
+    render,
+    shlex_split_systemd,
+    tool,
+    unit_lines,
+)
 
 STUB_DOCKER = Path(__file__).parent.parent / "stub_docker.py"
 CANARY_KEY = "sk-CANARY_api_key_do_not_leak_42"
@@ -245,7 +254,7 @@ def units(key: str, extra: tuple[str, ...] = ()) -> dict[str, Artifact]:
 
 
 def directive(text: str, name: str) -> list[str]:
-    return [line.split("=", 1)[1] for line in text.splitlines() if line.startswith(f"{name}=")]
+    return [line.split("=", 1)[1] for line in unit_lines(text) if line.startswith(f"{name}=")]
 
 
 @pytest.mark.parametrize("key", sorted(PLANS))

@@ -29,7 +29,7 @@ from m31ctl.plan import PlanRequest, resolve
 from m31ctl.render import get_target
 from m31ctl.render.kubelet_expansion import expand, literal, mapping_for
 from tests.conftest import PINNED_COMMIT
-from tests.support.render import HOSTILE, shlex_split_systemd, tool
+from tests.support.render import HOSTILE, shlex_split_systemd, tool, unit_lines
 
 STUB_DOCKER = Path(__file__).parent.parent / "stub_docker.py"
 CANARY = "hf_CANARY_5ecret_do_not_leak_0123456789"
@@ -165,7 +165,7 @@ def test_env_file_one_format_that_docker_and_systemd_read_alike(tmp_path):
     assert download["env"]["HF_TOKEN"] == written["HF_TOKEN"]  # the file is the one source
     assert not {"HF_TOKEN", "EMPTY"} & record["env"].keys() and "VLLM_API_KEY" not in download["env"]
     unit = rendered(plan, "systemd")
-    check = next(line for line in unit.splitlines() if "docker and systemd read" in line)
+    check = next(line for line in unit_lines(unit) if "docker and systemd read" in line)
     unit_script = shlex_split_systemd(check.split("=", 1)[1])[2]
     assert (
         subprocess.run(
@@ -225,8 +225,28 @@ def test_amd_gets_the_plans_gpus_in_every_target(tmp_path):
 
 
 def _exec_line(unit: str, key: str) -> list[str]:
-    line = next(line for line in unit.splitlines() if line.startswith(f"{key}=/bin/sh"))
+    line = next(line for line in unit_lines(unit) if line.startswith(f"{key}=/bin/sh"))
     return shlex_split_systemd(line.split("=", 1)[1])
+
+
+@pytest.mark.parametrize("hw", ["b300x4", "h200x8", "mi355xx8"])
+def test_systemd_exec_lines_fold_one_option_a_line_into_the_same_command(hw, tmp_path):
+    """The unit's docker run lines are folded with systemd's continuation (issue 51: a 1,322-
+    character ExecStart): joined as systemd joins them, they are one `docker run` through to
+    vLLM's flags, the unit still verifies, and each folded line holds one option and its value."""
+    unit = rendered(plan_for(hw), "systemd")
+    start = next(line for line in unit_lines(unit) if line.startswith("ExecStart="))
+    words = shlex_split_systemd(start.removeprefix("ExecStart="))
+    assert words[:2] == ["/usr/bin/docker", "run"] and "--tensor-parallel-size" in words
+    folded = [line for line in unit.splitlines() if line.endswith(" \\") or line.startswith("    ")]
+    assert len(folded) > 20
+    for line in folded:
+        option = shlex_split_systemd(line.strip().removesuffix("\\"))
+        assert len(option) <= 2 or not option[0].startswith("-"), line  # an option and its value
+    path = tmp_path / "m31ctl-engine.service"
+    path.write_text(unit)
+    verify = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
+    assert "Failed to parse" not in verify.stderr and "Invalid" not in verify.stderr, verify.stderr
 
 
 def test_systemd_reports_started_only_once_the_model_answers(tmp_path):
@@ -808,7 +828,7 @@ def test_script_downloads_the_checkpoint_first_in_its_own_container(tmp_path):
 
 def test_systemd_downloads_first_and_a_local_checkpoint_downloads_nothing(tmp_path):
     unit = rendered(plan_for("b300x4"), "systemd")
-    pre = [line for line in unit.splitlines() if line.startswith("ExecStartPre=/usr/bin/docker run")]
+    pre = [line for line in unit_lines(unit) if line.startswith("ExecStartPre=/usr/bin/docker run")]
     (download,) = pre
     words = shlex_split_systemd(download.removeprefix("ExecStartPre="))
     assert words[:6] == [
@@ -910,9 +930,9 @@ def test_script_mounts_the_hf_token_file_and_the_engine_never_gets_the_token(tmp
 
 def test_the_systemd_engine_never_gets_the_hf_token():
     unit = rendered(plan_for("b300x4", *EXPOSED), "systemd")
-    start = shlex_split_systemd(next(line for line in unit.splitlines() if line.startswith("ExecStart=")))
+    start = shlex_split_systemd(next(line for line in unit_lines(unit) if line.startswith("ExecStart=")))
     assert "HF_TOKEN" not in start and start[start.index("VLLM_API_KEY") - 1] == "--env"
-    download = next(line for line in unit.splitlines() if line.startswith("ExecStartPre=/usr/bin/docker run"))
+    download = next(line for line in unit_lines(unit) if line.startswith("ExecStartPre=/usr/bin/docker run"))
     assert "--env HF_TOKEN " in download  # the download's own container, by name, while it runs
 
 
@@ -967,7 +987,7 @@ def test_a_leftover_download_container_never_blocks_the_next_start(tmp_path):
     _named_docker(tmp_path, leftover)
     out.unlink()
     unit = rendered(plan, "systemd")
-    for line in unit.splitlines():
+    for line in unit_lines(unit):
         if line.startswith("ExecStartPre=") and "/bin/sh" not in line:
             command = line.removeprefix("ExecStartPre=")
             words = shlex_split_systemd(command.removeprefix("-"))

@@ -30,6 +30,20 @@ def tool(name: str) -> str:
     return path
 
 
+def unit_lines(unit: str) -> list[str]:
+    """A unit file's lines as systemd reads them: a line ending in a backslash is joined with
+    the next, the backslash read as a space (systemd.syntax(7)); the Exec lines are folded so."""
+    lines: list[str] = []
+    pending = ""
+    for line in unit.splitlines():
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        lines.append(pending + line)
+        pending = ""
+    return lines + ([pending] if pending else [])
+
+
 def shlex_split_systemd(line: str) -> list[str]:
     """The words systemd makes of an Exec line: quotes removed, C escapes read (`\\n` is a line
     break), `$$` a literal `$`, `%%` a literal `%` (systemd.service, "Command lines")."""
