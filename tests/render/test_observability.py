@@ -10,8 +10,10 @@ import math
 import os
 import re
 import subprocess
+import time
 import urllib.parse
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +184,10 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
         f"runtime.native_python={vllm_py}",
         "runtime.container_name=mon-real",
         f"runtime.port={port}",
+        # So that the same render writes k8s-autoscaling.yaml, whose queries KEDA would send here
+        # (the k8s settings change no file Prometheus or vLLM reads; copies need a shared claim).
+        "kubernetes.autoscaling.max_replicas=2",
+        "kubernetes.hf_cache_storage_class=nfs-rwx",
     )
     d = deployment_for(*sets)
     out = tmp_path / "monitoring"
@@ -221,6 +227,7 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
 
         # One scrape before the load, so that rates over the window see it begin.
         until("the first scrape", lambda: query('up{m31ctl_deployment="mon-real"} == 1'))
+        load_began = time.time()
         loaded = run_cli(
             "bench", "--hardware", "cpu", *[a for s in sets for a in ("--set", s)], "--url", base,
             "--bench-python", vllm_py, "--concurrency", "2", "--requests", "8", "--output-len", "64",
@@ -250,7 +257,15 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
                 assert result == [], what  # absent without a NIXL connector, as stated
                 continue
             assert result, f"{what} returned no data: {expr}"
-        print(json.dumps(answers, indent=1))
+        # The ScaledObject of the same render: each trigger's query, exactly as rendered, read the
+        # way KEDA reads it, now and over the load (the most it saw there).
+        (scaler,) = [doc for doc in yaml.safe_load_all((out / "k8s-autoscaling.yaml").read_text()) if doc]
+        keda = {
+            t["metadata"]["query"]: _keda_reads(api, t["metadata"]["query"], load_began)
+            for t in scaler["spec"]["triggers"]
+        }
+        print(json.dumps(answers, indent=1), json.dumps(keda, indent=1))
+        assert all(now >= 0 for now, _ in keda.values()), keda  # a count and a fraction
         finite = {w: v for w, v in answers.items() if v and all(math.isfinite(float(x)) for x in v)}
         for wanted in (
             "panel 'Throughput (tokens/s)' output",
@@ -276,6 +291,28 @@ def test_real_prometheus_scraping_real_vllm_answers_every_query(vllm_py, tiny_mo
         if prometheus is not None:
             stop(prometheus)
         stop(server)
+
+
+def _keda_reads(api: str, query: str, since: float) -> tuple[float, float]:
+    """What KEDA's prometheus scaler (v2.20.2, pkg/scalers/prometheus_scaler.go) takes from `query`
+    now, and the most a range query over [since, now] saw. KEDA asks /api/v1/query at an RFC 3339
+    time and needs one sample (more is an error) with a finite value; an empty result it reads as 0
+    (ignoreNullValues' default), which would hide a selector matching nothing: here it fails."""
+    at = datetime.now(timezone.utc)
+    now = get(
+        f"{api}/query?" + urllib.parse.urlencode({"query": query, "time": at.strftime("%Y-%m-%dT%H:%M:%SZ")})
+    )
+    assert now["status"] == "success" and len(now["data"]["result"]) == 1, (query, now)
+    over = get(f"{api}/query_range?" + urllib.parse.urlencode(
+        {"query": query, "start": f"{since:.3f}", "end": f"{at.timestamp():.3f}", "step": "1"}
+    ))["data"]["result"]  # fmt: skip
+    assert len(over) == 1, (query, over)
+    values = [
+        float(now["data"]["result"][0]["value"][1]),
+        *(float(v) for _, v in over[0]["values"]),
+    ]  # now first
+    assert all(math.isfinite(v) for v in values), (query, values)
+    return values[0], max(values)
 
 
 def _get_metric(url: str, name: str) -> float:
