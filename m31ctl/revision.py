@@ -70,7 +70,7 @@ def pin_checkpoint(deployment: Deployment, target: str, locked: Path | None, rev
     checked_revision(revision)
     recorded = None
     if locked is not None:
-        from m31ctl import lockfile
+        from m31ctl import lockfile  # lazy: see above, only with a lock
 
         recorded = lockfile.read(locked).checkpoint
     if recorded is not None and recorded.commit:

@@ -89,6 +89,7 @@ def test_only_the_one_docker_client_imports_the_docker_sdk():
 # What may start a process, and what each starts: none of them is the `docker` CLI.
 PROCESS_STARTERS = {
     "m31ctl.runtime.native": "vllm serve",
+    "m31ctl.runtime.native_identity": "the engine's Python, reading its vLLM and torch metadata",
     "m31ctl.runtime.load_run": "vllm bench serve",
     "m31ctl.probe.snapshot": "the vendors' probe tools (nvidia-smi, amd-smi, ...) for probe and doctor",
     "m31ctl.engine.dry_run": "vLLM's own argument parser",

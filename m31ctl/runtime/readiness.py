@@ -58,7 +58,7 @@ def _client() -> httpx.Client:
 
 def models(base: str, api_key: str | None, timeout: float = 2.0) -> list[str] | None:
     """Served model ids from /v1/models, or None while the server does not answer."""
-    import httpx
+    import httpx  # lazy, as in _client: its error types only
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -74,7 +74,7 @@ def models(base: str, api_key: str | None, timeout: float = 2.0) -> list[str] | 
 
 
 def health(base: str, timeout: float = 2.0) -> int | None:
-    import httpx
+    import httpx  # lazy, as in _client: its error types only
 
     try:
         return _client().get(f"{base}/health", timeout=timeout).status_code

@@ -170,7 +170,7 @@ def test_the_native_engine_is_named_by_the_distribution_beside_it(tmp_path, dist
     import subprocess
     import sys
 
-    from m31ctl.runtime.native import python_identity
+    from m31ctl.runtime.native_identity import python_identity
 
     site = tmp_path / "site"
     _site_with_vllm(site, dist_dir, name, "9.9", record, top)
