@@ -254,6 +254,15 @@ def _monokernel(ctx: RuleContext) -> str | None:
     return "MiniMax-M3 specialized decode unsupported: " + "; ".join(reasons) if reasons else None
 
 
+def _cpu_offload_platform(ctx: RuleContext) -> str | None:
+    if ctx.settings.cache.cpu_offload_gib is None or ctx.platform in (Platform.CUDA, Platform.ROCM):
+        return None
+    return (
+        "vLLM's CPU offloading runs only on CUDA-alike and XPU GPUs: the CPU build starts its "
+        "OffloadingConnector and dies at worker init"
+    )
+
+
 _MODEL_PY = "vllm/config/model.py"
 ENGINE_RULES: tuple[EngineRule, ...] = (
     EngineRule(
@@ -351,5 +360,13 @@ ENGINE_RULES: tuple[EngineRule, ...] = (
         "vLLM 0.33 vllm/models/minimax_m3/amd/specialized_decode/runtime/spec.py refusal_reasons and "
         "runtime/weights.py (AITER_MXFP4_MXFP4)",
         _monokernel,
+    ),
+    EngineRule(
+        "vllm-cpu-offload-platform",
+        "cache.cpu_offload_gib",
+        "KV offloading to host memory (--kv-offloading-backend native) on a GPU, not vLLM's CPU build",
+        'vLLM 0.32 vllm/v1/kv_offload/cpu/spec.py CPUOffloadingSpec.get_worker ("CPU Offloading is '
+        'currently only supported on CUDA-alike and XPU GPUs"; seen on the CPU build here)',
+        _cpu_offload_platform,
     ),
 )

@@ -37,3 +37,18 @@ def test_a_prefill_decode_plan_with_a_cpu_tier_is_refused_naming_both_settings()
     with pytest.raises(InputError) as refused:
         _plan("b300x8", "disaggregation.enabled=true", "cache.cpu_offload_gib=64")
     assert "cache.cpu_offload_gib" in str(refused.value) and "disaggregation.enabled" in str(refused.value)
+
+
+def test_the_cpu_build_refuses_the_tier_at_plan_time_not_at_worker_init():
+    """vLLM's CPU build starts the OffloadingConnector and its worker dies at init ("CPU
+    Offloading is currently only supported on CUDA-alike and XPU GPUs", vllm/v1/kv_offload/cpu/
+    spec.py; seen starting the CPU rehearsal engine here): the plan refuses it instead, naming the
+    rule and the setting; GPU plans of both vendors keep the tier."""
+    from m31ctl.errors import RuleViolation
+
+    with pytest.raises(RuleViolation) as refused:
+        _plan("cpu", "cache.cpu_offload_gib=1")
+    line = refused.value.one_line()
+    assert "vllm-cpu-offload-platform" in line and "cache.cpu_offload_gib" in line
+    for hw in ("b300x4", "mi355xx8", "h200x8"):
+        assert _plan(hw, "cache.cpu_offload_gib=64").settings.cache.cpu_offload_gib == 64

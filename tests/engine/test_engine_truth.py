@@ -442,13 +442,19 @@ def test_the_rehearsal_plans_argv_passes_and_a_long_one_is_refused(vllm_py, tiny
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_cpu_tier_is_vllms_offloading_connector_with_the_size_asked(vllm_py, tiny_models):
-    """cache.cpu_offload_gib as the adapter spells it: real vLLM 0.32 builds its native offloading
-    (the OffloadingConnector, holding the GiB asked for) from the plan's own argv. One config
+    """cache.cpu_offload_gib as the adapter spells it for a GPU plan: real vLLM 0.32 builds its
+    native offloading (the OffloadingConnector, holding the GiB asked for) from those flags. The
+    CPU build's worker refuses offloading at init (engine rule vllm-cpu-offload-platform), so the
+    flags of the b300x4 plan ride on the rehearsal plan's argv for the config build. One config
     build, about 5 s, beside the rehearsal plan's in the test above."""
     from m31ctl.engine.dry_run import dry_run_config
 
-    p = plan("cpu", f"model.path={tiny_models[4]}", "cache.cpu_offload_gib=2")
-    result = dry_run_config(vllm_py, list(argv(p)), env={**BIND, **p.settings.runtime.env})
+    gpu = argv(plan("b300x4", "cache.cpu_offload_gib=2"))
+    at = gpu.index("--kv-offloading-backend")
+    offloading = gpu[at : at + 4]
+    assert offloading == ("--kv-offloading-backend", "native", "--kv-offloading-size", "2")
+    p = plan("cpu", f"model.path={tiny_models[4]}")
+    result = dry_run_config(vllm_py, [*argv(p), *offloading], env={**BIND, **p.settings.runtime.env})
     assert result.ok, result.message
     assert (
         result.resolved["kv_offloading_size"] == 2
