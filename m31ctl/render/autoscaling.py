@@ -49,10 +49,14 @@ def scaled_object(deployment: Deployment, selector: str) -> dict[str, Any]:
     timeline = deployment.timeline
 
     def trigger(query: str, threshold: str, metric_type: str) -> dict[str, Any]:
+        # ignoreNullValues "false": an empty answer (a lost scrape target, a selector that matches
+        # nothing) is an error KEDA reports, and the HPA keeps the copies it has; KEDA's default
+        # reads it as 0 and would remove copies that take the timeline's whole start to return.
+        metadata = {"serverAddress": scaling.prometheus_url, "query": query, "threshold": threshold}
         return {
             "type": "prometheus",
             "metricType": metric_type,
-            "metadata": {"serverAddress": scaling.prometheus_url, "query": query, "threshold": threshold},
+            "metadata": metadata | {"ignoreNullValues": "false"},
         }
 
     one_copy_per = {"type": "Pods", "value": 1}

@@ -68,6 +68,8 @@ def test_copies_scale_on_vllms_queue_and_kv_cache_one_per_start(tmp_path):
     queries = {t["metadata"]["query"].split("(")[1].split("{")[0]: t for t in spec["triggers"]}
     assert set(queries) == {"vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
     assert queries["vllm:num_requests_waiting"]["metricType"] == "AverageValue"  # per copy
+    # A lost scrape is an error KEDA reports (the HPA keeps its copies), never a reading of 0.
+    assert {t["metadata"]["ignoreNullValues"] for t in spec["triggers"]} == {"false"}
     assert (
         f'm31ctl_deployment="{deployment.name}"' in queries["vllm:kv_cache_usage_perc"]["metadata"]["query"]
     )
