@@ -21,7 +21,7 @@ from m31ctl.docker_run import docker_run_argv
 from m31ctl.errors import M31Error
 from m31ctl.pair import docker_pair
 from m31ctl.runtime import docker_group, docker_servers, engine_api
-from m31ctl.runtime.docker_create import run_script, trial_run
+from m31ctl.runtime.docker_create import run_script
 from m31ctl.runtime.docker_launch import ContainerLaunch, single
 from m31ctl.runtime.flow import converge
 from m31ctl.runtime.gates import CheckId
@@ -114,4 +114,4 @@ class DockerRuntime:
 
 
 # doctor's host check imports the trial run from here (m31ctl/doctor/checks/host.py).
-__all__ = ["DockerRuntime", "trial_run"]
+__all__ = ["DockerRuntime"]

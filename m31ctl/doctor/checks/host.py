@@ -20,7 +20,7 @@ from m31ctl.doctor.base import CheckContext, Outcome, SkipCheck
 from m31ctl.hardware import Platform, vendor_facts
 from m31ctl.netaddr import port_free
 from m31ctl.runtime import get_runtime
-from m31ctl.runtime.docker import trial_run
+from m31ctl.runtime.docker_create import trial_run
 from m31ctl.runtime.engine_api import local_image
 from m31ctl.runtime.gates import CheckId
 from m31ctl.units import parse_size
