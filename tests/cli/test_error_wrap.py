@@ -4,15 +4,11 @@ as in CI logs, it stays one line for grep."""
 
 from __future__ import annotations
 
-import fcntl
-import os
-import pty
-import struct
 import subprocess
 import sys
-import termios
 
 from tests.conftest import ROOT
+from tests.support.terminal import on_a_terminal
 
 # A refusal whose one line is far wider than 80 columns and ends in a hint with settings in it.
 ARGS = [
@@ -27,30 +23,7 @@ ARGS = [
 
 
 def _on_a_terminal(columns: int) -> tuple[int, str]:
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "m31ctl", *ARGS],
-            stdout=subprocess.DEVNULL,
-            stderr=follower,
-            cwd=ROOT,
-            timeout=60,
-            check=False,
-        )
-    finally:
-        os.close(follower)
-    said = b""
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        said += chunk
-    os.close(leader)
-    return done.returncode, said.decode().replace("\r\n", "\n")
+    return on_a_terminal(ARGS, "stderr", columns, rows=24, timeout=60)
 
 
 def test_an_error_fits_an_80_column_terminal_word_by_word():

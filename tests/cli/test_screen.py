@@ -6,15 +6,11 @@ COLUMNS unset, as machine readers and logs get it, the output is laid out as bef
 
 from __future__ import annotations
 
-import fcntl
 import os
-import pty
 import re
 import shlex
-import struct
 import subprocess
 import sys
-import termios
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +19,7 @@ import pytest
 from m31ctl.cli.screen import command_lines, phrases, wrap
 from tests.conftest import FIXTURES, ROOT, run_cli
 from tests.support import cli_json
+from tests.support.terminal import on_a_terminal
 
 WIDTHS = (80, 100)
 FILE_LINE = re.compile(r"[\w./-]+\.ya?ml:\d+")
@@ -153,29 +150,9 @@ def test_a_pipe_without_columns_keeps_the_command_on_one_line():
 
 
 def _on_a_terminal(argv: list[str], stream: str, cwd: Path = ROOT) -> tuple[int, str]:
-    """Run m31ctl with its `stream` ("stdout" or "stderr") on an 80-column pty and COLUMNS unset;
-    the exit code and what the terminal got, colours left out."""
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 80, 0, 0))
+    """m31ctl with its `stream` on an 80-column pty and COLUMNS unset."""
     env = {key: value for key, value in os.environ.items() if key != "COLUMNS"}
-    streams = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, stream: follower}
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "m31ctl", *argv], **streams, cwd=cwd, env=env, timeout=120, check=False
-        )
-    finally:
-        os.close(follower)
-    said = b""
-    while True:
-        try:
-            chunk = os.read(leader, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        said += chunk
-    os.close(leader)
-    return done.returncode, re.sub(r"\x1b\[[0-9;]*m", "", said.decode().replace("\r\n", "\n"))
+    return on_a_terminal(argv, stream, 80, cwd=cwd, env=env)
 
 
 def test_a_terminal_of_80_columns_is_measured_without_columns():
