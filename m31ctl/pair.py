@@ -213,6 +213,13 @@ def _pair_role(role: Deployment, index: int, network: str, on_this_host: bool) -
     return PairRole(role, spec, Attachment(network, address, role_key(role)))
 
 
+def group_labels(deployment: Deployment) -> tuple[tuple[str, str], ...]:
+    """The group's labels, its plan's (container.labels_for): on Docker its router's container
+    carries them (DockerPair.router_spec; the group's download and network read them there), in
+    Kubernetes the router's objects carry them as annotations."""
+    return labels_for(deployment.plan)
+
+
 def _router_spec(
     deployment: Deployment,
     group: Disaggregated,
@@ -231,7 +238,7 @@ def _router_spec(
         args=invocation.argv[1:],
         env=(),
         secret_env=(ROUTER_API_KEY_ENV,) if deployment.secrets.api_key else (),
-        labels=labels_for(deployment.plan),
+        labels=group_labels(deployment),
         vendor=role.vendor,
         device_request=False,
         gpu_count=0,

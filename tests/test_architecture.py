@@ -259,6 +259,10 @@ DERIVED_ONCE = {
     # one error type for every target and runtime); the Deployment counts nodes by it and the
     # plan's JSON shows it; the k8s P/D render places the roles on one node when it holds.
     ".fits_one_host": {"m31ctl.deployment", "m31ctl.pair", "m31ctl.cli.views", "m31ctl.render.pd"},
+    # A container's labels are its plan's (container.py); a P/D group's are its own plan's, named
+    # once in pair.py (group_labels) and read off the router's container (DockerPair.router_spec)
+    # by the Docker targets and launch, so no renderer labels the group's parts on its own.
+    "labels_for(": {"m31ctl.container", "m31ctl.pair"},
     # Runtimes are dispatched through their registry (m31ctl.runtime.get_runtime), never by name.
     'runtime == "': set(),
     'deep == "': set(),

@@ -15,9 +15,9 @@ import shlex
 import textwrap
 from typing import Any
 
-from m31ctl.container import ContainerSpec, labels_for, render_spec
+from m31ctl.container import ContainerSpec, render_spec
 from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment, Disaggregated
-from m31ctl.docker_run import publish_address
+from m31ctl.docker_run import publish_address, publish_spec
 from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, kv_transfer_env
 from m31ctl.engine.router import RouterInvocation, Upstreams
 from m31ctl.errors import InputError
@@ -27,12 +27,13 @@ from m31ctl.pair import (
     ROUTER_API_KEY_ENV,
     DockerPair,
     docker_pair,
+    group_labels,
     rendered_router_invocation,
     role_key,
 )
 from m31ctl.redact import API_KEY_ENV
 from m31ctl.render.artifact import Artifact
-from m31ctl.render.common import header, health_command_on, in_comment
+from m31ctl.render.common import header, health_command, in_comment
 from m31ctl.render.escape import compose_escape, yaml_file
 from m31ctl.render.k8s import (
     API_SERVICE_SUFFIX,
@@ -104,26 +105,25 @@ def download_spec(role: Deployment, spec: ContainerSpec) -> ContainerSpec:
 
 
 def _compose_router(pair: DockerPair) -> dict[str, Any]:
-    deployment, group, invocation = pair.deployment, pair.group, pair.router
-    spec = pair.roles[0].spec  # the roles' restart policy and log rotation
-    router = group.router
-    clocks = group.router_timeline
-    bind = router.network.bind
-    entrypoint = [invocation.argv[0]]
+    """vllm-router's service: its container as the pair derives it for every Docker target and
+    launch (DockerPair.router_spec), on the pair's network once both roles are healthy."""
+    spec = pair.router_spec
+    executable = pair.router.argv[:1]  # its entrypoint, as launch's: the invocation's first word
+    entrypoint = list(executable)
     secrets: dict[str, Any] = {}
-    if deployment.secrets.api_key is not None:  # forwarded to the roles, read from the roles' file
-        entrypoint = api_key_entrypoint(ROUTER_API_KEY_ENV, (invocation.argv[0],))
+    if spec.secret_env:  # the roles' key, which it forwards to them, read from the roles' file
+        entrypoint = api_key_entrypoint(ROUTER_API_KEY_ENV, executable)
         secrets = {"secrets": [COMPOSE_API_KEY_SECRET]}
     service: dict[str, Any] = {
-        "image": invocation.image,
-        "container_name": router.name,
+        "image": spec.image,
+        "container_name": spec.name,
         "entrypoint": entrypoint,
         **secrets,
-        "command": list(invocation.argv[1:]),
-        "labels": dict(labels_for(deployment.plan)),
+        "command": list(spec.args),
+        "labels": spec.label_dict,
         "ports": [
-            publish_address(bind, router.network.port, CONTAINER_PORT),
-            publish_address(bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT),
+            publish_spec(spec),
+            publish_address(spec.bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT),
         ],
         "environment": [],
         "networks": [PAIR_NETWORK],
@@ -134,29 +134,31 @@ def _compose_router(pair: DockerPair) -> dict[str, Any]:
             "options": {"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)},
         },
         "restart": spec.restart,
-        "stop_grace_period": f"{clocks.stop_s}s",
+        "stop_grace_period": f"{spec.stop_timeout}s",
         "healthcheck": {
-            "test": ["CMD", *health_command_on(CONTAINER_PORT, "/health")],
+            "test": ["CMD", *health_command(spec, "/health")],
             "interval": "30s",
             "timeout": "10s",
             "retries": 3,
-            "start_period": f"{clocks.start_s}s",
+            "start_period": f"{spec.startup_timeout}s",
         },
     }
     return service
 
 
+def group_download_spec(pair: DockerPair) -> ContainerSpec:
+    """The one download for both roles (Compose's download service, the script's): the same
+    checkpoint at the same commit into the same cache, under the group's name and labels (its
+    router's container's)."""
+    prefill = pair.roles[0]
+    spec = download_spec(prefill.engine, prefill.spec)
+    return spec._replace(name=pair.deployment.name, labels=pair.router_spec.labels)
+
+
 def compose_pd_document(deployment: Deployment) -> dict[str, Any]:
     pair = docker_pair(deployment, "compose")
     services: dict[str, Any] = {}
-    prefill = pair.roles[0]
-    # One download for both roles: the same checkpoint at the same commit into the same cache.
-    download = compose_download(
-        prefill.engine,
-        download_spec(prefill.engine, prefill.spec)._replace(
-            name=deployment.name, labels=labels_for(deployment.plan)
-        ),
-    )
+    download = compose_download(pair.roles[0].engine, group_download_spec(pair))
     if download is not None:
         services["download"] = token_from_file(download)
     for role in pair.roles:
@@ -287,7 +289,7 @@ def _router_pod(deployment: Deployment, group: Disaggregated) -> dict[str, Any]:
 def _k8s_router(deployment: Deployment, group: Disaggregated) -> list[dict[str, Any]]:
     router = group.router
     labels = _router_labels(deployment, group)
-    annotations = dict(labels_for(deployment.plan))
+    annotations = dict(group_labels(deployment))
     selector = {"app.kubernetes.io/name": router.name}
     workload = {
         "apiVersion": "apps/v1",

@@ -15,8 +15,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from m31ctl.container import labels_for
-from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment
+from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT, Deployment
 from m31ctl.docker_run import docker_run_argv
 from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV
 from m31ctl.pair import (
@@ -30,8 +29,8 @@ from m31ctl.pair import (
 )
 from m31ctl.redact import API_KEY_ENV
 from m31ctl.render.artifact import Artifact
-from m31ctl.render.common import header, health_command, health_command_on, render_template
-from m31ctl.render.pd import download_spec
+from m31ctl.render.common import header, health_command, render_template
+from m31ctl.render.pd import download_spec, group_download_spec
 from m31ctl.render.script_cache import at_run_time, script_cache
 from m31ctl.render.targets import (
     ENV_FILE,
@@ -107,12 +106,9 @@ def _script_role(pair: DockerPair, role: PairRole) -> dict[str, Any]:
 
 def render_script_pd(deployment: Deployment) -> list[Artifact]:
     pair = docker_pair(deployment, "script")
-    group, prefill = pair.group, pair.roles[0]
+    group, prefill, router_spec = pair.group, pair.roles[0], pair.router_spec
     specs = [role.spec for role in pair.roles]
-    # One download for both roles, as Compose's download service: the group's name and labels.
-    fetch = download_spec(prefill.engine, prefill.spec)._replace(
-        name=deployment.name, labels=labels_for(deployment.plan)
-    )
+    fetch = group_download_spec(pair)  # one for both roles, as Compose's download service
     download = at_run_time(deployment, download_argv(prefill.engine, fetch, token_by_name=False))
     at = download.index(fetch.image) if download else 0
     router = router_run_argv(pair, "detached")
@@ -127,12 +123,12 @@ def render_script_pd(deployment: Deployment) -> list[Artifact]:
         network_ensure=network_ensure("docker", pair.network, IN_THE_WAY, "created_network=1"),
         side_channel_env=SIDE_CHANNEL_HOST_ENV,
         roles=[_script_role(pair, role) for role in pair.roles],
-        router_name=group.router.name,
+        router_name=router_spec.name,
         router_run_lines=paired(router.options),
         router_lines=paired(router.command),
-        router_start_s=group.router_timeline.start_s,
-        router_health_argv=health_command_on(CONTAINER_PORT, "/health"),
-        router_key=deployment.secrets.api_key is not None,
+        router_start_s=router_spec.startup_timeout,
+        router_health_argv=health_command(router_spec, "/health"),
+        router_key=bool(router_spec.secret_env),
         router_key_env=ROUTER_API_KEY_ENV,
         api_key_env=API_KEY_ENV,
         restart=prefill.spec.restart,
@@ -179,7 +175,7 @@ def _router_start(pair: DockerPair) -> dict[str, Any]:
     """ExecStart: `docker run` itself, or, where the roles take an API key, through sh, which
     hands the key to the router's environment by name (systemd cannot copy one variable to another)."""
     router = router_run_argv(pair, "foreground")
-    if pair.deployment.secrets.api_key is None:
+    if not pair.router_spec.secret_env:
         return {"run_argv": [*router.options, *router.command], "run_script": ""}
     words = [SYSTEMD_DOCKER, *router.options, "--env", ROUTER_API_KEY_ENV, *router.command]
     script = (
@@ -191,10 +187,9 @@ def _router_start(pair: DockerPair) -> dict[str, Any]:
 
 
 def _router_unit(pair: DockerPair) -> Artifact:
-    deployment, group = pair.deployment, pair.group
-    router = group.router
-    clocks = group.router_timeline
-    unit = f"{router.name}.service"
+    deployment, group, spec = pair.deployment, pair.group, pair.router_spec
+    clocks = group.router_timeline  # the unit's own; the container's are the spec's
+    unit = f"{spec.name}.service"
     content = render_template(
         "systemd-router.service.j2",
         header_comment=header(deployment, "systemd"),
@@ -204,23 +199,21 @@ def _router_unit(pair: DockerPair) -> Artifact:
         role_units=[f"{role.name}.service" for role in group.roles],
         upstreams=list(pair_upstreams(group)),
         network=pair.network,
-        url=router.network.local_url,
+        url=group.router.network.local_url,
         metrics_port=RENDERED_ROUTER_METRICS_PORT,
-        router_key=deployment.secrets.api_key is not None,
+        router_key=bool(spec.secret_env),
         router_key_env=ROUTER_API_KEY_ENV,
         api_key_env=API_KEY_ENV,
         env_file=ENV_FILE,
         env_check=env_file_precheck(),
         required_names=list(deployment.secrets.required),
-        name=router.name,
+        name=spec.name,
         docker=SYSTEMD_DOCKER,
         **_router_start(pair),
-        ready_wait=readiness_wait_on(
-            router.name, health_command_on(CONTAINER_PORT, "/health"), clocks.start_s
-        ),
-        start_s=clocks.start_s,
+        ready_wait=readiness_wait_on(spec.name, health_command(spec, "/health"), spec.startup_timeout),
+        start_s=spec.startup_timeout,
         start_timeout=clocks.systemd_start_s,
-        stop_timeout=clocks.stop_s,
+        stop_timeout=spec.stop_timeout,
         unit_stop_timeout=clocks.systemd_stop_s,
     )
     return Artifact(unit, content)
