@@ -261,6 +261,15 @@ class Hardware(BaseModel):
         return self.memory_per_gpu_bytes / (1024**3)
 
 
+def hardware_spec(hw: Hardware) -> str | None:
+    """The `--hardware` value that plans for this host without probing it (`b300x4`, `cpu`), or
+    None for a product the catalogue does not name."""
+    if vendor_facts(hw.vendor).platform is Platform.CPU:
+        return "cpu"
+    key = next((key for key, p in PRODUCTS.items() if p.name == hw.product), None)
+    return f"{key}x{hw.count}" if key else None
+
+
 def k8s_product_selector(hw: Hardware) -> dict[str, str]:
     """The node label and value that pin pods to nodes with this GPU product ({} when unknown)."""
     facts = vendor_facts(hw.vendor)

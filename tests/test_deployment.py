@@ -110,7 +110,9 @@ def test_a_home_relative_model_path_is_one_absolute_path_everywhere(tmp_path, mo
         (artifact,) = [
             a for a in get_target(target)(deployment) if a.name.endswith((".sh", ".yaml", ".service"))
         ]
-        assert where in artifact.content and "~/tiny" not in artifact.content, target
+        # The header's command to make the file again quotes the option as it was asked.
+        acted_on = "\n".join(line for line in artifact.content.splitlines() if "make it again" not in line)
+        assert where in acted_on and "~/tiny" not in acted_on, target
 
 
 def test_model_sources():

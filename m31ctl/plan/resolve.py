@@ -67,6 +67,9 @@ class Plan(NamedTuple):
     settings: PlanSettings
     provenance: Mapping[str, Source]
     warnings: tuple[str, ...] = ()
+    # What was asked (hardware, recipe, variant, profile, -f files, --set), as given: a rendered
+    # file says the command that makes it again. Not part of the hash: the settings are.
+    request: PlanRequest | None = None
 
     @property
     def gpus_needed(self) -> int:
@@ -331,6 +334,7 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None, *, advise: bool 
         model=model,
         settings=settings,
         provenance=MappingProxyType({k: s.source for k, s in merged.items()}),
+        request=request,
         warnings=_warnings(recipe, settings, request.hardware)
         + gpu_use_notes(request, recipe, settings, advise)
         + runtime_warnings(settings, request.hardware)
