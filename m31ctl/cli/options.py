@@ -161,16 +161,10 @@ class PlanOptions(NamedTuple):
 
     def argv(self) -> list[str]:
         """The options as they were given, for a hint that says which command to run next."""
-        words: list[str] = []
-        for flag, value in (("--hardware", self.hardware), ("--recipe", self.recipe),
-                            ("--variant", self.variant), ("--profile", self.profile)):  # fmt: skip
-            if value is not None:
-                words += [flag, value]
-        for path in self.files:
-            words += ["-f", str(path)]
-        for expr in self.sets:
-            words += ["--set", expr]
-        return words
+        from m31ctl.plan.resolve import option_words  # lazy: as in request()
+
+        host = ["--hardware", self.hardware] if self.hardware is not None else []
+        return host + option_words(self.recipe, self.variant, self.profile, self.files, self.sets)
 
     def _with_a_count_that_fits(self, error: Exception) -> Exception:
         """`--hardware h200` (a product without a count): the hint names the smallest host of

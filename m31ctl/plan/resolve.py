@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -56,6 +56,26 @@ class PlanRequest(NamedTuple):
     profile: str | None = None  # None: DEFAULT_PROFILE
     files: tuple[Path, ...] = ()
     sets: tuple[str, ...] = ()
+
+    def option_words(self) -> list[str]:
+        """The plan options besides the host, as a command line spells them."""
+        return option_words(self.recipe, self.variant, self.profile, self.files, self.sets)
+
+
+def option_words(
+    recipe: str | None, variant: str | None, profile: str | None, files: Sequence[Path], sets: Sequence[str]
+) -> list[str]:
+    """`--recipe R --variant V --profile P -f FILE... --set K=V...`, each given one as given: the
+    one spelling of a plan's options for the commands m31ctl says to run (hints, rendered headers)."""
+    words: list[str] = []
+    for flag, value in (("--recipe", recipe), ("--variant", variant), ("--profile", profile)):
+        if value is not None:
+            words += [flag, value]
+    for path in files:
+        words += ["-f", str(path)]
+    for expression in sets:
+        words += ["--set", expression]
+    return words
 
 
 class Plan(NamedTuple):

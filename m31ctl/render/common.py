@@ -59,14 +59,7 @@ def remake_command(deployment: Deployment, target: str) -> str:
     if spec is not None:
         words += ["--hardware", spec]
     if request is not None:
-        for flag, value in (("--recipe", request.recipe), ("--variant", request.variant),
-                            ("--profile", request.profile)):  # fmt: skip
-            if value is not None:
-                words += [flag, value]
-        for path in request.files:
-            words += ["-f", str(path)]
-        for expression in request.sets:
-            words += ["--set", expression]
+        words += request.option_words()
     if deployment.model.repo_id is not None and target not in CHECKPOINT_FREE:
         words += ["--revision", deployment.model.commit or "main"]
     return redact(shlex.join(words))
