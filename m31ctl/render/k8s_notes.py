@@ -59,7 +59,7 @@ def k8s_comments(deployment: Deployment, group: Group | None = None) -> list[str
         f"drop the pod ({ENDPOINT_REMOVAL_S} s), vLLM's drain (serving.shutdown_timeout) and the workers' exit."
     )
     notes.append(rollout_note(deployment))
-    notes.append(readiness_note())
+    notes.append(readiness_note(pods))
     if spec.ulimits:
         wanted = ", ".join(f"{n}={'unlimited' if soft == -1 else soft}" for n, soft, _ in spec.ulimits)
         unit = " and ".join(

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 from m31ctl.redact import API_KEY_ENV
+from m31ctl.render.common import health_command
 from m31ctl.render.k8s_pods import Pods
 from m31ctl.render.kubelet_expansion import literal
 
@@ -95,18 +96,44 @@ def probes(pods: Pods) -> dict[str, Any]:
             "timeoutSeconds": 10,
             "failureThreshold": 3,
         },
-        # An exec probe: an httpGet probe cannot POST, and would need the key in the manifest.
-        "readinessProbe": {
-            "exec": {"command": token_probe_command(pods)},
-            "periodSeconds": TOKEN_PROBE_PERIOD_S,
-            "timeoutSeconds": TOKEN_PROBE_TIMEOUT_S,
-            "failureThreshold": TOKEN_PROBE_FAILURES,
-        },
+        "readinessProbe": readiness_probe(pods),
     }
 
 
-def readiness_note() -> str:
+def proves_tokens(pods: Pods) -> bool:
+    """Whether readiness generates a token. A layout spanning nodes keeps /health: on vLLM's CPU
+    build the leader of data-parallel ranks over two nodes died on the first request (the probe's,
+    2 s after its API answered, while the other node's rank still loaded: engine core "cancelled",
+    the worker gone; tests/rehearsal two-node DP), where one node's DP2 served it. Until a GPU run
+    shows otherwise, a cross-node group's readiness stays what it was: /v1/models with the key."""
+    return not pods.deployment.layout.spans_nodes
+
+
+def readiness_probe(pods: Pods) -> dict[str, Any]:
+    if not proves_tokens(pods):  # the probe of before: /v1/models answers, with the key
+        return {
+            "exec": {"command": health_command(pods.spec, "/v1/models")},
+            "periodSeconds": PROBE_PERIOD_S,
+            "timeoutSeconds": 10,
+        }
+    # An exec probe: an httpGet probe cannot POST, and would need the key in the manifest.
+    return {
+        "exec": {"command": token_probe_command(pods)},
+        "periodSeconds": TOKEN_PROBE_PERIOD_S,
+        "timeoutSeconds": TOKEN_PROBE_TIMEOUT_S,
+        "failureThreshold": TOKEN_PROBE_FAILURES,
+    }
+
+
+def readiness_note(pods: Pods) -> str:
     """The header's line: what readiness proves, and what it costs."""
+    if not proves_tokens(pods):
+        return (
+            "Readiness: the leader answers /v1/models with the key. A layout spanning nodes does not "
+            "generate a token to be ready: on vLLM's CPU build the leader of data-parallel ranks over "
+            "two nodes died on a first request while the other node still loaded. The liveness probe "
+            "restarts a pod on /health alone."
+        )
     return (
         f"Readiness: every {TOKEN_PROBE_PERIOD_S} s each engine pod generates one token (a one-word "
         f"prompt, max_tokens 1, with {API_KEY_ENV} from its environment) and leaves the Service's "
