@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 # A ruled rich table (output.table) spends three columns a cell ("│ ", " ") and one to close.
@@ -43,6 +43,7 @@ _FEW = 8
 # Narrower than this, wrapping helps no one: a line is left to the terminal.
 _NARROWEST = 40
 _CONTINUED = "  "  # a paragraph's or a stacked field's continuation lines
+_GOES_ON = " \\"  # ends a command line that goes on: the shell reads one argv
 _COMMAND_CONTINUED = "    "
 
 
@@ -96,14 +97,21 @@ def _closing(words: list[str], start: int, mark: str) -> int:
 def wrap(text: str, columns: int, first: str = "", indent: str = _CONTINUED) -> list[str]:
     """`text` in lines of at most `columns`, broken only between phrases: the first line begins
     with `first`, the others with `indent`. A phrase wider than a line has a line of its own."""
+    return _filled(phrases(text), columns, first, indent)
+
+
+def _filled(pieces: Iterable[str], columns: int, first: str, indent: str, ending: str = "") -> list[str]:
+    """`pieces` laid greedily into lines of at most `columns`, one space between two on a line:
+    the first line begins with `first`, the others with `indent`, and every line that goes on
+    ends with `ending` (counted in its width). A piece wider than a line has a line of its own."""
     lines: list[str] = []
-    line, filled = first, False  # filled: the line holds a phrase, past `first` or `indent`
-    for phrase in phrases(text):
-        if filled and len(line) + 1 + len(phrase) > columns:
-            lines.append(line)
-            line = indent + phrase
+    line, filled = first, False  # filled: the line holds a piece, past `first` or `indent`
+    for piece in pieces:
+        if filled and len(line) + 1 + len(piece) + len(ending) > columns:
+            lines.append(line + ending)
+            line = indent + piece
         else:
-            line = f"{line} {phrase}" if filled else line + phrase
+            line = f"{line} {piece}" if filled else line + piece
         filled = True
     lines.append(line)
     return lines
@@ -157,18 +165,9 @@ def print_command(out: Any, words: Sequence[str], lead: str = "") -> None:
 
 def command_lines(words: Sequence[str], columns: int, lead: str = "") -> list[str]:
     """`words` as shell lines of at most `columns` where each argument fits (see print_command)."""
-    lines: list[str] = []
-    line, filled = lead, False  # filled: the line holds an argument
-    for argument in _arguments(words, columns - len(_COMMAND_CONTINUED) - 2):
-        # Room for the " \" that ends a line that goes on.
-        if filled and len(line) + 1 + len(argument) + 2 > columns:
-            lines.append(line + " \\")
-            line = _COMMAND_CONTINUED + argument
-        else:
-            line = f"{line} {argument}" if filled else line + argument
-        filled = True
-    lines.append(line)
-    return lines
+    # Each line that goes on ends in " \\", so a copied command is the same argv.
+    arguments = _arguments(words, columns - len(_COMMAND_CONTINUED) - len(_GOES_ON))
+    return _filled(arguments, columns, lead, _COMMAND_CONTINUED, _GOES_ON)
 
 
 def _arguments(words: Sequence[str], widest: int) -> list[str]:
