@@ -261,13 +261,18 @@ class Hardware(BaseModel):
         return self.memory_per_gpu_bytes / (1024**3)
 
 
+def catalogued(hw: Hardware) -> Product | None:
+    """The catalogue's entry for this host's GPUs, found by the name the driver prints."""
+    return next((p for p in PRODUCTS.values() if p.name == hw.product), None)
+
+
 def hardware_spec(hw: Hardware) -> str | None:
     """The `--hardware` value that plans for this host without probing it (`b300x4`, `cpu`), or
     None for a product the catalogue does not name."""
     if vendor_facts(hw.vendor).platform is Platform.CPU:
         return "cpu"
-    key = next((key for key, p in PRODUCTS.items() if p.name == hw.product), None)
-    return f"{key}x{hw.count}" if key else None
+    product = catalogued(hw)
+    return f"{product.id}x{hw.count}" if product else None
 
 
 def k8s_product_selector(hw: Hardware) -> dict[str, str]:
@@ -278,8 +283,10 @@ def k8s_product_selector(hw: Hardware) -> dict[str, str]:
         return {}
     if not facts.k8s_product_by_pci_id:
         return {label: hw.product.replace(" ", "-")}
-    known = next((p.pci_device_id for p in PRODUCTS.values() if p.name == hw.product), None)
-    device = known or next((g.pci_device_id for g in hw.gpus if g.pci_device_id), None)
+    product = catalogued(hw)
+    device = (product.pci_device_id if product else None) or next(
+        (g.pci_device_id for g in hw.gpus if g.pci_device_id), None
+    )
     return {label: device.lower().removeprefix("0x")} if device else {}
 
 
