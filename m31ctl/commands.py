@@ -1,6 +1,7 @@
 """What the commands share below the CLI (issue 52): the plan's one Deployment as a command
-asks for it (resolved, derived, fitted, its argv validated), and results of no stage of their own.
-The CLI parses, calls one of these (or a stage's own function) and prints what it returned."""
+asks for it (resolved, derived, fitted, its owned flags refused, its argv validated), and results
+of no stage of their own. The CLI parses, calls one of these (or a stage's own function) and
+prints what it returned."""
 
 from __future__ import annotations
 
@@ -17,18 +18,21 @@ if TYPE_CHECKING:
 
 def deployment(request: PlanRequest, validate: bool = True, fit: bool = True) -> Deployment:
     """The request's one Deployment; with `fit`, refused when the hardware cannot hold its layout
-    (exit 6, as launch's preflight); its argv checked against the engine's schema unless --no-validate."""
+    (exit 6, as launch's preflight); refused when engine.extra_args sets a flag m31ctl owns (exit
+    2, whatever the command: every engine's argv would carry it); its argv checked against the
+    engine's schema unless --no-validate."""
     # lazy: the plan's modules load for a command that plans, not for version's result (Version)
     from m31ctl.deployment import derive, require_fit
+    from m31ctl.engine.adapter import build_invocation, refuse_owned_flags
     from m31ctl.plan import resolve
 
     plan = resolve(request)
     found = derive(plan)
     if fit:
         require_fit(found)
+    refuse_owned_flags(plan)
     if validate:
         # lazy: the engine's schema check, only when asked for
-        from m31ctl.engine.adapter import build_invocation
         from m31ctl.engine.validate import check_plan_engine
 
         source = plan.provenance.get("engine.extra_args")

@@ -263,6 +263,10 @@ DERIVED_ONCE = {
     # once in pair.py (group_labels) and read off the router's container (DockerPair.router_spec)
     # by the Docker targets and launch, so no renderer labels the group's parts on its own.
     "labels_for(": {"m31ctl.container", "m31ctl.pair"},
+    # engine.extra_args setting a flag m31ctl owns is refused once, for the plan a command acts on
+    # (commands.deployment), before anything is shown, rendered or started; the adapter's argv
+    # (build_invocation, every renderer's and runtime's) reads extra_args as given (issue 52).
+    "refuse_owned_flags(": {"m31ctl.engine.adapter", "m31ctl.commands"},
     # Runtimes are dispatched through their registry (m31ctl.runtime.get_runtime), never by name.
     'runtime == "': set(),
     'deep == "': set(),

@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable
 from functools import cache
 from types import SimpleNamespace
-from typing import Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from m31ctl.deployment import Deployment, KvTransfer, Layout
 from m31ctl.engine import owned
@@ -18,6 +18,9 @@ from m31ctl.errors import InputError
 from m31ctl.plan.disaggregation import KV_TRANSFER_FLAG
 from m31ctl.plan.settings import PlanSettings
 from m31ctl.timeline import ENGINE_READY_ENV
+
+if TYPE_CHECKING:
+    from m31ctl.plan import Plan
 
 # huggingface_hub's offline switch (vLLM reads the cache only).
 OFFLINE_ENV = "HF_HUB_OFFLINE"
@@ -147,13 +150,13 @@ def build_invocation(
     """The argv after `vllm serve` and the environment for the plan. `node`: this pod's part in
     a layout that spans nodes (the Kubernetes LeaderWorkerSet), whose flags come before the
     user's extra_args. `side_channel_host`: a P/D role's address its peer reaches it at (a word
-    the target supplies, e.g. the pod IP from the downward API)."""
+    the target supplies, e.g. the pod IP from the downward API). The user's extra_args come
+    last, as given: a flag m31ctl owns there was refused once, before (refuse_owned_flags)."""
     if deployment.disaggregated is not None:
         raise InputError(
             f"{deployment.name} is a prefill/decode group: its engines are its roles "
             "(deployment.disaggregated.prefill and .decode), each invoked on its own"
         )
-    refuse_owned_flags(deployment)  # extra_args come last: an owned flag there would win
     s = deployment.plan.settings
     args: list[str] = [
         deployment.model.reference,
@@ -386,9 +389,12 @@ def owned_flag(arg: str, version: str = "0.32.0") -> str | None:
     return owned.owned_flag(arg, emitted_flags(), version)
 
 
-def refuse_owned_flags(deployment: Deployment) -> None:
-    """Raise InputError for the first owned flag in engine.extra_args."""
-    plan = deployment.plan
+def refuse_owned_flags(plan: Plan) -> None:
+    """Raise InputError for the first owned flag in engine.extra_args. vLLM keeps the last value of
+    a repeated flag and extra_args come last in every engine's argv, so one there would win over
+    the plan's. Decided once, for the plan a command acts on (m31ctl/commands.py deployment()),
+    before anything is rendered, started or shown; build_invocation then reads extra_args as given
+    (a P/D group's roles keep the group's)."""
     version = plan.settings.engine.schema_version
     for arg in plan.settings.engine.extra_args:
         flag = owned_flag(arg, version)

@@ -27,10 +27,11 @@ def test_the_cpu_tier_is_two_flags_of_the_adapter():
 
 
 def test_extra_args_may_not_set_the_tier_again():
-    from m31ctl.deployment import derive
+    from m31ctl.commands import deployment
 
+    sets = ('engine.extra_args=["--kv-offloading-size=9"]',)
     with pytest.raises(InputError, match=r"cache\.cpu_offload_gib"):
-        build_invocation(derive(_plan("b300x4", 'engine.extra_args=["--kv-offloading-size=9"]')))
+        deployment(PlanRequest(hardware=simulated("b300x4"), sets=sets), validate=False)
 
 
 def test_a_prefill_decode_plan_with_a_cpu_tier_is_refused_naming_both_settings():

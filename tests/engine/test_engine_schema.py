@@ -202,17 +202,36 @@ def test_schema_file_is_committed_and_sane():
     ],
 )
 def test_every_owned_flag_is_refused_in_any_spelling(args, setting):
-    from m31ctl.deployment import derive
-    from m31ctl.engine.adapter import build_invocation
+    from m31ctl.commands import deployment
     from m31ctl.errors import InputError
     from m31ctl.hardware import simulated
-    from m31ctl.plan import PlanRequest, resolve
+    from m31ctl.plan import PlanRequest
 
-    p = resolve(PlanRequest(hardware=simulated("b300x4"), sets=(f"engine.extra_args={json.dumps(args)}",)))
+    request = PlanRequest(hardware=simulated("b300x4"), sets=(f"engine.extra_args={json.dumps(args)}",))
     with pytest.raises(InputError) as caught:
-        build_invocation(derive(p))
+        deployment(request, validate=False)
     line = caught.value.one_line()
     assert setting in line and "engine.extra_args sets" in line and "--set #1" in line
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("plan",), ("plan", "--no-validate"), ("plan", "--brief"), ("capacity",), ("validate",), ("lock", "-o")],
+)
+def test_every_command_refuses_an_owned_flag_before_it_shows_anything(command, cli, tmp_path):
+    """The refusal is decided once, for the plan a command acts on (commands.deployment): plan
+    (with or without --no-validate) says it in one line and exit 2 before printing any of the
+    plan, as render and launch do, and a plan no target could run is neither sized nor locked."""
+    args = (*command, str(tmp_path / "m31ctl.lock")) if command[-1] == "-o" else command
+    sets = 'engine.extra_args=["--port","9000"]'
+    result = cli(*args, "--hardware", "b300x4", "--set", sets)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == "" and not (tmp_path / "m31ctl.lock").exists()
+    assert result.stderr.splitlines() == [
+        "m31ctl: error: --set #1: engine.extra_args sets --port, which m31ctl sets from runtime.port: the "
+        "container, probes, rendered files and capacity would describe another server than vLLM runs "
+        "(remove it from engine.extra_args and set runtime.port)"
+    ]
 
 
 def test_flags_that_are_not_owned_pass_and_ambiguous_ones_go_to_the_validator():
