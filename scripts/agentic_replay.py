@@ -70,13 +70,17 @@ def ask(url: str, model: str, prompt: str, output: int) -> dict[str, object]:
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        # Token ids too: a byte-level tokenizer's text can hold back bytes that do not decode yet.
+        "return_token_ids": True,
     }
     req = urllib.request.Request(
         f"{url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
     started = time.monotonic()
     first = None
-    text, usage = [], None
+    text: list[str] = []
+    ids: list[int] = []
+    usage = None
     with urllib.request.urlopen(req, timeout=300) as answer:
         for raw in answer:
             line = raw.decode().strip()
@@ -88,13 +92,15 @@ def ask(url: str, model: str, prompt: str, output: int) -> dict[str, object]:
                 # A reasoning parser (MiniMax-M3's) sends the model's text as reasoning first.
                 delta = choice.get("delta") or {}
                 piece = "".join(delta.get(k) or "" for k in ("reasoning_content", "reasoning", "content"))
-                if piece:
+                ids += choice.get("token_ids") or []
+                if piece or choice.get("token_ids"):
                     first = first if first is not None else time.monotonic() - started
                     text.append(piece)
     return {
         "ttft_s": round(first if first is not None else -1.0, 5),
         "total_s": round(time.monotonic() - started, 5),
         "text": "".join(text),
+        "token_ids": ids,
         "prompt_tokens": (usage or {}).get("prompt_tokens"),
     }
 

@@ -151,7 +151,7 @@ def main() -> int:
     for name in ns.cases.split(","):
         path = ns.out / f"replay-{name}.json"
         if path.is_file():
-            answers[name] = [a["text"] for a in json.loads(path.read_text())["answers"]]
+            answers[name] = [a["token_ids"] or a["text"] for a in json.loads(path.read_text())["answers"]]
     if "gpu" in answers:
         for name, texts in answers.items():
             same = sum(a == b for a, b in zip(texts, answers["gpu"], strict=False))
