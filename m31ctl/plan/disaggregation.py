@@ -21,6 +21,8 @@ from m31ctl.hardware import Hardware, Platform, vendor_facts
 from m31ctl.plan.catalog import ModelFacts
 from m31ctl.plan.engine_check import check_engine
 from m31ctl.plan.layers import Layer
+from m31ctl.plan.rdma import RDMA_UCX_TRANSPORTS, ucx_net_devices
+from m31ctl.plan.rdma import SETTING as RDMA_SETTING
 from m31ctl.plan.settings import DisaggregatedRole, Parallelism, PlanSettings
 
 
@@ -111,7 +113,7 @@ CONNECTORS: dict[str, Connector] = {
 }  # fmt: skip
 
 # UCX transports NIXL uses per platform when the plan names none: NVIDIA copies through CUDA and
-# IPC within a node and TCP across (llm-d's P/D guides; add rc/ud on an RDMA fabric); the CPU
+# IPC within a node and TCP across (llm-d's P/D guides; fabric.rdma: plan/rdma.py's); the CPU
 # build moves host memory over TCP, shared memory and self (measured here: notes/pd-disaggregation.md).
 UCX_TRANSPORTS = {
     Platform.CUDA: "cuda_copy,cuda_ipc,tcp",
@@ -186,7 +188,51 @@ def connector_of(settings: PlanSettings) -> Connector:
 
 
 def ucx_transports(settings: PlanSettings, hw: Hardware) -> str:
-    return settings.disaggregation.ucx_transports or UCX_TRANSPORTS[vendor_facts(hw.vendor).platform]
+    """UCX_TLS for a role: the setting, else RDMA's where fabric.rdma is set (plan/rdma.py),
+    else the platform's."""
+    platform = vendor_facts(hw.vendor).platform
+    if settings.disaggregation.ucx_transports:
+        return settings.disaggregation.ucx_transports
+    if settings.fabric.rdma is not None and platform in RDMA_UCX_TRANSPORTS:
+        return RDMA_UCX_TRANSPORTS[platform]
+    return UCX_TRANSPORTS[platform]
+
+
+def ucx_devices(settings: PlanSettings) -> str | None:
+    """UCX_NET_DEVICES for a role: the setting, else fabric.rdma's HCA ports, else None (UCX's choice)."""
+    return settings.disaggregation.ucx_net_devices or ucx_net_devices(settings.fabric.rdma)
+
+
+def pair_fabric_warnings(settings: PlanSettings, hw: Hardware, model: ModelFacts) -> tuple[str, ...]:
+    """A P/D pair whose roles cannot share a node, on GPUs, with no RDMA: every prompt's KV
+    crosses the network over UCX's TCP transport. A pair that fits one node is kept on one by
+    every target (Kubernetes: render/pd.py's podAffinity), so it is not warned."""
+    if not settings.disaggregation.enabled or settings.fabric.rdma is not None:
+        return ()
+    platform = vendor_facts(hw.vendor).platform
+    if platform not in RDMA_UCX_TRANSPORTS:
+        return ()
+    prefill, decode = (role_settings(settings, role).parallelism for role in ROLES)
+    if prefill.nodes > 1 or decode.nodes > 1:
+        why = "a role spans nodes"
+    elif prefill.gpus + decode.gpus > hw.count:
+        why = f"{prefill.gpus} + {decode.gpus} GPUs, each {hw.product} node has {hw.count}"
+    else:
+        return ()
+    dtype, length = settings.cache.kv_dtype, settings.serving.max_model_len
+    per_token = model.published_kv_bytes_per_token.get(dtype)
+    cost = (
+        f" (at least {per_token:,} bytes a token at {dtype}, the published main-attention figure: "
+        f"{per_token * length / 1e9:.1f} GB for a {length:,}-token prompt)"
+        if per_token
+        else ""
+    )
+    return (
+        f"prefill and decode run on different nodes ({why}) and {RDMA_SETTING} is unset: every prompt's "
+        f"KV crosses the network over UCX's TCP transport{cost}, where RDMA would read it GPU to GPU; "
+        f"set {RDMA_SETTING} (the pods' RDMA device resource, e.g. {RDMA_SETTING}.resource=rdma/ib, and "
+        f"the HCA ports in {RDMA_SETTING}.devices)",
+    )
 
 
 # --- the rules ------------------------------------------------------------------------------

@@ -28,10 +28,12 @@ from m31ctl.plan.disaggregation import (
     check_disaggregation,
     check_role_engines,
     engine_settings,
+    pair_fabric_warnings,
     pair_wider_than_host,
 )
 from m31ctl.plan.engine_check import check_engine
 from m31ctl.plan.layers import Layer, Setting, Source, merge, parse_set, unflatten
+from m31ctl.plan.rdma import check_fabric
 from m31ctl.plan.runtime_notes import runtime_warnings
 from m31ctl.plan.runtime_shapes import (
     MoELayout,
@@ -116,8 +118,11 @@ class Plan(NamedTuple):
     def settings_dict(self) -> dict[str, Any]:
         # An aggregated plan leaves the disaggregation section out: its identity (hash, lock,
         # rendered labels) stays what it was before P/D existed; the section shows once enabled.
-        exclude = None if self.settings.disaggregation.enabled else {"disaggregation"}
-        return self.settings.model_dump(mode="json", exclude=exclude)
+        # The fabric section likewise, until fabric.rdma is set.
+        exclude = set() if self.settings.disaggregation.enabled else {"disaggregation"}
+        if self.settings.fabric.rdma is None:
+            exclude.add("fabric")
+        return self.settings.model_dump(mode="json", exclude=exclude or None)
 
     @property
     def hash(self) -> str:
@@ -344,6 +349,7 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None, *, advise: bool 
         settings, merged, request.hardware, heads, engine_settings(settings)
     )
     check_disaggregation(settings, merged, request.hardware, model)
+    check_fabric(settings, merged, request.hardware)
     # A disaggregated plan runs two engines, each refused as the server it is.
     engine_check = check_role_engines if settings.disaggregation.enabled else check_engine
     return Plan(
@@ -359,6 +365,7 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None, *, advise: bool 
         + gpu_use_notes(request, recipe, settings, advise)
         + runtime_warnings(settings, request.hardware)
         + shape_warnings(settings, request.hardware, model, engine_settings(settings))
+        + pair_fabric_warnings(settings, request.hardware, model)
         + unpublished_warnings(settings, model)
         + engine_check(settings, merged, request.hardware),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from m31ctl.hardware import Hardware, vendor_facts
+from m31ctl.plan.rdma import RDMA_CAPABILITIES
 from m31ctl.plan.settings import PlanSettings
 
 # An image reference pinned to its content (a registry digest) rather than a movable tag.
@@ -29,6 +30,8 @@ def runtime_warnings(settings: PlanSettings, hw: Hardware) -> tuple[str, ...]:
         )
     k8s = settings.kubernetes
     added = [f"capability {cap}" for cap in vendor_facts(hw.vendor).cap_add]
+    if settings.fabric.rdma is not None:
+        added += [f"capability {cap} (fabric.rdma)" for cap in RDMA_CAPABILITIES]
     if settings.runtime.seccomp_unconfined:
         added.append("seccomp profile Unconfined")
     if k8s.pod_security == "privileged" and added:

@@ -68,8 +68,8 @@ RUNTIME_RULES: tuple[RuntimeRule, ...] = (
     ),
     RuntimeRule(
         "m31-cross-node-moe-rdma",
-        "kubernetes.network_resources",
-        "warning: MoE collectives across nodes with no RDMA resource fall back to TCP sockets in NCCL",
+        "fabric.rdma",
+        "warning: MoE collectives across nodes on GPUs with fabric.rdma unset fall back to TCP sockets in NCCL",
         "NCCL: without an IB/RoCE device the NET/Socket transport is used (NCCL_DEBUG=INFO); "
         "vLLM docs serving/expert_parallel_deployment (multi-node EP needs RDMA)",
     ),
@@ -274,10 +274,13 @@ def _engine_shape_warnings(settings: PlanSettings, hw: Hardware) -> list[str]:
             "layer's collective crosses the network; use parallelism.nodes=1 (or more data-parallel "
             "ranks per node)"
         )
-    if moe.nodes > 1 and not settings.kubernetes.network_resources:
+    # The CPU build has no NCCL and refuses fabric.rdma (plan/rdma.py): nothing to advise there.
+    gpus = vendor_facts(hw.vendor).platform is not Platform.CPU
+    if moe.nodes > 1 and settings.fabric.rdma is None and gpus:
         notes.append(
-            f"the MoE collectives span {moe.nodes} nodes and kubernetes.network_resources names no RDMA "
-            "device (e.g. rdma/ib): NCCL then falls back to TCP sockets without a warning "
-            "(NCCL_DEBUG=INFO shows 'NET/Socket'); give the pods an RDMA resource and NCCL_IB_HCA"
+            f"the MoE collectives span {moe.nodes} nodes and fabric.rdma is unset: NCCL then runs every "
+            "MoE layer's all-to-all, at every step, over TCP sockets without a warning "
+            "(NCCL_DEBUG=INFO shows 'NET/Socket'); set fabric.rdma (the pods' RDMA device resource, e.g. "
+            "fabric.rdma.resource=rdma/ib, and NCCL_IB_HCA from the HCA ports in fabric.rdma.devices)"
         )
     return notes

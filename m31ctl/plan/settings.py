@@ -5,6 +5,7 @@ vLLM flag spellings: those live in the engine adapter alone."""
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -296,8 +297,9 @@ class KubernetesSettings(_Frozen):
     # The Hugging Face cache claim the manifest creates: the checkpoint lives here.
     hf_cache_size: Size = "600g"
     hf_cache_storage_class: str | None = None
-    # Multi-node only: extra resources per pod (an RDMA device plugin's, e.g. {"rdma/ib": 1}) and
-    # NCCL variables (e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA) for the collective network.
+    # Multi-node only: extra resources per pod and variables (e.g. NCCL_SOCKET_IFNAME) for the
+    # collective network, as given. RDMA is fabric.rdma, which derives its resource, NCCL_IB_HCA,
+    # UCX's transports and devices, IPC_LOCK and /dev/infiniband for every target at once.
     network_resources: dict[str, StrictInt] = Field(default_factory=dict)
     network_env: dict[str, str] = Field(default_factory=dict)
     # A Service puts the API on the cluster network, and vLLM's key guards /v1 only: the pods
@@ -405,6 +407,64 @@ class Disaggregation(_Frozen):
     router: RouterSettings = Field(default_factory=RouterSettings)
 
 
+# An extended resource's name as the kubelet takes it from a device plugin: a DNS subdomain, a
+# slash, a name (Kubernetes "Extended resources"; rdma/ib of the RDMA shared device plugin,
+# nvidia.com/hostdev of the SR-IOV network device plugin).
+_RESOURCE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+# An HCA port as UCX names it in UCX_NET_DEVICES (openucx faq.md: mlx5_2:1, the device and its port).
+_HCA_PORT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*:[0-9]+$")
+
+
+class RdmaSettings(_Frozen):
+    """The hosts' RDMA fabric (InfiniBand or RoCE): what m31ctl derives every target's RDMA from
+    (plan/rdma.py): the pods' device resource, IPC_LOCK and /dev/infiniband, UCX's transports
+    and devices for a P/D pair's KV, NCCL_IB_HCA for collectives across nodes."""
+
+    # The device plugin's extended resource each pod asks for, and how many.
+    resource: str = "rdma/ib"
+    count: StrictInt = Field(1, ge=1, le=64)
+    # The HCA ports to use, as UCX names them (mlx5_0:1). None: every HCA the engine sees (UCX's
+    # and NCCL's own choice), as where an SR-IOV plugin names the pod's functions itself.
+    devices: tuple[str, ...] | None = None
+
+    @field_validator("resource")
+    @classmethod
+    def _extended_resource(cls, value: str) -> str:
+        if not _RESOURCE.match(value) or value.split("/", 1)[0].endswith("kubernetes.io"):
+            raise ValueError(
+                "not a device plugin's resource: DOMAIN/NAME outside kubernetes.io, e.g. rdma/ib or "
+                "nvidia.com/hostdev"
+            )
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _hca_ports(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError(
+                "names no HCA: list the ports to use (e.g. [mlx5_0:1]) or leave fabric.rdma.devices "
+                "unset for every HCA the engine sees"
+            )
+        for device in value:
+            if not _HCA_PORT.match(device):
+                raise ValueError(
+                    f"{device!r} is not an HCA port: UCX and NCCL name one DEVICE:PORT, e.g. mlx5_0:1 "
+                    "(`ibv_devinfo` lists them)"
+                )
+        if len(set(value)) != len(value):
+            raise ValueError("names a port twice")
+        return value
+
+
+class FabricSettings(_Frozen):
+    """The network between the hosts, where a group's pods or a P/D pair's KV cross it."""
+
+    # None: no RDMA; collectives and KV across nodes run over TCP (the plan warns where they do).
+    rdma: RdmaSettings | None = None
+
+
 class PlanSettings(_Frozen):
     # default_factory, not an instance: an instance built at import would build that model's
     # validator at start-up, which every command would pay.
@@ -422,6 +482,7 @@ class PlanSettings(_Frozen):
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     verify: VerifySettings = Field(default_factory=VerifySettings)
     disaggregation: Disaggregation = Field(default_factory=Disaggregation)
+    fabric: FabricSettings = Field(default_factory=FabricSettings)
 
     @model_validator(mode="after")
     def _one_kv_connector(self) -> PlanSettings:

@@ -505,8 +505,10 @@ def test_a_moe_group_split_over_nodes_and_cross_node_moe_without_rdma_are_warned
     dep8 = ("parallelism.nodes=2", "parallelism.tensor=1", "parallelism.data=8", "parallelism.expert=true")
     split = shaped("b200x8", *dep8)
     assert any("fits one node of 8 GPUs" in w and "4 ranks on each node" in w for w in split.warnings)
-    assert any("falls back to TCP sockets" in w for w in split.warnings)
-    rdma = shaped("b300x4", *dep8[:1], "parallelism.data=2", 'kubernetes.network_resources={"rdma/ib": 1}')
+    assert any("over TCP sockets" in w and "set fabric.rdma" in w for w in split.warnings)
+    rdma = shaped(
+        "b300x4", *dep8[:1], "parallelism.data=2", "fabric.rdma={}", "kubernetes.pod_security=privileged"
+    )
     assert not any("TCP sockets" in w for w in rdma.warnings)
     assert rdma.moe_layout is not None and "across 2 nodes" in rdma.moe_layout.how()  # stated, not warned
     assert not any("fits one node" in w for w in rdma.warnings)  # 8 ranks on 4-GPU nodes
