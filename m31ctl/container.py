@@ -35,7 +35,7 @@ class ContainerSpec(NamedTuple):
     # UUIDs of the GPUs to hand over when the plan was made from this host's probe (which honours
     # *_VISIBLE_DEVICES); empty for a simulated host, where Docker picks by count.
     gpu_device_ids: tuple[str, ...]
-    devices: tuple[str, ...]  # AMD device nodes
+    devices: tuple[str, ...]  # AMD device nodes, /dev/infiniband for RDMA
     group_add: tuple[str, ...]
     security_opt: tuple[str, ...]
     cap_add: tuple[str, ...]
@@ -110,11 +110,23 @@ def container_spec(deployment: Deployment, on_this_host: bool = True) -> Contain
     devices = vendor.device_nodes
     if devices and d.gpus.render_nodes:
         devices = tuple(n for n in devices if n != "/dev/dri") + d.gpus.render_nodes
+    # The engine's RDMA (Deployment.rdma): the verbs devices, IPC_LOCK, unlimited memlock unless
+    # the plan sets its own, and NCCL's HCAs under the plan's own environment.
+    rdma = d.rdma
+    ulimits = dict(runtime.ulimits)
+    env = inv.env
+    if rdma is not None:
+        devices += tuple(n for n in rdma.device_nodes if n not in devices)
+        ulimits = {**dict(rdma.ulimits), **ulimits}
+        env = tuple(sorted({**dict(rdma.env), **dict(inv.env)}.items()))
+    cap_add = vendor.cap_add + tuple(
+        c for c in (rdma.capabilities if rdma else ()) if c not in vendor.cap_add
+    )
     return ContainerSpec(
         name=d.name,
         image=inv.image,
         args=inv.args,
-        env=inv.env,
+        env=env,
         secret_env=d.secrets.names,
         labels=labels_for(d.plan),
         vendor=d.plan.hardware.vendor,
@@ -124,10 +136,10 @@ def container_spec(deployment: Deployment, on_this_host: bool = True) -> Contain
         devices=devices,
         group_add=groups_on_this_host(d) if on_this_host else vendor.group_add,
         security_opt=("seccomp=unconfined",) if runtime.seccomp_unconfined else (),
-        cap_add=vendor.cap_add,
+        cap_add=cap_add,
         ipc_host=runtime.ipc_host,
         shm_size=None if runtime.ipc_host else runtime.shm_size,
-        ulimits=tuple((name, value, value) for name, value in sorted(runtime.ulimits.items())),
+        ulimits=tuple((name, value, value) for name, value in sorted(ulimits.items())),
         mounts=tuple(mounts),
         bind=d.network.bind,
         host_port=d.network.port,

@@ -27,8 +27,10 @@ from m31ctl.plan.disaggregation import (
     connector_of,
     role_ports,
     role_settings,
+    ucx_devices,
     ucx_transports,
 )
+from m31ctl.plan.rdma import Rdma, engine_rdma
 from m31ctl.redact import API_KEY_ENV, HF_TOKEN_ENV
 from m31ctl.timeline import RouterTimeline, Timeline, TimelineInputs, router_timeline, timeline_of
 
@@ -261,8 +263,7 @@ class Deployment(NamedTuple):
     name: str  # the server's name: container, unit, Kubernetes objects, native state
     model: ModelSource
     hf_cache: str  # absolute, on the host
-    # The cache of a system service (the systemd target): hf_cache when the plan names one,
-    # else SERVICE_HF_CACHE (the built-in `~/` default is the renderer's home).
+    # A system service's cache (systemd): hf_cache if named, else SERVICE_HF_CACHE (`~/` is the renderer's).
     service_hf_cache: str
     layout: Layout
     timeline: Timeline
@@ -275,6 +276,7 @@ class Deployment(NamedTuple):
     kv_transfer: KvTransfer | None = None
     # A P/D plan's parts (role engines and router); None for an aggregated server.
     disaggregated: Disaggregated | None = None
+    rdma: Rdma | None = None  # its part of fabric.rdma (plan/rdma.py engine_rdma)
 
     @property
     def simulated(self) -> bool:
@@ -396,7 +398,7 @@ def _pair_rules(plan: Plan) -> _PairRules:
                 connector=connector,
                 side_channel_port=role_ports(settings, role).side_channel,
                 ucx_transports=ucx_transports(settings, plan.hardware) if ucx else None,
-                ucx_net_devices=pd.ucx_net_devices if ucx else None,
+                ucx_net_devices=ucx_devices(settings) if ucx else None,
                 load_failure_policy=pd.load_failure_policy,
             ),
         )
@@ -450,6 +452,7 @@ def _derive_engine(plan: Plan, paths: _HostPaths, gpus: GpuSelection, kv: KvTran
         gpus=gpus,
         draft=draft_of(plan),
         kv_transfer=kv,
+        rdma=engine_rdma(plan.settings, layout.spans_nodes, kv is not None and kv.connector.uses_ucx),
         # The clocks last: they are read from the facts above (the checkpoint's source, the layout).
         timeline=timeline_for(plan, paths.model, layout),
     )

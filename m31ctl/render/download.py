@@ -115,7 +115,9 @@ def download_step(deployment: Deployment, env: tuple[tuple[str, str], ...]) -> D
         marker,
         *([skipped] if skipped else []),
     ]
-    hidden = (*ENGINE_ONLY_ENV, *deployment.vendor.visibility_vars)
+    # The engine's alone, and the RDMA fabric's (NCCL's HCAs: the download uses no NCCL).
+    rdma = deployment.rdma
+    hidden = (*ENGINE_ONLY_ENV, *deployment.vendor.visibility_vars, *(dict(rdma.env) if rdma else ()))
     return DownloadStep(command, marker, tuple((k, v) for k, v in env if k not in hidden))
 
 

@@ -92,6 +92,8 @@ def engine_container(pods: Pods) -> dict[str, Any]:
     gpu_resource = pods.deployment.vendor.k8s_resource
     resources: dict[str, Any] = {gpu_resource: pods.deployment.layout.gpus_per_node} if gpu_resource else {}
     resources.update(k8s.network_resources if spans_nodes else {})
+    rdma = pods.deployment.rdma  # the RDMA device plugin's resource (fabric.rdma)
+    resources.update({rdma.resource: rdma.per_pod} if rdma is not None else {})
     resources.update(_cpu_and_memory(pods))
     env = {**dict(spec.env), **(dict(sorted(k8s.network_env.items())) if spans_nodes else {})}
     _, mounts = _volumes(pods)

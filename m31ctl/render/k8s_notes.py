@@ -69,6 +69,8 @@ def k8s_comments(deployment: Deployment, group: Group | None = None) -> list[str
             f"Limits: Kubernetes sets no ulimits; the nodes' container runtime must give containers "
             f"{wanted} (containerd: {unit} in containerd.service; CRI-O: default_ulimits in crio.conf)."
         )
+    if deployment.rdma is not None:
+        notes.append(rdma_note(deployment))
     notes += _pod_security_notes(pods)
     return [f"# {line}" for note in notes for line in textwrap.wrap(note, width=98, break_on_hyphens=False)]
 
@@ -89,6 +91,27 @@ def network_note(pods: Pods, layout: Layout) -> str:
             if layout.over_ray
             else ""
         )
+    )
+
+
+def rdma_note(deployment: Deployment) -> str:
+    """What the pods ask of the cluster for RDMA (fabric.rdma: Deployment.rdma)."""
+    rdma = deployment.rdma
+    assert rdma is not None
+    env = dict(rdma.env)
+    kv = deployment.kv_transfer
+    uses = [f"{name}={value}" for name, value in env.items()]
+    if kv is not None and kv.ucx_transports:
+        uses.append(f"UCX_TLS={kv.ucx_transports}")
+        if kv.ucx_net_devices:
+            uses.append(f"UCX_NET_DEVICES={kv.ucx_net_devices}")
+    hcas = ", ".join(rdma.devices) if rdma.devices else "every HCA the pod is given"
+    return (
+        f"RDMA (fabric.rdma): each pod asks {rdma.per_pod} {rdma.resource} of the cluster's RDMA device "
+        f"plugin (it hands the pod /dev/infiniband) and adds capability {', '.join(rdma.capabilities)} "
+        f"to pin the memory it registers; HCA ports: {hcas}"
+        + (f"; {', '.join(uses)}" if uses else "")
+        + ". Nodes without the resource never schedule the pods."
     )
 
 

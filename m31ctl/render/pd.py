@@ -406,9 +406,12 @@ def render_k8s_pd(deployment: Deployment) -> list[Artifact]:
             "crosses no network."
             if group.fits_one_host
             else "Placement: the pair needs more GPUs than one node has, so the KV crosses the network "
-            "between nodes, over UCX's TCP transport unless the roles' environment names an RDMA one "
-            "(disaggregation.prefill.env and .decode.env: UCX_TLS, UCX_NET_DEVICES); m31ctl renders no "
-            "RDMA device resource for the roles yet."
+            "between nodes, "
+            + (
+                "over RDMA (fabric.rdma)."
+                if group.prefill.rdma is not None
+                else "over UCX's TCP transport: fabric.rdma is unset (the plan warns)."
+            )
         )
     )
     comments = [

@@ -309,7 +309,9 @@ def compose_engine_service(deployment: Deployment, spec: ContainerSpec) -> dict[
         service["deploy"] = _compose_gpus(spec)
     if spec.devices:
         service["devices"] = list(spec.devices)
+    if spec.group_add:
         service["group_add"] = list(spec.group_add)
+    if spec.cap_add:
         service["cap_add"] = list(spec.cap_add)
     if spec.security_opt:
         service["security_opt"] = list(spec.security_opt)

@@ -74,10 +74,13 @@ def shlex_split_systemd(line: str) -> list[str]:
     return [w.replace("$$", "$").replace("%%", "%") for w in words]
 
 
-# The two P/D plans the brief names: the CPU rehearsal's pd variant, and B300x8 split 4 + 4.
+# The two P/D plans the brief names: the CPU rehearsal's pd variant, and B300x8 split 4 + 4; and
+# that pair over an RDMA fabric (fabric.rdma, issue 49), whose pods need the privileged level.
+RDMA = ('fabric.rdma.devices=["mlx5_0:1","mlx5_1:1"]', "kubernetes.pod_security=privileged")
 PLANS = {
     "pd-cpu": ("cpu", {"variant": "pd"}),
     "pd-b300x8": ("b300x8", {"sets": ("disaggregation.enabled=true",)}),
+    "pd-b300x8-rdma": ("b300x8", {"sets": ("disaggregation.enabled=true", *RDMA)}),
 }
 
 
