@@ -205,7 +205,7 @@ def test_this_host_passes_on_loopback_and_fails_an_rdma_device_it_lacks():
     lo = run_cli(*base, "--set", "disaggregation.ucx_net_devices=lo")
     checks = {c["id"]: c for c in cli_json.data(lo.stdout)["checks"]}
     assert checks["fabric"]["status"] == "ok", checks["fabric"]
-    assert checks["fabric"]["title"] == "KV-transfer fabric (UCX)"
+    assert checks["fabric"]["title"] == "Fabric: KV transfer (UCX), RDMA"
     assert (
         "UCX_NET_DEVICES=lo (disaggregation.ucx_net_devices, --set #1) on this host"
         in checks["fabric"]["message"]
@@ -221,3 +221,50 @@ def test_this_host_passes_on_loopback_and_fails_an_rdma_device_it_lacks():
     assert check["remedy"].endswith("--set disaggregation.ucx_net_devices=...")
     aggregated = cli_json.data(run_cli("doctor", "--hardware", "cpu", "--runtime", "native", "--json").stdout)
     assert "fabric" not in [c["id"] for c in aggregated["checks"]]
+
+
+# --- fabric.rdma (issue 49) --------------------------------------------------------------------
+
+PRIVILEGED = "kubernetes.pod_security=privileged"
+PORTS = 'fabric.rdma.devices=["mlx5_0:1","mlx5_1:1"]'
+
+
+def dep8_over_nodes(*sets: str) -> Deployment:
+    request = PlanRequest(
+        hardware=simulated("b300x4"), sets=("parallelism.nodes=2", "parallelism.data=2", PRIVILEGED, *sets)
+    )
+    return derive(resolve(request))
+
+
+def test_a_pair_over_rdma_needs_each_port_it_names_active(tmp_path):
+    pair = pd_plan(PORTS, PRIVILEGED, hardware="b300x8")
+    up = fabric(pair, fake_host(tmp_path / "up", ports={"mlx5_0:1": "4: ACTIVE", "mlx5_1:1": "4: ACTIVE"}))
+    assert up.status == CheckStatus.OK, up.message
+    assert up.message.startswith("prefill and decode: UCX_TLS=rc,cuda_copy,cuda_ipc (fabric.rdma, --set #2)")
+    assert "UCX_NET_DEVICES=mlx5_0:1,mlx5_1:1 (fabric.rdma.devices, --set #2) on this host" in up.message
+    down = fabric(pair, fake_host(tmp_path / "down", ports=RDMA_UP))
+    assert down.status == CheckStatus.FAIL and "mlx5_1:1 is '1: DOWN', not ACTIVE" in down.message
+    assert down.message.count("DOWN") == 1  # judged once, with the role's UCX devices
+
+
+def test_an_engine_over_nodes_needs_its_hcas_active_and_the_verbs_devices(tmp_path):
+    deployment = dep8_over_nodes(PORTS)
+    assert CheckId.FABRIC in [c.id for c in all_checks(deployment)]  # no KV moves, NCCL does
+    both = {"mlx5_0:1": "4: ACTIVE", "mlx5_1:1": "4: ACTIVE"}
+    ok = fabric(deployment, fake_host(tmp_path / "ok", ports=both))
+    assert ok.status == CheckStatus.OK
+    assert (
+        ok.message
+        == "the engine over RDMA: fabric.rdma (--set #4): mlx5_0:1, mlx5_1:1 ACTIVE, verbs devices present"
+    )
+    down = fabric(deployment, fake_host(tmp_path / "down", ports=RDMA_UP))
+    assert down.status == CheckStatus.FAIL and "mlx5_1:1 is '1: DOWN', not ACTIVE" in down.message
+    bare = fabric(deployment, fake_host(tmp_path / "bare", ports=both, uverbs=False))
+    assert bare.status == CheckStatus.FAIL and "/dev/infiniband/uverbs* is absent here" in bare.message
+    # No ports named: any ACTIVE one will do, and none is a failure.
+    anyport = dep8_over_nodes("fabric.rdma={}")
+    assert fabric(anyport, fake_host(tmp_path / "any", ports=RDMA_UP)).status == CheckStatus.OK
+    none = fabric(anyport, fake_host(tmp_path / "none"))
+    assert none.status == CheckStatus.FAIL and "no ACTIVE RDMA port" in none.message
+    # Without fabric.rdma an aggregated plan has no fabric to check.
+    assert CheckId.FABRIC not in [c.id for c in all_checks(dep8_over_nodes())]

@@ -5,7 +5,7 @@ the engine's Python) sits behind the CheckContext and the runtime seam.
     host.py    Docker, GPUs, memory, MIG, driver, ROCm, shared memory, ulimits, port
     model.py   checkpoint, disk, Hugging Face token, API key, KV capacity
     image.py   the engine image and its vLLM's schema; a P/D plan's router image
-    fabric.py  a P/D plan's KV transfer over UCX: its devices and transports on this host
+    fabric.py  a P/D plan's KV transfer over UCX, and fabric.rdma's HCAs, on this host
     deep.py    --deep: the engine's torch on the plan's GPUs and an all-reduce
     engine_config.py  --deep: vLLM builds its configuration from the plan's argv (its dry run)
     lock.py    --locked FILE: the deployment against its lock
@@ -23,7 +23,7 @@ from m31ctl.deployment import Deployment
 from m31ctl.doctor.base import Check
 from m31ctl.doctor.checks.deep import collective, engine_image
 from m31ctl.doctor.checks.engine_config import ENGINE_CONFIG_TIMEOUT_S, engine_config
-from m31ctl.doctor.checks.fabric import fabric, moves_kv_over_ucx
+from m31ctl.doctor.checks.fabric import crosses_a_fabric, fabric
 from m31ctl.doctor.checks.host import (
     docker_daemon,
     driver,
@@ -81,7 +81,7 @@ def _check(check_id: CheckId) -> Check:
         case CheckId.FABRIC:
             # ucx_info -v, where the host has it, within the probe runner's 10 s.
             return Check(
-                check_id, "KV-transfer fabric (UCX)", fabric, timeout_s=12, applies=moves_kv_over_ucx
+                check_id, "Fabric: KV transfer (UCX), RDMA", fabric, timeout_s=12, applies=crosses_a_fabric
             )
         case CheckId.HF_TOKEN:
             return Check(check_id, "Hugging Face token", hf_token, timeout_s=1)

@@ -1,7 +1,10 @@
-"""The KV-transfer fabric of a prefill/decode plan whose connector moves the KV over UCX (NIXL):
-each device UCX_NET_DEVICES names is on this host (an RDMA port ACTIVE), an RDMA transport in
-UCX_TLS has an ACTIVE RDMA port and the verbs device nodes, a GPU transport matches the plan's
-GPUs, and UCX's own version where `ucx_info` is here (information only: UCX comes with the image).
+"""The fabric a plan's engines cross: the KV transfer of a prefill/decode plan whose connector
+moves the KV over UCX (NIXL), and the RDMA fabric.rdma names (Deployment.rdma) for an engine over
+nodes (NCCL). For the KV: each device UCX_NET_DEVICES names is on this host (an RDMA port ACTIVE),
+an RDMA transport in UCX_TLS has an ACTIVE RDMA port and the verbs device nodes, a GPU transport
+matches the plan's GPUs, and UCX's own version where `ucx_info` is here (information only: UCX
+comes with the image). With fabric.rdma, every engine it applies to needs the HCA ports it names
+ACTIVE (or, naming none, some ACTIVE port) and the verbs device nodes, whatever UCX_TLS says.
 
 UCX's syntax (openucx/ucx docs/source/faq.md, "Which network devices does UCX use?" and "Which
 transports does UCX use?"): UCX_NET_DEVICES is a comma list of devices, `eth2` a network
@@ -30,6 +33,7 @@ from m31ctl.engine.adapter import build_invocation
 from m31ctl.hardware import Platform
 from m31ctl.plan.disaggregation import UCX_TRANSPORTS
 from m31ctl.plan.layers import Source
+from m31ctl.plan.rdma import SETTING as RDMA_SETTING
 from m31ctl.probe.snapshot import ProbeUnavailable
 
 # UCX's own variables (the adapter sets them from the plan: m31ctl/engine/adapter.py kv_transfer_env).
@@ -104,6 +108,7 @@ class Value(NamedTuple):
     text: str | None
     setting: str  # the key a --set moves it with
     source: str  # where the plan took it from
+    var: str = DEVICES_VAR  # the variable it is
 
 
 class RoleFabric(NamedTuple):
@@ -115,22 +120,39 @@ class RoleFabric(NamedTuple):
 
 
 def moves_kv_over_ucx(deployment: Deployment | None) -> bool:
-    """Whether the fabric check applies: some engine of the deployment moves its KV over UCX."""
+    """Whether some engine of the deployment moves its KV over UCX."""
     return deployment is not None and any(
         engine.kv_transfer is not None and engine.kv_transfer.connector.uses_ucx
         for engine in deployment.engines
     )
 
 
+def crosses_a_fabric(deployment: Deployment | None) -> bool:
+    """Whether the fabric check applies: KV over UCX, or an engine with RDMA (fabric.rdma)."""
+    return moves_kv_over_ucx(deployment) or (
+        deployment is not None and any(engine.rdma is not None for engine in deployment.engines)
+    )
+
+
 def fabric(ctx: CheckContext) -> Outcome:
-    """Every role's UCX devices and transports against this host (module docstring)."""
+    """Every role's UCX devices and transports, and every engine's RDMA, against this host
+    (module docstring)."""
     deployment = ctx.require_deployment()
     host = HostFabric(ctx.host_root)
     roles: dict[RoleFabric, list[str]] = {}
+    rdma: dict[RdmaFabric, list[str]] = {}
     for engine in deployment.engines:
-        if engine.kv_transfer is not None and engine.kv_transfer.connector.uses_ucx:
-            roles.setdefault(role_fabric(engine), []).append(engine.kv_transfer.role.value)
+        kv = engine.kv_transfer
+        ucx = role_fabric(engine) if kv is not None and kv.connector.uses_ucx else None
+        if ucx is not None and kv is not None:
+            roles.setdefault(ucx, []).append(kv.role.value)
+        # RDMA a role's UCX_TLS names is judged with its UCX devices; the rest on its own.
+        if engine.rdma is not None and not (ucx is not None and _rdma_transports(ucx)):
+            rdma.setdefault(rdma_fabric(engine), []).append(kv.role.value if kv else "the engine")
     outcomes = [(" and ".join(names), judge(facts, host)) for facts, names in roles.items()]
+    outcomes += [
+        (f"{' and '.join(names)} over RDMA", judge_rdma(facts, host)) for facts, names in rdma.items()
+    ]
     version = ucx_version(ctx)
     worst = max((o for _who, o in outcomes), key=lambda o: SEVERITY[o.status])
     if len(outcomes) == 1:
@@ -146,12 +168,15 @@ def role_fabric(engine: Deployment) -> RoleFabric:
     env = build_invocation(engine).env_dict
     provenance, role = engine.plan.provenance, engine.kv_transfer.role.value
     platform = engine.vendor.platform
-    # The adapter writes UCX_TLS from the setting, else the platform's default, over any env.
+    # The adapter writes UCX_TLS from the role's KvTransfer, over any env.
     default = f"the {platform.value} default (m31ctl/plan/disaggregation.py UCX_TRANSPORTS)"
-    transports = _value(env.get(TRANSPORTS_VAR), provenance, ("disaggregation.ucx_transports",), default)
-    # UCX_NET_DEVICES: the setting, else the role's env, else the plan's runtime env.
+    # UCX_TLS: the setting, else RDMA's (fabric.rdma), else the platform's.
+    keys: tuple[str, ...] = ("disaggregation.ucx_transports", RDMA_SETTING)
+    transports = _value(env.get(TRANSPORTS_VAR), provenance, keys, default)._replace(var=TRANSPORTS_VAR)
+    # UCX_NET_DEVICES: the setting, else fabric.rdma's ports, else the role's env, else the plan's.
     keys = (
         "disaggregation.ucx_net_devices",
+        f"{RDMA_SETTING}.devices",
         f"disaggregation.{role}.env.{DEVICES_VAR}",
         f"runtime.env.{DEVICES_VAR}",
     )
@@ -160,12 +185,61 @@ def role_fabric(engine: Deployment) -> RoleFabric:
 
 
 def _value(text: str | None, provenance: Mapping[str, Source], keys: tuple[str, ...], default: str) -> Value:
-    """The value and the first of `keys` (in the adapter's precedence) a layer of the plan set."""
+    """The value and the first of `keys` (in the adapter's precedence) a layer of the plan set
+    (the key itself or one under it: fabric.rdma is set by its fields)."""
     for key in keys:
-        found = provenance.get(key)
+        found = provenance.get(key) or next(
+            (source for name, source in sorted(provenance.items()) if name.startswith(f"{key}.")), None
+        )
         if found is not None:
             return Value(text, key, str(found))
     return Value(text, keys[0], default)
+
+
+class RdmaFabric(NamedTuple):
+    """What an engine's RDMA (Deployment.rdma, from fabric.rdma) asks of this host."""
+
+    devices: tuple[str, ...]  # HCA ports; (): any ACTIVE one
+    source: str
+
+
+def rdma_fabric(engine: Deployment) -> RdmaFabric:
+    assert engine.rdma is not None
+    value = _value(None, engine.plan.provenance, (RDMA_SETTING,), "unset")
+    return RdmaFabric(engine.rdma.devices, value.source)
+
+
+def judge_rdma(facts: RdmaFabric, host: HostFabric) -> Outcome:
+    """fabric.rdma on this host: each HCA port it names ACTIVE (naming none: some ACTIVE port),
+    and the verbs device nodes the engine's container is given."""
+    shown = f"{RDMA_SETTING} ({facts.source})"
+    fix = f"name ports this host has (`ibv_devinfo` lists them): --set {RDMA_SETTING}.devices=[...]"
+    found = [f for f in (_rdma_port(port, fix, host) for port in facts.devices) if f is not None]
+    active = host.active_ports()
+    if not facts.devices and not active:
+        found.append(
+            FabricProblem(
+                "this host has no ACTIVE RDMA port (/sys/class/infiniband)",
+                f"bring an HCA's link up (`ibstat`), or unset {RDMA_SETTING} where the hosts have no RDMA",
+            )
+        )
+    if not host.uverbs():
+        found.append(
+            FabricProblem(
+                "/dev/infiniband/uverbs* is absent here",
+                "load the verbs driver (modprobe ib_uverbs); the containers get /dev/infiniband",
+            )
+        )
+    if found:
+        return Outcome(CheckStatus.FAIL, f"{shown}: " + "; ".join(f.problem for f in found), found[0].remedy)
+    ports = ", ".join(facts.devices or active)
+    return Outcome(CheckStatus.OK, f"{shown}: {ports} ACTIVE, verbs devices present")
+
+
+def _rdma_transports(facts: RoleFabric) -> list[str]:
+    """The RDMA transports (and aliases) the role's UCX_TLS names."""
+    transports = sorted({name.split(":", 1)[0] for name in _listed(facts.transports.text)})
+    return [name for name in transports if name in TRANSPORTS and TRANSPORTS[name].rdma]
 
 
 def judge(facts: RoleFabric, host: HostFabric) -> Outcome:
@@ -173,7 +247,7 @@ def judge(facts: RoleFabric, host: HostFabric) -> Outcome:
     the first one's fix as the remedy; or what it found."""
     named = _listed(facts.devices.text)
     transports = sorted({name.split(":", 1)[0] for name in _listed(facts.transports.text)})
-    rdma = [name for name in transports if name in TRANSPORTS and TRANSPORTS[name].rdma]
+    rdma = _rdma_transports(facts)
     found: list[tuple[Value, FabricProblem]] = [
         (facts.devices, f) for f in _devices(named, facts.devices, host)
     ]
@@ -205,8 +279,7 @@ def _listed(text: str | None) -> list[str]:
 
 def _shown(value: Value) -> str:
     """`UCX_TLS=rc,tcp (disaggregation.ucx_transports, --set #1)`: the value and its source."""
-    var = TRANSPORTS_VAR if value.setting == "disaggregation.ucx_transports" else DEVICES_VAR
-    return f"{var}={value.text} ({value.setting}, {value.source})"
+    return f"{value.var}={value.text} ({value.setting}, {value.source})"
 
 
 class FabricProblem(NamedTuple):
