@@ -203,11 +203,27 @@ def ucx_devices(settings: PlanSettings) -> str | None:
     return settings.disaggregation.ucx_net_devices or ucx_net_devices(settings.fabric.rdma)
 
 
+def _unused_rdma(settings: PlanSettings) -> tuple[str, ...]:
+    """fabric.rdma where nothing the plan runs leaves its container: no target renders it."""
+    pd = settings.disaggregation
+    over_nodes = settings.parallelism.nodes > 1 or any(
+        getattr(pd, role.value).nodes not in (None, 1) for role in ROLES
+    )
+    if over_nodes or (pd.enabled and CONNECTORS[pd.connector].uses_ucx):
+        return ()
+    return (
+        f"{RDMA_SETTING} is set, but the plan runs one engine on one node (no collective or KV "
+        "crosses a node): no target renders it",
+    )
+
+
 def pair_fabric_warnings(settings: PlanSettings, hw: Hardware, model: ModelFacts) -> tuple[str, ...]:
     """A P/D pair whose roles cannot share a node, on GPUs, with no RDMA: every prompt's KV
     crosses the network over UCX's TCP transport. A pair that fits one node is kept on one by
     every target (Kubernetes: render/pd.py's podAffinity), so it is not warned."""
-    if not settings.disaggregation.enabled or settings.fabric.rdma is not None:
+    if settings.fabric.rdma is not None:
+        return _unused_rdma(settings)
+    if not settings.disaggregation.enabled:
         return ()
     platform = vendor_facts(hw.vendor).platform
     if platform not in RDMA_UCX_TRANSPORTS:

@@ -68,7 +68,9 @@ def test_the_plans_own_environment_wins_over_the_derived_one():
 
 
 def test_a_single_node_aggregated_server_crosses_nothing_and_gets_nothing():
-    deployment = derive(plan_for("b300x4", "fabric.rdma={}", PRIVILEGED))
+    plan = plan_for("b300x4", "fabric.rdma={}", PRIVILEGED)
+    assert any("fabric.rdma is set, but the plan runs one engine on one node" in w for w in plan.warnings)
+    deployment = derive(plan)
     assert deployment.rdma is None
     assert "/dev/infiniband" not in render_spec(deployment).devices
 
