@@ -1,8 +1,8 @@
 """The rehearsal's one-host cluster: a private Docker network (with a subnet of its own when pods
-need fixed addresses), the claims' volumes, each pod's address, a forwarder for each Service that
-maps ports (kube-proxy's part), the pods handed to the emulated kubelet (kubelet.py: it starts
-them in the LWS controller's order and watches until the serving pod is ready), and each node as
-it ended, from its own log (logs.py)."""
+need fixed addresses), each pod's address, a forwarder for each Service that maps ports
+(kube-proxy's part), the claims' volumes, the pods handed to the emulated kubelet (kubelet.py: it
+starts them in the LWS controller's order and watches until the serving pod is ready), and each
+node as it ended, from its own log (logs.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from m31ctl.labels import Label
 from m31ctl.rehearsal import docker_verbs
-from m31ctl.rehearsal.kubelet import Kubelet, PodState, claim_volume, serving_state, start_pods, watch
+from m31ctl.rehearsal.kubelet import Kubelet, PodState, claim_volume, start_and_watch
 from m31ctl.rehearsal.logs import failure_cause, read_log
 from m31ctl.rehearsal.pods import PodRun, ServiceRun, Volume
 from m31ctl.rehearsal.prepared import Prepared
@@ -25,34 +25,54 @@ FIRST_POD_HOST = 10
 FORWARDER_MOUNT = "/m31ctl-rehearsal"
 
 
-def kubelet_on_network(
-    client: Any, prepared: Prepared, session: str, secrets: dict[str, str]
-) -> tuple[Kubelet, str | None]:
-    """The kubelet on the rehearsal's own network, the claims' volumes made, each pod's address
-    and the secrets' values known; and why the network could not be made (None: it was)."""
+def run_pods(
+    client: Any,
+    prepared: Prepared,
+    session: str,
+    secrets: dict[str, str],
+    options: Options,
+    progress: Progress,
+) -> tuple[Kubelet, Run]:
+    """The rehearsal's network (with each pod's address where the pods need fixed ones), the
+    Services' forwarders, the claims' volumes, then the kubelet on that network with the secrets'
+    values: it starts the pods and watches them until the serving pod is ready (the run's `why`
+    None), or why not (the network could not be made: nothing started)."""
     network, labels = f"m31ctl-rh-{session}", {Label.REHEARSAL: session}
     subnet = docker_verbs.free_subnet(client, network, labels) if prepared.addressed else None
-    addresses = pod_addresses(subnet, prepared) if subnet else {}
     unmade = Kubelet(client, session, network)  # runs nothing: where the network was not made
     if prepared.addressed and subnet is None:
-        return unmade, "no free subnet for the rehearsal network (docker network create failed)"
+        return unmade, Run(
+            [], "no free subnet for the rehearsal network (docker network create failed)", None
+        )
     refused = engine_api.create_network(client, network, labels, subnet)
     if refused is not None:
-        return unmade, f"docker network create failed: {refused.strip()[-300:]}"
-    for claim in (*prepared.manifest.claims, *prepared.reference_claims):
+        return unmade, Run([], f"docker network create failed: {refused.strip()[-300:]}", None)
+    addresses = pod_addresses(subnet, prepared) if subnet else {}
+    forwarders = [forwarder_pod(s, prepared.image, addresses) for s in prepared.manifest.forwarded]
+    reference_claims = prepared.pair.reference_claims if prepared.pair else ()
+    for claim in (*prepared.manifest.claims, *reference_claims):
         # Not checked here: a volume the engine refused shows as the pod's own start error.
         docker_verbs.create_volume(client, claim_volume(session, claim), labels)
     kubelet = Kubelet(
         client, session, network, addresses=addresses, secrets=secrets, sandboxed=prepared.restarted_in_place
     )
-    return kubelet, None
+    states, why, serving = start_and_watch(
+        kubelet,
+        prepared.manifest.pods,
+        forwarders,
+        prepared.manifest.api_pod,
+        prepared.ready_s,
+        options,
+        progress,
+    )
+    return kubelet, Run(states, why, None, serving=serving)
 
 
 def pod_addresses(subnet: str, prepared: Prepared) -> dict[str, str]:
     """Each pod's fixed address (and the forwarders' and the reference's), in manifest order."""
     names = list(dict.fromkeys(p.pod for p in prepared.manifest.pods if not p.init))
     names += [s.forwarder_pod for s in prepared.manifest.forwarded]
-    names += [prepared.reference.pod] if prepared.reference else []
+    names += [prepared.pair.reference.pod] if prepared.pair else []
     network = ipaddress.ip_network(subnet)
     return {name: str(network[FIRST_POD_HOST + index]) for index, name in enumerate(names)}
 
@@ -80,32 +100,6 @@ def forwarder_pod(service: ServiceRun, image: str, addresses: dict[str, str]) ->
         unconfined=False,
         ipc_host=False,
     )
-
-
-def start_and_watch(kubelet: Kubelet, prepared: Prepared, options: Options, progress: Progress) -> Run:
-    """The Services' forwarders and the pods started, then watched until the serving pod is
-    ready (its `why` None), or why not."""
-    manifest = prepared.manifest
-    image = prepared.twin.plan.settings.engine.image
-    forwarders = [forwarder_pod(s, image, kubelet.addresses) for s in manifest.forwarded]
-    states = start_pods(
-        kubelet, manifest.pods, options.timeout_s, options.leader_delay_s, progress, forwarders
-    )
-    progress(f"started {len(states)} container(s) on network {kubelet.network}")
-    failed_init = [s for s in states if s.pod.init and s.exit_code != 0]
-    if failed_init:  # the kubelet never starts the pod's containers after a failed init
-        first = failed_init[0]
-        how = (
-            f"did not end within {options.timeout_s} s (raise --timeout)"
-            if first.exit_code == -1
-            else f"exited with {first.exit_code}"
-        )
-        return Run(states, f"init container {first.pod.container} of {first.pod.pod} {how}", None)
-    # The rendered startup probe's own budget (the timeline's readiness wait) bounds the wait.
-    deadline = kubelet.clock() + max(options.timeout_s, prepared.deployment.timeline.ready_s)
-    serving = serving_state(states, manifest.api_pod)
-    why = watch(kubelet, states, serving, deadline, progress)
-    return Run(states, why, None, serving=serving)
 
 
 def node_outcomes(kubelet: Kubelet, states: list[PodState], run_failed: bool) -> tuple[NodeOutcome, ...]:

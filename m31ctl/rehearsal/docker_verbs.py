@@ -1,15 +1,14 @@
-"""What the rehearsal asks of Docker, over the program's one client (m31ctl/runtime/engine_api.py):
-a derived image, a network's free subnet, volumes, containers run detached or to their end, exec
-probes with a timeout, a kill and a start in place, logs by stream, cleanup by label. Each answers
-as the `docker` CLI it replaced did (exit codes, which stream a line came from), so the
-rehearsal's results read the same. The Engine's refusals come through engine_api.refusals(); a
-lost Engine goes on up to engine_api's boundary."""
+"""What the rehearsal asks of Docker around its pods, over the program's one client
+(m31ctl/runtime/engine_api.py): a derived image, a network's free subnet, volumes, a container
+run to its end, logs by stream, cleanup by label (what is done to a pod's container is the
+kubelet's, kubelet.py). Each answers as the `docker` CLI it replaced did (exit codes, which stream
+a line came from), so the rehearsal's results read the same. The Engine's refusals come through
+engine_api.refusals(); a lost Engine goes on up to engine_api's boundary."""
 
 from __future__ import annotations
 
 import io
-import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from m31ctl import interrupt
@@ -30,7 +29,8 @@ class Ran(NamedTuple):
         return self.code == 0
 
 
-def _text(data: bytes | None) -> str:
+def decoded(data: bytes | None) -> str:
+    """A stream's bytes as text, as the CLI printed them (undecodable bytes replaced)."""
     return (data or b"").decode("utf-8", "replace")
 
 
@@ -80,47 +80,6 @@ def create_volume(client: Any, name: str, labels: Mapping[str, str]) -> str | No
     return refused.reason
 
 
-def run_detached(
-    client: Any,
-    *,
-    host: Mapping[str, Any],
-    network: str | None = None,
-    aliases: Sequence[str] = (),
-    address: str | None = None,
-    **create: Any,
-) -> Ran:
-    """`docker run -d`: create (`create`: the Engine API's create_container arguments; `host`:
-    create_host_config's) and start. Ran(0, id, "") when started, else run's exit code and the
-    engine's reason (a container created but not started stays, with its labels)."""
-    host_config = client.api.create_host_config(**host, **({"network_mode": network} if network else {}))
-    if network:
-        endpoint = client.api.create_endpoint_config(aliases=list(aliases) or None, ipv4_address=address)
-        create["networking_config"] = client.api.create_networking_config({network: endpoint})
-    created: dict[str, Any] = {}
-    with refusals() as refused:
-        created = client.api.create_container(host_config=host_config, **create)
-        client.api.start(created["Id"])
-    if refused.reason is not None:
-        return Ran(run_exit_code(refused.reason), "", refused.reason)
-    return Ran(0, str(created["Id"]), "")
-
-
-def kill(client: Any, container: str) -> str | None:
-    """`docker kill`: SIGKILL, as a node lost or an OOM kill ends a process; None when done,
-    else the engine's reason."""
-    with refusals() as refused:
-        client.api.kill(container)
-    return refused.reason
-
-
-def start_again(client: Any, container: str) -> str | None:
-    """`docker start` of a container that ended: the same container (its name, address and
-    environment), as the kubelet restarts a pod's container in place; None when started."""
-    with refusals() as refused:
-        client.api.start(container)
-    return refused.reason
-
-
 def wait_exit(client: Any, container: str, timeout: float) -> int | None:
     """The container's exit code once it ends (`docker wait`); None when it did not end within
     `timeout` or is gone. Waited on in a thread, so Ctrl-C stops the wait at once."""
@@ -152,33 +111,6 @@ def run_to_end(client: Any, timeout: float, *, host: Mapping[str, Any], **create
                 engine_api.remove_named(client, created["Id"])
 
 
-def exec_in(client: Any, container: str, argv: Sequence[str], timeout: float) -> Ran:
-    """`docker exec` with a timeout: the command's exit code and output; Ran(124, ...) when it
-    did not end within `timeout` (the command runs on in the container, as it did when the
-    timed-out CLI was killed). The Engine API's exec has no timeout of its own: it runs in a
-    daemon thread and is waited for with interrupt.join, which Ctrl-C ends at once."""
-    box: list[Ran] = []
-
-    def run() -> None:
-        try:
-            with refusals() as refused:
-                made = client.api.exec_create(container, list(argv))
-                out, err = client.api.exec_start(made["Id"], demux=True)
-                code = client.api.exec_inspect(made["Id"]).get("ExitCode")
-                box.append(Ran(int(code if code is not None else -1), _text(out), _text(err)))
-            if refused.reason is not None:  # not running, or gone: the CLI's exit 1 with the engine's words
-                box.append(Ran(1, "", refused.reason))
-        except Exception as exc:  # the engine's connection: a failed probe, not a crash
-            box.append(Ran(1, "", engine_api.reason(exc)))
-
-    thread = threading.Thread(target=run, name="m31ctl exec", daemon=True)
-    thread.start()
-    interrupt.join(thread, timeout)
-    if not box:
-        return Ran(124, "", f"docker exec timed out after {timeout:g} s")
-    return box[0]
-
-
 # The Engine API's multiplexed log stream (non-TTY containers): an 8-byte header per frame, its
 # first byte the stream (1 stdout, 2 stderr), its last four the frame's length, big-endian.
 _FRAME_HEADER = 8
@@ -206,7 +138,7 @@ def logs_by_stream(
         start = at + _FRAME_HEADER
         streams.setdefault(kind, []).append(data[start : start + length])
         at = start + length
-    return _text(b"".join(streams[1])), _text(b"".join(streams[_STDERR]))
+    return decoded(b"".join(streams[1])), decoded(b"".join(streams[_STDERR]))
 
 
 def remove_labelled(client: Any, label: str, value: str) -> list[str]:

@@ -4,10 +4,14 @@ with the pod's own command and args (as expanded), and its probes run as the kub
 HTTP GET to the pod's IP and the probe's port, exec inside the container with the probe's
 timeout; the startup probe gates liveness and readiness. Periods are shortened to at most
 PROBE_PERIOD_S (a rehearsal has no minutes to spare); paths, ports, commands, timeouts and the
-order are as rendered."""
+order are as rendered. The kubelet owns what is done to a pod's container (run detached, in its
+sandbox, exec, kill, start again in place) over the program's one client (engine_api), whose
+refusals() say why the Engine refused; what the rest of the rehearsal asks of Docker (image,
+volumes, a container run to its end, logs, cleanup) is docker_verbs.py's."""
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,16 +22,19 @@ from typing import Any
 from m31ctl import interrupt
 from m31ctl.labels import Label
 from m31ctl.rehearsal import docker_verbs
+from m31ctl.rehearsal.docker_verbs import Ran, decoded, run_exit_code
 from m31ctl.rehearsal.logs import read_log
 from m31ctl.rehearsal.pods import NAMESPACE, PodRun, Probe, Volume
-from m31ctl.rehearsal.session import Progress
+from m31ctl.rehearsal.session import Options, Progress
 from m31ctl.runtime import engine_api
+from m31ctl.runtime.engine_api import refusals
 from m31ctl.units import quantity_bytes
 
 PROBE_PERIOD_S = 2.0
 TICK_S = 1.0
 # How often the logs are read for a fatal traceback while waiting (a failed node may not exit).
 FATAL_EVERY_S = 10.0
+KILL_POLL_S = 0.5
 
 
 def container_name(session: str, pod: PodRun) -> str:
@@ -97,7 +104,7 @@ def field_values(pod: PodRun, address: str) -> list[tuple[str, str]]:
 
 
 def run_args(pod: PodRun, session: str, network: str, address: str = "") -> dict[str, Any]:
-    """docker_verbs.run_detached's arguments for one pod's container: what the kubelet would hand
+    """run_detached's arguments for one pod's container: what the kubelet would hand
     the runtime. Environment values here are the plan's (settings refuse secrets in them); the
     secrets' values are added by Kubelet.start, into the API request only (never any argv)."""
     host: dict[str, Any] = {"mounts": [_mount(volume, session) for volume in pod.volumes]}
@@ -171,8 +178,60 @@ def http_probe(ip: str, probe: Probe, timeout: float) -> tuple[bool, str]:
         return False, str(exc)[:200]
 
 
+def run_detached(
+    client: Any,
+    *,
+    host: Mapping[str, Any],
+    network: str | None = None,
+    aliases: Sequence[str] = (),
+    address: str | None = None,
+    **create: Any,
+) -> Ran:
+    """`docker run -d`: create (`create`: the Engine API's create_container arguments; `host`:
+    create_host_config's) and start. Ran(0, id, "") when started, else run's exit code and the
+    engine's reason (a container created but not started stays, with its labels)."""
+    host_config = client.api.create_host_config(**host, **({"network_mode": network} if network else {}))
+    if network:
+        endpoint = client.api.create_endpoint_config(aliases=list(aliases) or None, ipv4_address=address)
+        create["networking_config"] = client.api.create_networking_config({network: endpoint})
+    created: dict[str, Any] = {}
+    with refusals() as refused:
+        created = client.api.create_container(host_config=host_config, **create)
+        client.api.start(created["Id"])
+    if refused.reason is not None:
+        return Ran(run_exit_code(refused.reason), "", refused.reason)
+    return Ran(0, str(created["Id"]), "")
+
+
+def exec_in(client: Any, container: str, argv: Sequence[str], timeout: float) -> Ran:
+    """`docker exec` with a timeout: the command's exit code and output; Ran(124, ...) when it
+    did not end within `timeout` (the command runs on in the container, as it did when the
+    timed-out CLI was killed). The Engine API's exec has no timeout of its own: it runs in a
+    daemon thread and is waited for with interrupt.join, which Ctrl-C ends at once."""
+    box: list[Ran] = []
+
+    def run() -> None:
+        try:
+            with refusals() as refused:
+                made = client.api.exec_create(container, list(argv))
+                out, err = client.api.exec_start(made["Id"], demux=True)
+                code = client.api.exec_inspect(made["Id"]).get("ExitCode")
+                box.append(Ran(int(code if code is not None else -1), decoded(out), decoded(err)))
+            if refused.reason is not None:  # not running, or gone: the CLI's exit 1 with the engine's words
+                box.append(Ran(1, "", refused.reason))
+        except Exception as exc:  # the engine's connection: a failed probe, not a crash
+            box.append(Ran(1, "", engine_api.reason(exc)))
+
+    thread = threading.Thread(target=run, name="m31ctl exec", daemon=True)
+    thread.start()
+    interrupt.join(thread, timeout)
+    if not box:
+        return Ran(124, "", f"docker exec timed out after {timeout:g} s")
+    return box[0]
+
+
 def exec_probe(client: Any, container: str, probe: Probe) -> tuple[bool, str]:
-    done = docker_verbs.exec_in(client, container, probe.command, timeout=probe.timeout_s)
+    done = exec_in(client, container, probe.command, timeout=probe.timeout_s)
     return done.ok, f"exit {done.code}" + (f": {done.err.strip()[-200:]}" if done.err.strip() else "")
 
 
@@ -214,14 +273,10 @@ class Kubelet:
         sandbox = ""
         if pod.pod in self.sandboxed and not pod.init:
             sandbox = sandbox_name(self.session, pod)
-            made = docker_verbs.run_detached(
-                self.client, **sandbox_args(pod, self.session, self.network, address)
-            )
-            done = (
-                made if not made.ok else docker_verbs.run_detached(self.client, **in_sandbox(create, sandbox))
-            )
+            made = run_detached(self.client, **sandbox_args(pod, self.session, self.network, address))
+            done = made if not made.ok else run_detached(self.client, **in_sandbox(create, sandbox))
         else:
-            done = docker_verbs.run_detached(self.client, **create)
+            done = run_detached(self.client, **create)
         state = PodState(pod, container_name(self.session, pod), self.clock(), sandbox=sandbox)
         if not done.ok:
             state.status, state.exit_code = "not started", done.code
@@ -234,17 +289,11 @@ class Kubelet:
     def run_to_completion(
         self, pod: PodRun, timeout: float, meanwhile: Callable[[], None] | None = None
     ) -> PodState:
-        """An init container: it must exit 0 before the pod's containers start. `meanwhile`
-        runs between looks (the kubelet probes the other pods while this one initializes: a P/D
-        router's init waits on the roles, whose own probes go on)."""
+        """An init container: it must exit 0 before the pod's containers start; looked at every
+        TICK_S, as the kubelet relists its containers. `meanwhile` runs between looks (the
+        kubelet probes the other pods while this one initializes: a P/D router's init waits on
+        the roles, whose own probes go on)."""
         state = self.start(pod)
-        if state.status != "running":
-            return state
-        if meanwhile is None:
-            code = docker_verbs.wait_exit(self.client, state.name, timeout)
-            state.exit_code = -1 if code is None else code
-            state.status = "exited"
-            return state
         deadline = self.clock() + timeout
         while state.status == "running":
             self.refresh(state)
@@ -252,18 +301,42 @@ class Kubelet:
                 self.kill(state)
                 state.status, state.exit_code = "exited", -1
             elif state.status == "running":
-                meanwhile()
-                interrupt.sleep(PROBE_PERIOD_S)  # Ctrl-C and SIGTERM end the wait here
+                if meanwhile is not None:
+                    meanwhile()
+                interrupt.sleep(TICK_S)  # Ctrl-C and SIGTERM end the wait here
         return state
 
     def kill(self, state: PodState) -> str | None:
-        """SIGKILL, as a node lost or an OOM kill ends a process; None when done, else why not."""
-        return docker_verbs.kill(self.client, state.name)
+        """SIGKILL (`docker kill`), as a node lost or an OOM kill ends a process; None when
+        done, else the engine's reason."""
+        with refusals() as refused:
+            self.client.api.kill(state.name)
+        return refused.reason
 
-    def start_again(self, state: PodState) -> str | None:
-        """The same container started again (its name, address and environment), as the kubelet
-        restarts a pod's container in place; None when started, else why not."""
-        return docker_verbs.start_again(self.client, state.name)
+    def kill_until_ended(self, state: PodState, bound_s: float) -> str | None:
+        """SIGKILL the pod's container and wait until it has ended (the kill is a state, not the
+        moment `docker kill` returns), within `bound_s`; None once ended, else why not."""
+        refused = self.kill(state)
+        if refused is not None:
+            return refused
+        deadline = self.clock() + bound_s
+        while True:
+            self.refresh(state)
+            if state.status != "running":
+                return None
+            if self.clock() > deadline:
+                return f"{state.name} still runs {bound_s:.0f} s after SIGKILL"
+            interrupt.sleep(KILL_POLL_S)  # Ctrl-C and SIGTERM end the wait here
+
+    def start_in_place(self, state: PodState) -> str | None:
+        """The ended container started again (`docker start`: its name, address and
+        environment), as the kubelet restarts a pod's container in place; None when started,
+        else the engine's reason."""
+        with refusals() as refused:
+            self.client.api.start(state.name)
+        if refused.reason is None:
+            state.status, state.exit_code = "running", None
+        return refused.reason
 
     def log(self, state: PodState, tail: int | None = None) -> str:
         """The container's log (`kubectl logs`), stdout then stderr, each line with its time: as
@@ -311,29 +384,6 @@ class Kubelet:
             state.ready_s = round(self.clock() - state.started_at, 1)
 
 
-def start_pods(
-    kubelet: Kubelet,
-    pods: tuple[PodRun, ...],
-    timeout: float,
-    leader_delay_s: float = 0.0,
-    progress: Progress = lambda _: None,
-    forwarders: Sequence[PodRun] = (),
-) -> list[PodState]:
-    """The Services' forwarders (kube-proxy is up before any pod), then each pod's init containers
-    to completion, then its container; the leader first (the LWS controller creates the group's
-    pods together; the order only saves the workers a retry). With `leader_delay_s`, the workers
-    first and the rest that much later, as a leader pod still pulling its image or downloading
-    would start."""
-    started = _start_each(kubelet, list(forwarders), timeout, progress)
-    if leader_delay_s > 0:
-        workers = [p for p in pods if p.role == "worker"]
-        started += _start_each(kubelet, workers, timeout, progress)
-        interrupt.sleep(leader_delay_s)
-        rest = [p for p in pods if p.role != "worker"]
-        return started + _start_each(kubelet, rest, timeout, progress)
-    return started + _start_each(kubelet, list(pods), timeout, progress)
-
-
 def _start_each(kubelet: Kubelet, pods: list[PodRun], timeout: float, progress: Progress) -> list[PodState]:
     states: list[PodState] = []
     for pod in pods:
@@ -355,10 +405,43 @@ def _start_each(kubelet: Kubelet, pods: list[PodRun], timeout: float, progress: 
     return states
 
 
-def serving_state(states: list[PodState], api_pod: str = "") -> PodState:
-    """The pod clients reach (the API Service's: a P/D plan's router), else the first leader."""
-    serving = [s for s in states if s.pod.role in ("leader", "server") and not s.pod.init]
-    return next((s for s in serving if s.pod.pod == api_pod), serving[0])
+def start_and_watch(
+    kubelet: Kubelet,
+    pods: tuple[PodRun, ...],
+    forwarders: Sequence[PodRun],
+    serving_pod: str,
+    ready_s: float,
+    options: Options,
+    progress: Progress,
+) -> tuple[list[PodState], str | None, PodState | None]:
+    """The Services' forwarders (kube-proxy is up before any pod), then each pod's init containers
+    to completion, then its container; the leader first (the LWS controller creates the group's
+    pods together; the order only saves the workers a retry). With --leader-delay, the workers
+    first and the rest that much later, as a leader pod still pulling its image or downloading
+    would start. Then watched until the serving pod is ready, within its rendered startup
+    probe's budget (`ready_s`): the states, why not (None: ready) and the serving pod's state
+    (None: an init container failed before it started)."""
+    timeout = options.timeout_s
+    states = _start_each(kubelet, list(forwarders), timeout, progress)
+    if options.leader_delay_s > 0:
+        states += _start_each(kubelet, [p for p in pods if p.role == "worker"], timeout, progress)
+        interrupt.sleep(options.leader_delay_s)
+        states += _start_each(kubelet, [p for p in pods if p.role != "worker"], timeout, progress)
+    else:
+        states += _start_each(kubelet, list(pods), timeout, progress)
+    progress(f"started {len(states)} container(s) on network {kubelet.network}")
+    failed_init = [s for s in states if s.pod.init and s.exit_code != 0]
+    if failed_init:  # the kubelet never starts the pod's containers after a failed init
+        first = failed_init[0]
+        how = (
+            f"did not end within {options.timeout_s} s (raise --timeout)"
+            if first.exit_code == -1
+            else f"exited with {first.exit_code}"
+        )
+        return states, f"init container {first.pod.container} of {first.pod.pod} {how}", None
+    deadline = kubelet.clock() + max(options.timeout_s, ready_s)
+    serving = next(s for s in states if s.pod.pod == serving_pod and not s.pod.init)
+    return states, watch(kubelet, states, serving, deadline, progress), serving
 
 
 def fatal_in_log(kubelet: Kubelet, state: PodState) -> str | None:

@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 import httpx
 
 from m31ctl import interrupt
-from m31ctl.deployment import Disaggregated
 from m31ctl.served import http_answers, kv_transfer, prometheus, smoke
 
 SENTENCE = "the model serves tokens on four GPUs with sparse attention and a speculative draft; "
@@ -47,7 +46,7 @@ ROUTER_HEALTH_SUCCESSES = 2
 
 class PairClocks(NamedTuple):
     """How long each step of the faults may take, from the plan's clocks (the twin's
-    Deployment): never a figure of how fast this host is."""
+    Deployment, read once by prepared.pair_clocks): never a figure of how fast this host is."""
 
     # The router answers with prefill down: at once when prefill's pod refuses the connection,
     # else once its health checks take prefill out (failures x (interval + timeout)).
@@ -59,17 +58,6 @@ class PairClocks(NamedTuple):
     prefill_ready_s: float
     # The router takes prefill back once it answers: successes x (interval + timeout).
     router_back_s: float
-
-
-def pair_clocks(group: Disaggregated) -> PairClocks:
-    router = group.router
-    check = router.health_check_interval_s + router.health_check_timeout_s
-    return PairClocks(
-        router_down_s=ROUTER_HEALTH_FAILURES * check,
-        health_s=router.health_check_timeout_s,
-        prefill_ready_s=group.prefill.timeline.ready_s,
-        router_back_s=ROUTER_HEALTH_SUCCESSES * check,
-    )
 
 
 class Pair(NamedTuple):

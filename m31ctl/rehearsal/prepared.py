@@ -1,16 +1,18 @@
 """Everything a rehearsal decides before any container starts: the plan's twin (twin.py), each plan
 it runs derived once (the twin, and for a P/D plan the aggregated reference server the pair is
-held against), and their renders read back as pods (pods.py). A layout or render m31ctl refuses
-raises here (exit 2), so nothing is left to clean."""
+held against), their renders read back as pods (pods.py), and what the later steps need of them,
+read here once: the cluster, the kubelet and the proofs read this value, never the plan or its
+Deployment. A layout or render m31ctl refuses raises here (exit 2), so nothing is left to clean."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import NamedTuple
 
-from m31ctl.deployment import Deployment, derive
+from m31ctl.deployment import Deployment, Disaggregated, derive
 from m31ctl.errors import InputError
 from m31ctl.plan import Plan
+from m31ctl.rehearsal.pairing import ROUTER_HEALTH_FAILURES, ROUTER_HEALTH_SUCCESSES, PairClocks
 from m31ctl.rehearsal.pods import Manifest, PodRun, refuse_secret_expansion, rendered_manifest
 from m31ctl.rehearsal.provision import shim_image, tiny_models
 from m31ctl.rehearsal.session import Options
@@ -22,15 +24,37 @@ TARGETS = ("k8s",)
 REFERENCE_POD = "reference"
 
 
+class PairRun(NamedTuple):
+    """A P/D plan's pair as its proof drives it: each role's pod and the port its API Service
+    targets, the aggregated reference server (the twin without disaggregation, rendered by the
+    same code: its pod, the port it serves on and the claims its render declares), and the
+    clocks each step of the proof waits by."""
+
+    prefill: str
+    prefill_port: int
+    decode: str
+    decode_port: int
+    reference: PodRun
+    reference_port: int
+    reference_claims: tuple[str, ...]
+    clocks: PairClocks
+    # How long prefill's container may take to end once killed (its timeline's stop clock).
+    prefill_stop_s: float
+
+
 class Prepared(NamedTuple):
     twin: Twin
-    deployment: Deployment  # the twin's
+    deployment: Deployment  # the twin's: read in prepare, by nothing after it
     manifest: Manifest
     model_dir: Path
-    # A P/D plan's aggregated reference server (the twin without disaggregation, rendered by
-    # the same code): the pod, and the claims its render declares. None: not a P/D plan.
-    reference: PodRun | None = None
-    reference_claims: tuple[str, ...] = ()
+    layout: str  # the twin's layout in words
+    image: str  # the twin's engine image (the Services' forwarders run it too)
+    served_name: str
+    # The serving pod's readiness budget: its rendered startup probe's (the timeline's ready_s).
+    ready_s: float
+    api_port: int  # the port the serving pod answers on (its Service's target)
+    completions: int  # sent at once through the serving pod: two a data-parallel rank
+    pair: PairRun | None = None  # None: not a P/D plan
 
     @property
     def addressed(self) -> bool:
@@ -38,33 +62,65 @@ class Prepared(NamedTuple):
         side channel binds it), or a Service maps ports (its forwarder needs the target's)."""
         return any(p.fields for p in self.manifest.pods) or bool(self.manifest.forwarded)
 
-    def role_pod(self, role: Deployment) -> str:
-        """A P/D role's pod: the one its API Service selects."""
-        service = next(s for s in self.manifest.services if s.name == role.name + API_SERVICE_SUFFIX)
-        return service.pod
-
     @property
     def restarted_in_place(self) -> frozenset[str]:
         """The pods whose container the proof kills and starts again in place: a P/D pair's
         prefill (pairing.py's faults). The kubelet gives them a sandbox holding their address."""
-        group = self.deployment.disaggregated
-        return frozenset() if group is None else frozenset({self.role_pod(group.prefill)})
+        return frozenset() if self.pair is None else frozenset({self.pair.prefill})
 
-    @property
-    def layout(self) -> str:
-        """The twin's layout in words."""
-        group = self.deployment.disaggregated
-        if group is not None:
-            roles = " + ".join(
-                f"{r.kv_transfer.role.value} TP{r.layout.tensor}" for r in group.roles if r.kv_transfer
-            )
-            return (
-                f"P/D pair: {roles}, one Deployment each, behind vllm-router (with an aggregated reference)"
-            )
-        par = self.twin.plan.settings.parallelism
-        kind = "LeaderWorkerSet" if par.nodes > 1 else "Deployment"
-        shape = f"TP{par.tensor} PP{par.pipeline} DP{par.data}" + (" EP" if par.expert else "")
-        return f"{shape} on {par.nodes} node(s) ({kind}), {self.twin.ranks_per_node} rank(s) a node"
+
+def served_port(pod: PodRun, deployment: Deployment) -> int:
+    """The port a pod serves its API on: vLLM's is named http, vllm-router's (a P/D plan's
+    front) api; else the plan's container port."""
+    ports = dict(pod.ports)
+    return ports.get("http") or ports.get("api") or deployment.network.container_port
+
+
+def pair_clocks(group: Disaggregated) -> PairClocks:
+    """How long each step of the pair's faults may take, from the group's own clocks."""
+    router = group.router
+    check = router.health_check_interval_s + router.health_check_timeout_s
+    return PairClocks(
+        router_down_s=ROUTER_HEALTH_FAILURES * check,
+        health_s=router.health_check_timeout_s,
+        prefill_ready_s=group.prefill.timeline.ready_s,
+        router_back_s=ROUTER_HEALTH_SUCCESSES * check,
+    )
+
+
+def layout_words(twin: Twin, deployment: Deployment) -> str:
+    """The twin's layout in words."""
+    group = deployment.disaggregated
+    if group is not None:
+        roles = " + ".join(
+            f"{r.kv_transfer.role.value} TP{r.layout.tensor}" for r in group.roles if r.kv_transfer
+        )
+        return f"P/D pair: {roles}, one Deployment each, behind vllm-router (with an aggregated reference)"
+    par = twin.plan.settings.parallelism
+    kind = "LeaderWorkerSet" if par.nodes > 1 else "Deployment"
+    shape = f"TP{par.tensor} PP{par.pipeline} DP{par.data}" + (" EP" if par.expert else "")
+    return f"{shape} on {par.nodes} node(s) ({kind}), {twin.ranks_per_node} rank(s) a node"
+
+
+def _pair(group: Disaggregated, manifest: Manifest, alone: Deployment, target: str) -> PairRun:
+    """The pair's pods and ports (each role's API Service's), and the reference's serving pod,
+    renamed and without the Service names (those are the pair's)."""
+    services = {s.name: s for s in manifest.services}
+    prefill, decode = (services[role.name + API_SERVICE_SUFFIX] for role in (group.prefill, group.decode))
+    reference = rendered_manifest(alone, target)
+    pod = next(p for p in reference.pods if p.pod == reference.api_pod and not p.init)
+    pod = pod._replace(pod=REFERENCE_POD, hostname=REFERENCE_POD, aliases=())
+    return PairRun(
+        prefill=prefill.pod,
+        prefill_port=prefill.ports[0][1],
+        decode=decode.pod,
+        decode_port=decode.ports[0][1],
+        reference=pod,
+        reference_port=served_port(pod, alone),
+        reference_claims=reference.claims,
+        clocks=pair_clocks(group),
+        prefill_stop_s=group.prefill.timeline.stop_s,
+    )
 
 
 def prepare(plan: Plan, options: Options) -> Prepared:
@@ -85,13 +141,24 @@ def prepare(plan: Plan, options: Options) -> Prepared:
     deployment = derive(twin.plan)
     alone = None if twin.reference is None else derive(twin.reference)
     manifest = rendered_manifest(deployment, options.target)
-    if not [p for p in manifest.pods if not p.init]:
-        raise InputError(f"the {options.target} render holds no pod to run")
+    # The pod clients reach (read_manifest: the API Service's, a P/D plan's router; else the
+    # first leader or server).
+    serving = next((p for p in manifest.pods if p.pod == manifest.api_pod and not p.init), None)
+    if serving is None:
+        raise InputError(f"the {options.target} render holds no pod to serve")
     refuse_secret_expansion(manifest)
-    if alone is None:
-        return Prepared(twin, deployment, manifest, twin.model_dir)
-    # The reference's serving pod, renamed and without the Service names (those are the pair's).
-    reference = rendered_manifest(alone, options.target)
-    pod = next(p for p in reference.pods if p.pod == reference.api_pod and not p.init)
-    pod = pod._replace(pod=REFERENCE_POD, hostname=REFERENCE_POD, aliases=())
-    return Prepared(twin, deployment, manifest, twin.model_dir, pod, reference.claims)
+    group = deployment.disaggregated
+    settings = twin.plan.settings
+    return Prepared(
+        twin=twin,
+        deployment=deployment,
+        manifest=manifest,
+        model_dir=twin.model_dir,
+        layout=layout_words(twin, deployment),
+        image=settings.engine.image,
+        served_name=settings.model.served_name,
+        ready_s=deployment.timeline.ready_s,
+        api_port=served_port(serving, deployment),
+        completions=max(2, 2 * settings.parallelism.data),
+        pair=None if group is None or alone is None else _pair(group, manifest, alone, options.target),
+    )

@@ -1,29 +1,35 @@
 """What a rehearsal proves once the serving pod is ready: that it serves (completions at once
 through it, then served/smoke.py's checks), that no node dies at its first requests, and, for a
 P/D plan, the pair's proof (pairing.py) driven on the pods: the roles' addresses, prefill killed
-and started again in place, the aggregated reference server started beside the pair."""
+and started again in place, the aggregated reference server started beside the pair. Each proof
+reads what prepare derived (Prepared), never the plan; what is done to a container is the
+kubelet's."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from m31ctl import interrupt
-from m31ctl.deployment import Deployment
 from m31ctl.errors import M31Error
 from m31ctl.rehearsal import pairing
 from m31ctl.rehearsal.kubelet import Kubelet, PodState, watch
-from m31ctl.rehearsal.pods import PodRun
-from m31ctl.rehearsal.prepared import Prepared
+from m31ctl.rehearsal.prepared import PairRun, Prepared
 from m31ctl.rehearsal.result import Run, Served
 from m31ctl.rehearsal.session import Options, Progress
-from m31ctl.render.k8s import API_SERVICE_SUFFIX
 from m31ctl.served import http_answers, smoke
 
 # How long a node may take to die after the first answers (a rank dying at its first request).
 SETTLE_S = 3.0
-KILL_POLL_S = 0.5
 PROMPT = "The rehearsal says"
+
+
+def judge(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:
+    """Each proof while the previous one held: the serving pod serves, then a P/D plan's pair."""
+    if run.why is None:
+        run = serves(kubelet, prepared, run, options, progress)
+    if run.why is None and prepared.pair is not None:
+        run = prove_pair(kubelet, prepared.pair, prepared.served_name, run, options, progress)
+    return run
 
 
 def serves(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:
@@ -46,13 +52,6 @@ def serves(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, pro
     return run._replace(served=served)
 
 
-def api_port(pod: PodRun, prepared: Prepared) -> int:
-    """The port a pod serves its API on: vLLM's is named http, vllm-router's (a P/D plan's
-    front) api; else the plan's container port."""
-    ports = dict(pod.ports)
-    return ports.get("http") or ports.get("api") or prepared.deployment.network.container_port
-
-
 def completions(endpoint: str, model: str, count: int, timeout: float) -> int:
     """`count` completions at once through the leader (data-parallel ranks each get some: the
     coordinator balances by load); how many were answered 200 with choices. served/ has no check
@@ -69,56 +68,22 @@ def completions(endpoint: str, model: str, count: int, timeout: float) -> int:
 def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served:
     """Completions and smoke through the leader, at its pod address and the Service's target
     port (where the Service sends in-cluster clients)."""
-    endpoint = f"http://{leader.ip}:{api_port(leader.pod, prepared)}"
-    served_name = prepared.twin.plan.settings.model.served_name
-    count = max(2, 2 * prepared.twin.plan.settings.parallelism.data)
-    answered = completions(endpoint, served_name, count, timeout)
+    endpoint = f"http://{leader.ip}:{prepared.api_port}"
+    answered = completions(endpoint, prepared.served_name, prepared.completions, timeout)
     try:
-        found = smoke.run(endpoint, served_name, max_tokens=16, timeout=timeout).to_json()
+        found = smoke.run(endpoint, prepared.served_name, max_tokens=16, timeout=timeout).to_json()
     except M31Error as exc:  # the server stopped answering: a finding of the rehearsal, not its end
         found = {"endpoint": endpoint, "ok": False, "error": str(exc)}
-    return Served(endpoint, count, answered, found)
+    return Served(endpoint, prepared.completions, answered, found)
 
 
-def _engine_url(prepared: Prepared, role: Deployment, states: list[PodState]) -> tuple[str, PodState]:
-    """A P/D role's base URL on the rehearsal network (its pod's address and vLLM's port, as
-    the role's API Service targets it) and its pod."""
-    service = next(s for s in prepared.manifest.services if s.name == role.name + API_SERVICE_SUFFIX)
-    state = next(s for s in states if s.pod.pod == service.pod and not s.pod.init)
-    return f"http://{state.ip}:{service.ports[0][1]}", state
-
-
-def kill_until_ended(kubelet: Kubelet, state: PodState, bound_s: float) -> str | None:
-    """SIGKILL the pod's container and wait until it has ended (the kill is a state, not the
-    moment `docker kill` returns), within `bound_s`; None once ended, else why not."""
-    refused = kubelet.kill(state)
-    if refused is not None:
-        return refused
-    deadline = kubelet.clock() + bound_s
-    while True:
-        kubelet.refresh(state)
-        if state.status != "running":
-            return None
-        if kubelet.clock() > deadline:
-            return f"{state.name} still runs {bound_s:.0f} s after SIGKILL"
-        interrupt.sleep(KILL_POLL_S)  # Ctrl-C and SIGTERM end the wait here
-
-
-def start_in_place(kubelet: Kubelet, state: PodState) -> str | None:
-    """The ended container started again in its pod, as the kubelet restarts one."""
-    refused = kubelet.start_again(state)
-    if refused is None:
-        state.status, state.exit_code = "running", None
-    return refused
-
-
-def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:
+def prove_pair(
+    kubelet: Kubelet, pair: PairRun, model: str, run: Run, options: Options, progress: Progress
+) -> Run:
     """The pair's proof (pairing.prove) on the pods; the aggregated reference joins its run."""
-    group = prepared.deployment.disaggregated
-    assert group is not None and prepared.reference is not None and run.served is not None
-    decode, decode_state = _engine_url(prepared, group.decode, run.states)
-    prefill_url, prefill = _engine_url(prepared, group.prefill, run.states)
-    reference = prepared.reference
+    assert run.served is not None
+    pods = {s.pod.pod: s for s in run.states if not s.pod.init}
+    prefill, decode = pods[pair.prefill], pods[pair.decode]
     started: list[PodState] = []
 
     def start_reference(budget_s: float) -> tuple[str, str | None]:
@@ -126,26 +91,26 @@ def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options,
         # start beside them on a host of few cores does not finish (seen here on two cores).
         progress("stopping prefill and decode; starting the aggregated reference server (the same twin, "
                  "disaggregation off)")  # fmt: skip
-        for role in (prefill, decode_state):
+        for role in (prefill, decode):
             kubelet.kill(role)
-        state = kubelet.start(reference)
+        state = kubelet.start(pair.reference)
         started.append(state)
         why = watch(kubelet, [state], state, kubelet.clock() + budget_s, progress)
-        return f"http://{state.ip}:{api_port(reference, prepared)}", why
+        return f"http://{state.ip}:{pair.reference_port}", why
 
-    pair = pairing.Pair(
+    handles = pairing.Pair(
         router=run.served.endpoint,
-        decode=decode,
-        prefill=prefill_url,
-        kill_prefill=lambda: kill_until_ended(kubelet, prefill, group.prefill.timeline.stop_s),
-        start_prefill=lambda: start_in_place(kubelet, prefill),
+        decode=f"http://{decode.ip}:{pair.decode_port}",
+        prefill=f"http://{prefill.ip}:{pair.prefill_port}",
+        kill_prefill=lambda: kubelet.kill_until_ended(prefill, pair.prefill_stop_s),
+        start_prefill=lambda: kubelet.start_in_place(prefill),
         start_reference=start_reference,
-        model=prepared.twin.plan.settings.model.served_name,
-        clocks=pairing.pair_clocks(group),
+        model=model,
+        clocks=pair.clocks,
     )
     progress("proving the pair: parity with an aggregated server, KV transfer, prefill killed and back")
-    outcome = pairing.prove(pair, budget_s=max(float(options.timeout_s), 120.0), progress=progress)
-    for role in (prefill, decode_state):
+    outcome = pairing.prove(handles, budget_s=max(float(options.timeout_s), 120.0), progress=progress)
+    for role in (prefill, decode):
         kubelet.refresh(role)
     why = None if outcome.ok else f"the pair: {outcome.failure}"
     return run._replace(states=[*run.states, *started], why=why, pairing=outcome)

@@ -1,12 +1,15 @@
 """`m31ctl rehearse`: run a plan's exact layout and rendered commands for real, with vLLM's CPU
 build, on a private Docker network; then remove everything it made, even on Ctrl-C or failure.
 
-The steps, a module each: the plan's twin derived and rendered by the normal code, read back as
-pods (prepared.py); the derived image and the tiny model (provision.py); the network, the pods started
-on the emulated kubelet and watched until the serving pod is ready (cluster.py, kubelet.py); the
-proofs through the serving pod and, for a P/D plan, the pair's (proofs.py, pairing.py); the
-session's cleanup (session.py) and the result (result.py). Docker is reached through the
-rehearsal's verbs (docker_verbs.py) over the program's one client, m31ctl/runtime/engine_api.py.
+Four steps, one call each into the module that owns it: prepare (prepared.py: the plan's twin
+derived and rendered by the normal code, read back as pods, and what the later steps need of it,
+read once), run the pods (cluster.py: the network, the Services' forwarders, the volumes, then
+the emulated kubelet, kubelet.py, which starts the pods and watches until the serving pod is
+ready), judge (proofs.py: through the serving pod, then a P/D plan's pair, pairing.py), and the
+result (result.py). Around them: the derived image and the tiny model (provision.py), the
+session's secrets, signals and cleanup (session.py). Docker is reached over the program's one
+client, m31ctl/runtime/engine_api.py: the kubelet's own verbs for a pod's container, the
+rehearsal's others in docker_verbs.py.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ def rehearse(
     result says whether it served. Everything made is removed unless options.keep, also when
     this raises (Ctrl-C included). Engine errors end it through engine_api's one boundary (lost
     engine: 3; refused request: 6). The steps in order, each a call into the module that owns it:
-    the plan prepared, the image, then under one session's label the model, the network and the
-    kubelet, the pods started and watched, each proof while the previous one held, the cleanup."""
+    the plan prepared, the image, then under one session's label the model, the pods run until
+    the serving one is ready, the proofs judged, the cleanup, the result."""
     started = time.monotonic()
     prepared = prepare(plan, options)
     with engine_api.engine_boundary("rehearsing"):
@@ -61,16 +64,8 @@ def rehearse(
                 timings["model_s"] = round(time.monotonic() - model_started, 1)
                 progress(f"rehearsing {prepared.layout}")
                 with secret_values(prepared.manifest) as keys:
-                    kubelet, refused = cluster.kubelet_on_network(client, prepared, session, keys)
-                    run = (
-                        cluster.start_and_watch(kubelet, prepared, options, progress)
-                        if refused is None
-                        else Run([], refused, None)
-                    )
-                    if run.why is None:
-                        run = proofs.serves(kubelet, prepared, run, options, progress)
-                    if run.why is None and prepared.reference is not None:
-                        run = proofs.prove_pair(kubelet, prepared, run, options, progress)
+                    kubelet, run = cluster.run_pods(client, prepared, session, keys, options, progress)
+                    run = proofs.judge(kubelet, prepared, run, options, progress)
                 nodes = cluster.node_outcomes(kubelet, run.states, run.why is not None)
             finally:
                 leftovers = [] if options.keep else clean_up(client, session)

@@ -24,7 +24,7 @@ from m31ctl.plan import PlanRequest, resolve
 from m31ctl.rehearsal import docker_verbs, pairing
 from m31ctl.rehearsal.kubelet import Kubelet
 from m31ctl.rehearsal.pods import PodRun
-from m31ctl.rehearsal.proofs import kill_until_ended, start_in_place
+from m31ctl.rehearsal.prepared import pair_clocks
 from m31ctl.served import kv_transfer
 from m31ctl.served.http_answers import Answer
 
@@ -127,7 +127,7 @@ def test_the_waits_are_the_plans_clocks():
     )
     group = derive(plan).disaggregated
     assert group is not None
-    clocks = pairing.pair_clocks(group)
+    clocks = pair_clocks(group)
     assert clocks.router_down_s == pairing.ROUTER_HEALTH_FAILURES * (7 + 30)
     assert clocks.router_back_s == pairing.ROUTER_HEALTH_SUCCESSES * (7 + 30)
     assert clocks.health_s == 30 and clocks.prefill_ready_s == group.prefill.timeline.ready_s == 333
@@ -172,12 +172,12 @@ def test_a_killed_pod_keeps_its_address_and_refuses_at_once(rehearsal_image):
         kubelet.refresh(state)
         address = state.ip
         assert address and _get(address, 60)
-        assert kill_until_ended(kubelet, state, 60) is None and state.status == "exited"
+        assert kubelet.kill_until_ended(state, 60) is None and state.status == "exited"
         started = time.monotonic()
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((address, 8000), timeout=60).close()
         assert time.monotonic() - started < 5  # refused, not left unanswered
-        assert start_in_place(kubelet, state) is None and state.status == "running"
+        assert kubelet.start_in_place(state) is None and state.status == "running"
         kubelet.refresh(state)
         assert state.ip == address and _get(address, 60)
     finally:

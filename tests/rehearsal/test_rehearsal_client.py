@@ -1,5 +1,6 @@
-"""The rehearsal's Docker verbs (m31ctl/rehearsal/docker_verbs.py) and the calls of the one Docker
-client (m31ctl/runtime/engine_api.py) they stand on, against the real Engine, with the stand-in engine image (busybox, seconds): each answers as the `docker` CLI it
+"""The rehearsal's Docker verbs (m31ctl/rehearsal/docker_verbs.py, and the kubelet's own for a
+pod's container, m31ctl/rehearsal/kubelet.py) and the calls of the one Docker client
+(m31ctl/runtime/engine_api.py) they stand on, against the real Engine, with the stand-in engine image (busybox, seconds): each answers as the `docker` CLI it
 replaced did, checked against the CLI itself where the CLI is the reference (exit codes, which
 stream a log line is on, what a label filter lists)."""
 
@@ -14,6 +15,7 @@ import pytest
 
 from m31ctl.labels import Label
 from m31ctl.rehearsal import docker_verbs
+from m31ctl.rehearsal.kubelet import exec_in, run_detached
 from m31ctl.runtime import engine_api
 
 pytestmark = pytest.mark.docker
@@ -44,7 +46,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _shell(client: Any, session: str, name: str, script: str, **extra: Any) -> docker_verbs.Ran:
-    return docker_verbs.run_detached(
+    return run_detached(
         client,
         name=name,
         image=IMAGE,
@@ -74,12 +76,10 @@ def test_a_pod_on_its_network_answers_exec_and_state(client, session):
         command=["-c", "ping -c 1 -W 5 pod-a >/dev/null && echo reached"],
     )
     assert peer == docker_verbs.Ran(0, "reached\n", ""), peer
-    done = docker_verbs.exec_in(
-        client, f"{network}-a", ["/bin/sh", "-c", "echo out; echo err >&2; exit 3"], 120
-    )
+    done = exec_in(client, f"{network}-a", ["/bin/sh", "-c", "echo out; echo err >&2; exit 3"], 120)
     assert done == docker_verbs.Ran(3, "out\n", "err\n")
     # A probe that outlives its timeout: 124, as a timed-out `docker exec` was reported.
-    late = docker_verbs.exec_in(client, f"{network}-a", ["sleep", "600"], 1)
+    late = exec_in(client, f"{network}-a", ["sleep", "600"], 1)
     assert late == docker_verbs.Ran(124, "", "docker exec timed out after 1 s")
     assert engine_api.container_state(client, "m31ctl-rh-no-such-container") == ("", -1, "")
 
@@ -110,7 +110,7 @@ def test_logs_come_back_by_stream_as_the_cli_gives_them(client, session):
 
 def test_a_start_the_engine_refuses_gets_the_clis_exit_code(client, session):
     assert _shell(client, session, f"m31ctl-rh-{session}-x", "true", host={}).ok
-    refused = docker_verbs.run_detached(
+    refused = run_detached(
         client,
         name=f"m31ctl-rh-{session}-nope",
         image=IMAGE,

@@ -166,6 +166,24 @@ def test_only_the_k8s_target_is_rehearsed(tmp_path):
         prepare(_plan(), Options(target="compose", cache_dir=tmp_path))
 
 
+# The modules that make the twin and read it once (prepare); runner.py names the Plan it is handed.
+READ_THE_PLAN = {"prepared", "twin", "pods", "runner"}
+
+
+def test_after_prepare_no_step_reads_the_plan_or_its_deployment():
+    """The steps after prepare (the cluster, the kubelet, the proofs, the result) read what
+    prepare derived once (Prepared), never the plan or the Deployment again."""
+    import ast
+
+    for path in sorted((ROOT / "m31ctl" / "rehearsal").glob("*.py")):
+        if path.stem in READ_THE_PLAN:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            assert not [n for n in names if n.startswith(("m31ctl.deployment", "m31ctl.plan"))], path.name
+
+
 def test_a_node_log_gives_ranks_ready_time_and_vllms_error_line():
     text = "\n".join(
         [

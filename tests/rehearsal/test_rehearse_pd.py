@@ -53,6 +53,12 @@ def test_clients_reach_the_router_and_the_roles_reach_each_other_by_their_servic
         f"{group.prefill.name}-api": ((group.prefill.network.port, 8000),),
         f"{group.decode.name}-api": ((group.decode.network.port, 8000),),
     }
+    # The pair as its proof drives it, read once: each role's pod and its Service's target port.
+    pair = prepared.pair
+    assert pair is not None and pair.clocks.prefill_ready_s == group.prefill.timeline.ready_s
+    assert (pair.prefill, pair.prefill_port) == (f"{group.prefill.name}-0", 8000)
+    assert (pair.decode, pair.decode_port) == (f"{group.decode.name}-0", 8000)
+    assert prepared.restarted_in_place == {pair.prefill}
     router = next(p for p in manifest.pods if p.pod == manifest.api_pod and not p.init)
     assert f"{prepared.deployment.name}-api" in router.aliases  # the API Service: the router
     roles = [p for p in manifest.pods if p.pod != manifest.api_pod]
@@ -79,8 +85,9 @@ def test_each_role_is_one_rank_on_its_own_core_with_the_cpu_transports(tmp_path)
 
 def test_the_reference_is_the_same_twin_aggregated(tmp_path):
     prepared = _prepared(tmp_path, "b300x8")
-    reference = prepared.reference
-    assert reference is not None and reference.aliases == () and not reference.init
+    assert prepared.pair is not None
+    reference = prepared.pair.reference
+    assert reference.aliases == () and not reference.init
     args = list(reference.args or ())
     assert "--kv-transfer-config" not in args
     assert args[args.index("--tensor-parallel-size") + 1] == "1"
@@ -89,7 +96,7 @@ def test_the_reference_is_the_same_twin_aggregated(tmp_path):
     # Same model, served name and flags as the roles, but for the connector.
     for flag in ("--served-model-name", "--max-model-len", "--dtype"):
         assert args[args.index(flag) + 1] == role_args[role_args.index(flag) + 1], flag
-    assert prepared.reference_claims
+    assert prepared.pair.reference_claims
 
 
 def test_addresses_are_distinct_and_the_pod_reads_its_own(tmp_path):
