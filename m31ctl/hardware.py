@@ -16,6 +16,7 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict
 
 from m31ctl.errors import InputError, close_matches
+from m31ctl.units import parse_size
 
 MIB = 1024 * 1024
 
@@ -255,6 +256,10 @@ class Hardware(BaseModel):
     # A host described by --hardware rather than probed: nothing on this machine stands behind it.
     simulated: bool = False
     notes: tuple[str, ...] = ()
+    # The host's memory where a --hardware spec declares it (`b300x8,host-memory=2t`): the plan
+    # checks the prefix cache's host tier against it (m31ctl/capacity/host_tier.py). A GPU product
+    # does not fix its server's memory (DGX and OEM builds differ), so the catalogue names none.
+    host_memory_bytes: int | None = None
 
     @property
     def memory_per_gpu_gib(self) -> float:
@@ -272,7 +277,18 @@ def hardware_spec(hw: Hardware) -> str | None:
     if vendor_facts(hw.vendor).platform is Platform.CPU:
         return "cpu"
     product = catalogued(hw)
-    return f"{product.id}x{hw.count}" if product else None
+    if product is None:
+        return None
+    host = f",{HOST_MEMORY_KEY}={_size_text(hw.host_memory_bytes)}" if hw.host_memory_bytes else ""
+    return f"{product.id}x{hw.count}{host}"
+
+
+def _size_text(size: int) -> str:
+    """Bytes as units.parse_size reads them back: the largest binary unit that divides them."""
+    for unit, scale in (("t", 1024**4), ("g", 1024**3), ("m", 1024**2), ("k", 1024)):
+        if size % scale == 0:
+            return f"{size // scale}{unit}"
+    return str(size)
 
 
 def k8s_product_selector(hw: Hardware) -> dict[str, str]:
@@ -334,7 +350,8 @@ def cpu_host() -> Hardware:
 # A simulated host holds at most this many GPUs (the largest single systems have 8-16; an NVL72
 # rack is several hosts): a bound, so `--hardware b300x99999999999` cannot allocate without end.
 MAX_GPUS_PER_HOST = 64
-_HW_SPEC = re.compile(r"^(?P<product>[a-z0-9]+?)x(?P<count>[0-9]+)$")
+_HW_SPEC = re.compile(r"^(?P<product>[a-z0-9]+?)x(?P<count>[0-9]+)(?:,host-memory=(?P<host>[^,]+))?$")
+HOST_MEMORY_KEY = "host-memory"
 
 
 def simulated(spec: str) -> Hardware:
@@ -349,7 +366,8 @@ def simulated(spec: str) -> Hardware:
         hint = f"did you mean {close[0]}? " if close else ""
         raise InputError(
             f"unknown --hardware {spec!r}",
-            hint=f"{hint}use PRODUCTxCOUNT with PRODUCT one of {', '.join(PRODUCTS)}",
+            hint=f"{hint}use PRODUCTxCOUNT with PRODUCT one of {', '.join(PRODUCTS)} "
+            f"(a host's memory may follow: b300x8,{HOST_MEMORY_KEY}=2t)",
         )
     count = int(match.group("count")[:6])  # the digits past a sane count are never converted
     if not 1 <= count <= MAX_GPUS_PER_HOST or len(match.group("count")) > 6:
@@ -359,6 +377,7 @@ def simulated(spec: str) -> Hardware:
         )
     fam = family_for(product.arch)
     memory = product.memory_mib * MIB
+    host_memory = _host_memory(spec, match.group("host"))
     # Plain data, validated inside Hardware's own schema: building GPU's validator apart for
     # these would cost start-up for nothing.
     gpus = [
@@ -384,4 +403,17 @@ def simulated(spec: str) -> Hardware:
         source=f"simulated ({spec.lower()})",
         simulated=True,
         notes=(f"memory per GPU: {product.memory_source}",),
+        host_memory_bytes=host_memory,
     )
+
+
+def _host_memory(spec: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise InputError(f"--hardware {spec!r}: {exc}", hint="e.g. b300x8,host-memory=2t") from None
+    if size < 1:
+        raise InputError(f"--hardware {spec!r}: the host's memory must be more than 0")
+    return size
