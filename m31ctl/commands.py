@@ -30,6 +30,10 @@ def deployment(request: PlanRequest, validate: bool = True, fit: bool = True) ->
     found = derive(plan)
     if fit:
         require_fit(found)
+        # lazy: capacity's model loads for a command that plans
+        from m31ctl.capacity.host_tier import require_host_memory
+
+        require_host_memory(found)  # the prefix cache's host tier: the host's memory, /dev/shm
     refuse_owned_flags(plan)
     if validate:
         # lazy: the engine's schema check, only when asked for

@@ -16,7 +16,8 @@ from m31ctl.capacity.fit import (
     profile_layouts,
     within_limit,
 )
-from m31ctl.capacity.memory import Fit, parse_context
+from m31ctl.capacity.host_tier import HostTier, host_tier, tier_line
+from m31ctl.capacity.memory import GIB, Fit, parse_context
 from m31ctl.cli.figure import check_path
 from m31ctl.cli.output import console, emit, text_view
 from m31ctl.cli.plot import draw
@@ -49,6 +50,8 @@ class CapacityShown:
     plot: Path | None
     # A P/D group's roles, each on its own layout: (role, its fit at the context).
     roles: tuple[tuple[str, Fit], ...] = ()
+    # The prefix cache's host tier (cache.cpu_offload_gib) at the context; None without one.
+    tier: HostTier | None = None
 
     def to_json(self) -> dict[str, Any]:
         plan = self.deployment.plan
@@ -74,7 +77,34 @@ class CapacityShown:
             ],
             "plot": str(self.plot) if self.plot else None,
             "roles": {role: fit_json(fit) for role, fit in self.roles} or None,
+            "host_tier": _tier_json(self.tier, self.fit) if self.tier else None,
         }
+
+
+def _tier_json(tier: HostTier, fit: Fit) -> dict[str, Any]:
+    """The host tier beside the GPU's pool: tokens and prefixes per engine and in all, bytes a
+    token a rank (main + indexer, as the GPU pool stores them), host memory a rank and a host."""
+    per_token = tier.bytes_per_token
+    return {
+        "gib_per_engine": tier.gib_per_engine,
+        "engines": tier.engines,
+        "engine_ranks": tier.engine_ranks,
+        "context": tier.context,
+        "tokens_per_engine": tier.tokens_per_engine,
+        "tokens": tier.tokens_per_engine * tier.engines,
+        "prefixes_per_engine": tier.prefixes_per_engine,
+        "prefixes": tier.prefixes_per_engine * tier.engines,
+        "gpu_kv_cache_tokens_per_engine": fit.kv_cache_tokens,
+        "kv_bytes_per_token": {
+            "per_gpu": True,
+            "main_attention": round(per_token.main_attention, 2),
+            "indexer": round(per_token.indexer, 2),
+            "total": round(per_token.total, 2),
+        },
+        "host_memory_per_rank_gib": round(tier.bytes_per_rank / GIB, 2),
+        "host_memory_per_host_gib": round(tier.bytes_per_host / GIB, 2),
+        "in_dev_shm": tier.in_shm,
+    }
 
 
 def run(
@@ -104,7 +134,8 @@ def run(
         if group
         else ()
     )
-    emit(CapacityShown(deployment, context, fit, longest, rows, plot, roles), as_json)
+    tier = host_tier(deployment, context)
+    emit(CapacityShown(deployment, context, fit, longest, rows, plot, roles, tier), as_json)
 
 
 @text_view(CapacityShown)
@@ -130,6 +161,8 @@ def _capacity_text(shown: CapacityShown) -> None:
             f"(main attention {per_token.main_attention:,.0f} + indexer {per_token.indexer:,.0f}), "
             f"{fit.kv_bytes_per_sequence / 1e9:.2f} GB a sequence",
         )
+    if shown.tier is not None:
+        print_paragraph(out, tier_line(shown.tier, fit.kv_cache_tokens))
     for band in (sensitivity_line(fit), sensitivity_line(fit, published=True)):
         if band:
             print_paragraph(out, band)

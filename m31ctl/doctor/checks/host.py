@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from m31ctl.capacity.fit import plan_fit
+from m31ctl.capacity.host_tier import NCCL_SHM_FLOOR, host_memory_need
 from m31ctl.checks import CheckStatus
 from m31ctl.container import container_spec
 from m31ctl.doctor.base import CheckContext, Outcome, SkipCheck
@@ -264,7 +265,11 @@ def shm(ctx: CheckContext) -> Outcome:
             f"at least {SHM_FLOOR // GIB} GiB: --set runtime.shm_size=64g (the recipes' default)",
         )
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if want > mem_total // 2:
+    # On CUDA the prefix cache's host tier lives in this /dev/shm (capacity/host_tier.py), and the
+    # KV capacity check weighs it against the host's memory: only the rest is judged here.
+    need = host_memory_need(deployment)
+    tier = need.tier.bytes_per_host if need is not None and need.tier.in_shm else 0
+    if want - tier > mem_total // 2:
         return Outcome(
             CheckStatus.WARN,
             f"runtime.shm_size={runtime.shm_size} is over half of host memory ({mem_total / GIB:.0f} GiB)",
@@ -275,7 +280,9 @@ def shm(ctx: CheckContext) -> Outcome:
     )
 
 
-SHM_FLOOR = GIB  # NCCL's shared-memory transport needs more than Docker's 64 MB; 1 GiB is a floor
+# NCCL's shared-memory transport needs more than Docker's 64 MB; 1 GiB is a floor (capacity/
+# host_tier.py asks the same of a /dev/shm beside the CUDA host tier).
+SHM_FLOOR = NCCL_SHM_FLOOR
 
 
 def memlock(ctx: CheckContext) -> Outcome:

@@ -8,10 +8,12 @@ import shutil
 from pathlib import Path
 
 from m31ctl.capacity.fit import capacity_warning, plan_fit
+from m31ctl.capacity.host_tier import HostMemoryNeed, host_memory_need, largest_tier_gib, size_text
 from m31ctl.checkpoint import cached_snapshot
 from m31ctl.checks import CheckStatus
 from m31ctl.deployment import Deployment
 from m31ctl.doctor.base import CheckContext, Outcome
+from m31ctl.doctor.checks.host import without_docker
 from m31ctl.redact import SECRET_ENV
 
 GB = 1e9
@@ -132,16 +134,101 @@ def api_key(ctx: CheckContext) -> Outcome:
 
 
 def capacity(ctx: CheckContext) -> Outcome:
+    """The plan's sequences in the GPUs' KV cache, and its host tier (cache.cpu_offload_gib) in
+    this host's memory: a tier the host cannot hold fails here, before a launch loads the weights."""
     deployment = ctx.require_deployment()
-
+    tier = host_tier_outcome(ctx, deployment)
+    if tier is not None and tier.status is CheckStatus.FAIL:
+        return tier
     warning = capacity_warning(deployment)
     if warning:
-        return Outcome(CheckStatus.WARN, warning, "lower serving.max_model_len / max_num_seqs or add GPUs")
+        also = f"; {tier.message}" if tier is not None and tier.status is CheckStatus.WARN else ""
+        return Outcome(
+            CheckStatus.WARN, warning + also, "lower serving.max_model_len / max_num_seqs or add GPUs"
+        )
     fit = plan_fit(deployment)
     basis = fit.sequences_published_basis
     published = "" if basis is None else f"; {basis} on the launch post's basis (main attention only)"
+    status, also, remedy = CheckStatus.OK, "", ""
+    if tier is not None:
+        status, also, remedy = tier.status, f"; {tier.message}", tier.remedy
     return Outcome(
-        CheckStatus.OK,
+        status,
         f"{fit.sequences} sequences of {fit.context} tokens fit ({fit.layout}, "
-        f"{fit.kv_cache_tokens:,} KV tokens per engine){published}",
+        f"{fit.kv_cache_tokens:,} KV tokens per engine){published}{also}",
+        remedy,
+    )
+
+
+def meminfo(root: Path) -> dict[str, int]:
+    """/proc/meminfo under `root` in bytes (MemTotal, MemAvailable, ...); {} where unreadable."""
+    try:
+        text = (root / "proc/meminfo").read_text()
+    except OSError:
+        return {}
+    found = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        words = rest.split()
+        if words and words[0].isdigit():
+            found[name.strip()] = int(words[0]) * (1024 if words[1:2] == ["kB"] else 1)
+    return found
+
+
+def host_tier_outcome(ctx: CheckContext, deployment: Deployment) -> Outcome | None:
+    """The host tier against this host: its memory (/proc/meminfo under ctx.host_root) and, where
+    the tier goes to the host's own /dev/shm (CUDA, run natively or with the host's IPC), that
+    /dev/shm's free space, which vLLM 0.32 checks at start (check_shm_free_space). None without a
+    tier."""
+    need = host_memory_need(deployment)
+    if need is None:
+        return None
+    if without_docker(ctx):  # a process of this host: runtime.shm_size sizes nothing
+        need = need._replace(shm_bytes=0)
+    tier = need.tier
+    said = f"{tier.spelled()} of host memory{need.beside()}"
+    memory = meminfo(ctx.host_root)
+    total, available = memory.get("MemTotal"), memory.get("MemAvailable")
+    if total is None:
+        return Outcome(
+            CheckStatus.WARN, f"host tier: {said}; this host's memory is unknown (no /proc/meminfo)"
+        )
+    largest = largest_tier_gib(need, total)
+    if need.total > total:
+        return Outcome(
+            CheckStatus.FAIL,
+            f"host tier: {said}, this host has {size_text(total)} (MemTotal): vLLM pins the tier at start",
+            f"lower cache.cpu_offload_gib to at most {largest}" if largest else "lower runtime.shm_size",
+        )
+    shm = _host_shm_short(ctx, need)
+    if shm is not None:
+        return shm
+    if available is not None and need.total > available:
+        return Outcome(
+            CheckStatus.WARN,
+            f"host tier: {said}, {size_text(available)} of this host's {size_text(total)} is available now "
+            "(MemAvailable): pinning the tier would push other processes out or wake the OOM killer",
+            "stop what holds the host's memory, or lower cache.cpu_offload_gib",
+        )
+    left = f", {size_text(available)} available" if available is not None else ""
+    return Outcome(CheckStatus.OK, f"host tier: {said}; this host has {size_text(total)}{left}")
+
+
+def _host_shm_short(ctx: CheckContext, need: HostMemoryNeed) -> Outcome | None:
+    """On CUDA with the host's /dev/shm (native, or runtime.ipc_host), too little free space there
+    for the tier: vLLM refuses at start ("Insufficient space in /dev/shm for CPU KV offload")."""
+    tier = need.tier
+    if not tier.in_shm or need.shm_bytes:
+        return None
+    folder = ctx.host_root / "dev/shm"
+    if not folder.is_dir():
+        return None
+    free = shutil.disk_usage(folder).free
+    if free >= tier.bytes_per_host:
+        return None
+    return Outcome(
+        CheckStatus.FAIL,
+        f"host tier: {tier.spelled()} in the host's /dev/shm, which has {size_text(free)} free: vLLM 0.32 "
+        "keeps the CUDA tier there and refuses to start with less",
+        "enlarge /dev/shm (mount -o remount,size=... /dev/shm) or lower cache.cpu_offload_gib",
     )
