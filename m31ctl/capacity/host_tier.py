@@ -122,6 +122,10 @@ class HostMemoryNeed(NamedTuple):
             return max(self.tier.bytes_per_host, self.shm_bytes)
         return self.tier.bytes_per_host + self.shm_bytes
 
+    def shm_to_match(self) -> str:
+        """' and runtime.shm_size with it' where the tier lives in the plan's /dev/shm."""
+        return " and runtime.shm_size with it" if self.tier.in_shm and self.shm_bytes else ""
+
     def beside(self) -> str:
         """The words for the /dev/shm counted with the tier ('' when none is)."""
         if not self.shm_bytes or (self.tier.in_shm and self.shm_bytes <= self.tier.bytes_per_host):
@@ -140,12 +144,13 @@ def host_memory_need(deployment: Deployment) -> HostMemoryNeed | None:
 
 
 def largest_tier_gib(need: HostMemoryNeed, memory: float) -> int:
-    """The largest whole cache.cpu_offload_gib whose need fits `memory` bytes (0 if none)."""
+    """The largest whole cache.cpu_offload_gib whose need fits `memory` bytes (0 if none): on CUDA
+    with runtime.shm_size lowered to match (what it holds beside the tier kept)."""
     tier = need.tier
     room: float
     per_gib: float
-    if tier.in_shm:  # the tier is in the plan's /dev/shm: that must fit as well
-        room = memory if need.shm_bytes <= memory else 0.0
+    if tier.in_shm:  # the tier is in the plan's /dev/shm, which shrinks with it to what it holds beside
+        room = memory - max(0.0, need.shm_bytes - tier.bytes_per_host)
         per_gib = tier.engines_per_host * GIB
     else:
         room = memory - need.shm_bytes
@@ -174,7 +179,7 @@ def _within_declared_memory(deployment: Deployment, need: HostMemoryNeed) -> Non
     tier = need.tier
     largest = largest_tier_gib(need, memory)
     fix = (
-        f"lower cache.cpu_offload_gib to at most {largest}, or fewer engines on each host"
+        f"lower cache.cpu_offload_gib to at most {largest}{need.shm_to_match()}, or fewer engines on each host"
         if largest
         else "lower runtime.shm_size, or use a host with more memory"
     )

@@ -152,7 +152,10 @@ def test_doctor_fails_a_tier_beyond_the_hosts_memory(tmp_path):
     assert result.status == CheckStatus.FAIL
     assert "cache.cpu_offload_gib=512 x 2 engines = 1 TiB of host memory" in result.message
     assert "runtime.shm_size=1088g" in result.message and "1,000 GiB (MemTotal)" in result.message
-    assert "at most" not in result.remedy and "runtime.shm_size" in result.remedy
+    # 1,000 GiB less the 64 GiB /dev/shm beside the tier, over 2 engines
+    assert result.remedy == "lower cache.cpu_offload_gib to at most 468 and runtime.shm_size with it"
+    tiny = capacity_check(derived("b300x8", *TIER_2X512), fake_meminfo(tmp_path / "tiny", 24, 20))
+    assert tiny.status == CheckStatus.FAIL and tiny.remedy == "lower runtime.shm_size"
 
 
 def test_doctor_warns_when_other_processes_hold_the_memory_and_passes_otherwise(tmp_path):

@@ -198,7 +198,9 @@ def host_tier_outcome(ctx: CheckContext, deployment: Deployment) -> Outcome | No
         return Outcome(
             CheckStatus.FAIL,
             f"host tier: {said}, this host has {size_text(total)} (MemTotal): vLLM pins the tier at start",
-            f"lower cache.cpu_offload_gib to at most {largest}" if largest else "lower runtime.shm_size",
+            f"lower cache.cpu_offload_gib to at most {largest}{need.shm_to_match()}"
+            if largest
+            else "lower runtime.shm_size",
         )
     shm = _host_shm_short(ctx, need)
     if shm is not None:
