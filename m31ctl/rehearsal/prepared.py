@@ -52,7 +52,7 @@ class Prepared(NamedTuple):
     served_name: str
     # The serving pod's readiness budget: its rendered startup probe's (the timeline's ready_s).
     ready_s: float
-    api_port: int  # the port the serving pod answers on (its Service's target)
+    serving_port: int  # the port the serving pod answers on (its Service's target)
     completions: int  # sent at once through the serving pod: two a data-parallel rank
     pair: PairRun | None = None  # None: not a P/D plan
 
@@ -158,7 +158,7 @@ def prepare(plan: Plan, options: Options) -> Prepared:
         image=settings.engine.image,
         served_name=settings.model.served_name,
         ready_s=deployment.timeline.ready_s,
-        api_port=served_port(serving, deployment),
+        serving_port=served_port(serving, deployment),
         completions=max(2, 2 * settings.parallelism.data),
         pair=None if group is None or alone is None else _pair(group, manifest, alone, options.target),
     )
