@@ -6,25 +6,33 @@ server), so neither imports the other's caller.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import re
 import shlex
 import sys
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 from m31ctl.deployment import Deployment, require_fit
 from m31ctl.doctor import diagnose_plan, preflight, report_json
 from m31ctl.doctor.base import CheckResult
 from m31ctl.doctor.remembered import key_for, recall, remember
 from m31ctl.engine.adapter import OFFLINE_ENV
-from m31ctl.errors import InputError
+from m31ctl.errors import CheckFailed, ConflictError, HostPreconditionError, InputError, M31Error
+from m31ctl.names import check_name
+from m31ctl.netaddr import port_free
 from m31ctl.pair import on_one_host
 from m31ctl.plan.layers import FlagSet
 from m31ctl.probe import ProbeReport, detect
-from m31ctl.runtime import RUNTIMES, get_runtime
-from m31ctl.runtime.protocol import DryRun, LaunchOptions, LaunchResult, Runtime
+from m31ctl.runtime import RUNTIMES, bluegreen, get_runtime, previous
+from m31ctl.runtime.bluegreen import GateVerdict
+from m31ctl.runtime.planrecord import record_of, recorded_deployment
+from m31ctl.runtime.protocol import DryRun, LaunchOptions, LaunchResult, Replacement, Runtime
 from m31ctl.timeline import ENGINE_READY_ENV
 from m31ctl.timeline import conflicts as clock_conflicts
 
@@ -170,3 +178,225 @@ def preflight_hint(exc: Exception, d: Deployment, runtime_name: str, plan_argv: 
             f"--set runtime.native_python=PATH); the whole report: `{doctor_cmd}`"
         )
     return re.sub(r"`m31ctl doctor[^`]*`", f"`{doctor_cmd}`", hint)
+
+
+# ---------------------------------------------------------------------------------------------
+# blue-green on one host (launch --blue-green, --rollback; m31ctl/runtime/bluegreen.py decides)
+
+# The gate: verify's checks against the new server (its Deployment, its runtime), run by the CLI,
+# since served/ is the CLI's to call (tests/test_architecture.py SERVED_USERS).
+Gate = Callable[[Deployment, str], GateVerdict]
+
+
+class Switch(NamedTuple):
+    """What a blue-green launch needs beyond a launch's options."""
+
+    gate: Gate
+    accept_downtime: bool  # --accept-downtime: no question where the GPUs are not free beside
+    rollback_command: str  # the one command that puts the replaced plan back
+
+
+def blue_green(
+    asked: Deployment,
+    runtime_name: str,
+    options: LaunchOptions,
+    switch: Switch,
+    deep: bool = True,
+    fetch: Callable[[Deployment], bool] | None = None,
+) -> LaunchResult:
+    """Replace the deployment's live server with the asked plan: the new one in the other slot,
+    on GPUs and a port the live one leaves free, through the gate, then the live one stopped;
+    where its GPUs are needed, after saying the downtime and asking. Nothing live to replace is
+    a launch; a live server that runs the plan already is left unchanged."""
+    if asked.disaggregated is not None:
+        raise InputError(
+            "launch --blue-green replaces one engine; a P/D plan runs as a group of three",
+            hint="roll a P/D plan out on Kubernetes (kubernetes.rollout=surge), or launch it without --blue-green",
+        )
+    live = _live(runtime_name, asked.name)
+    if live is None:
+        options.report(f"no server of {asked.name} runs: nothing to replace; launching it")
+        return launch(asked, runtime_name, options, deep, fetch)
+    if bluegreen.serves(live, record_of(asked, os.getcwd())):
+        options.report(f"{live.name} serves this plan already, on {live.endpoint}")
+        return LaunchResult(
+            "unchanged", live.name, runtime_name, live.endpoint, live.plan_hash or asked.plan.hash, True
+        )
+    placement = _placement(asked, live)
+    cut = bluegreen.cutover(placement)
+    if not cut.beside:
+        return _with_downtime(asked, live, placement, cut, runtime_name, options, switch, deep, fetch)
+    new = _placed(asked, bluegreen.other_slot(asked.name, live.name), _port(asked, live), cut.gpus)
+    on = f" on GPU {', '.join(map(str, cut.gpus))}" if cut.gpus else ""
+    options.report(
+        f"blue-green: starting {new.name} at {new.network.local_url}{on}; {live.name} serves meanwhile"
+    )
+    gated = _start_and_gate(new, live, runtime_name, options, switch, deep, fetch, serving=True)
+    _replace_live(asked.name, live, runtime_name, options)
+    return _switched(gated, live, cut.gpus, None, switch)
+
+
+def _live(runtime_name: str, base: str) -> bluegreen.Live | None:
+    running = {
+        s.name: bluegreen.Live(s.name, s.runtime, s.endpoint, s.plan_hash, s.plan, s.gpus)
+        for s in get_runtime(runtime_name).servers()
+        if s.running and s.endpoint and s.name in bluegreen.slots(base)
+    }
+    return bluegreen.live_slot(base, running)
+
+
+def _placement(asked: Deployment, live: bluegreen.Live) -> bluegreen.GpuPlacement:
+    """The host's GPUs as the new server meets them: the live server's (by what its runtime says
+    it was given, else its plan's count from the first), others' busy ones, and the free."""
+    hw = asked.plan.hardware
+    need = asked.layout.gpus_per_node if asked.vendor.gpus else 0
+    count = need
+    if live.record is not None:
+        with contextlib.suppress(InputError):  # a record another m31ctl wrote: its count unknown
+            count = recorded_deployment(live.record).layout.gpus_per_node
+    held = bluegreen.held_gpus(hw, live.gpus, count) if need else ()
+    return bluegreen.place_gpus(hw, held, need, asked.plan.settings.serving.gpu_memory_utilization)
+
+
+def _port(asked: Deployment, live: bluegreen.Live) -> int:
+    """The plan's own port where the live server does not hold it, else the next free above."""
+    live_port = urlsplit(live.endpoint).port
+    bind = asked.network.bind
+    preferred = asked.network.port if asked.network.port != live_port else asked.network.port + 1
+    return bluegreen.choose_port(preferred, {live_port} if live_port else set(), lambda p: port_free(bind, p))
+
+
+def _placed(asked: Deployment, name: str, port: int, gpus: tuple[int, ...]) -> Deployment:
+    """The asked plan in a slot: its name and port set (the plan the new server records, which
+    verify and status read back), and the GPUs chosen for it."""
+    settings = asked.plan.settings
+    runtime = settings.runtime.model_copy(update={"container_name": check_name(name, "--name"), "port": port})
+    plan = asked.plan._replace(settings=settings.model_copy(update={"runtime": runtime}))
+    placed = asked._replace(plan=plan, name=name, network=asked.network._replace(port=port))
+    return placed._replace(gpus=bluegreen.selection_of(plan.hardware, gpus)) if gpus else placed
+
+
+def _start_and_gate(
+    new: Deployment,
+    live: bluegreen.Live,
+    runtime_name: str,
+    options: LaunchOptions,
+    switch: Switch,
+    deep: bool,
+    fetch: Callable[[Deployment], bool] | None,
+    serving: bool,
+) -> tuple[LaunchResult, GateVerdict]:
+    """Launch `new` and run the gate on it. A new server that does not start or fails the gate
+    is stopped, and the error says who serves now (`serving`: the live server still does)."""
+    after = (
+        f"{live.name} keeps serving on {live.endpoint}"
+        if serving
+        else f"nothing serves; `{switch.rollback_command}` starts the previous plan again"
+    )
+    try:
+        result = launch(new, runtime_name, dataclasses.replace(options, detach=False), deep, fetch)
+    except M31Error as exc:
+        _discard(new.name, runtime_name, options)
+        exc.message = f"blue-green: {new.name} did not start: {exc.message}; {after}"
+        raise
+    options.report(f"gate: verify's checks against {new.name} at {result.endpoint}")
+    verdict = switch.gate(new, runtime_name)
+    if not verdict.ok:
+        _discard(new.name, runtime_name, options)
+        raise CheckFailed(
+            f"blue-green: {new.name} failed the gate ({'; '.join(verdict.failed)}); it is stopped and {after}",
+            hint=f"run the same checks on a server of this plan: m31ctl verify --name {new.name}",
+        )
+    options.report(f"gate passed: {len(verdict.checks)} checks ({', '.join(verdict.checks)})")
+    return result, verdict
+
+
+def _discard(name: str, runtime_name: str, options: LaunchOptions) -> None:
+    """Stop a new server that will not serve; one already gone (it died loading) is fine."""
+    runtime = get_runtime(runtime_name)
+    if any(s.name == name for s in runtime.servers()):
+        runtime.stop(name, None, False, options.report)
+
+
+def _replace_live(base: str, live: bluegreen.Live, runtime_name: str, options: LaunchOptions) -> None:
+    """Keep the live server's plan for --rollback, then stop it (its drain, as `m31ctl stop`)."""
+    if live.record is not None:
+        previous.remember(previous.Previous(base, live.name, runtime_name, live.record, time.time()))
+    else:
+        options.report(f"warning: {live.name} recorded no plan: --rollback cannot put it back")
+    options.report(f"stopping {live.name} ({live.endpoint}): the new server serves")
+    get_runtime(runtime_name).stop(live.name, None, False, options.report)
+
+
+def _switched(
+    gated: tuple[LaunchResult, GateVerdict],
+    live: bluegreen.Live,
+    gpus: tuple[int, ...],
+    downtime: int | None,
+    switch: Switch,
+) -> LaunchResult:
+    result, verdict = gated
+    rollout = Replacement(
+        live.name, live.endpoint, live.plan_hash, gpus, downtime, verdict.checks, switch.rollback_command
+    )
+    return dataclasses.replace(result, rollout=rollout)
+
+
+def _with_downtime(
+    asked: Deployment,
+    live: bluegreen.Live,
+    placement: bluegreen.GpuPlacement,
+    cut: bluegreen.Cutover,
+    runtime_name: str,
+    options: LaunchOptions,
+    switch: Switch,
+    deep: bool,
+    fetch: Callable[[Deployment], bool] | None,
+) -> LaunchResult:
+    """The live server's GPUs are needed: said, with the downtime (the timeline's start of the
+    new server: it serves nothing meanwhile), and asked (--accept-downtime answers; unattended,
+    refused, exit 4). Then the live server stops, the new one starts in its slot (its name and
+    port: the endpoint stays) and passes the gate."""
+    downtime = asked.timeline.ready_s
+    cost = f"about {downtime} s without service (the new server's start, plan --explain 'ready')"
+    question = f"{placement.why_not()}: replacing {live.name} means {cost}. Stop it and start the new plan?"
+    if not (switch.accept_downtime or options.confirm(question)):
+        raise ConflictError(
+            f"blue-green: {placement.why_not()}; {live.name} not replaced, which would cost {cost}",
+            hint="pass --accept-downtime to replace it anyway, or free GPUs to start the new one beside it",
+        )
+    port = urlsplit(live.endpoint).port or asked.network.port
+    new = _placed(asked, live.name, port, cut.gpus)
+    if fetch is not None:  # the download while the live server still serves, not in the downtime
+        pulled = fetch(new)
+        fetch = lambda _d: pulled  # noqa: E731 (the launch below finds the pull done)
+    _replace_live(asked.name, live, runtime_name, options)
+    gated = _start_and_gate(new, live, runtime_name, options, switch, deep, fetch, serving=False)
+    return _switched(gated, live, cut.gpus, downtime, switch)
+
+
+def rollback_deployment(name: str | None) -> tuple[Deployment, str]:
+    """`launch --rollback`: the plan the deployment's last blue-green launch replaced, named as
+    the deployment (its slot is chosen again), on this host's GPUs as probed now, with the
+    runtime it ran in."""
+    bases = [check_name(name, "--name")] if name is not None else previous.kept()
+    if len(bases) != 1:
+        raise InputError(
+            "--rollback needs --name: "
+            + (
+                f"{len(bases)} deployments keep a previous plan ({', '.join(bases)})"
+                if bases
+                else "none kept"
+            ),
+            hint="m31ctl status lists the servers; a blue-green launch keeps the plan it replaces",
+        )
+    kept = previous.recall(bases[0])
+    if kept is None:
+        raise HostPreconditionError(
+            f"no previous plan of {bases[0]} is kept",
+            hint="a launch --blue-green keeps the plan it replaces; roll back with your files (docs/second-day.md)",
+        )
+    old = recorded_deployment(kept.record)
+    if not old.simulated:  # the GPUs' free memory now, not when the old plan was made
+        old = old._replace(plan=old.plan._replace(hardware=detect().hardware))
+    return _placed(old, kept.base, old.network.port, ()), kept.runtime

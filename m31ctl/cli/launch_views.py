@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json as jsonlib
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -13,13 +14,15 @@ import typer
 
 from m31ctl.capacity.fit import plan_fit
 from m31ctl.cli import output
-from m31ctl.cli.output import console, emit_event, text_view
+from m31ctl.cli.output import console, emit, emit_event, text_view
 from m31ctl.cli.screen import for_stderr, print_command, print_paragraph, print_table
 from m31ctl.cli.views import plan_json, print_plan
 from m31ctl.deployment import Deployment
+from m31ctl.errors import InputError
 from m31ctl.runtime import Survey
+from m31ctl.runtime.bluegreen import GateVerdict
 from m31ctl.runtime.phases import Phase
-from m31ctl.runtime.protocol import DryRun, LaunchResult, PullEvent, PullProgress, Reporter
+from m31ctl.runtime.protocol import DryRun, LaunchOptions, LaunchResult, PullEvent, PullProgress, Reporter
 
 
 def reporter() -> Reporter:
@@ -73,6 +76,118 @@ def confirm(question: str) -> bool:
     if not sys.stdin.isatty():
         return False
     return bool(typer.confirm(question, default=False))
+
+
+def never(question: str) -> bool:
+    """Unattended (--json, CI): no question is asked, and the answer is no."""
+    del question
+    return False
+
+
+def launch_options(
+    timeout: float | None, detach: bool, yes: bool, as_json: bool, ask: Callable[[str], bool] = confirm
+) -> tuple[LaunchOptions, PhaseDisplay]:
+    """launch's options from its flags, and the live display their progress lines go through
+    (closed by the caller when the launch ends)."""
+    display = PhaseDisplay(live=not as_json)
+    options = LaunchOptions(
+        report=display.reporting(reporter()),
+        confirm=ask,
+        timeout=timeout,
+        detach=detach,
+        yes=yes,
+        environ=dict(os.environ),
+        pull_progress=pull_progress(),
+        on_phase=phase_events() if as_json else display.on_phase,
+    )
+    return options, display
+
+
+@dataclass(frozen=True)
+class Switching:
+    """launch's blue-green flags (--blue-green, --accept-downtime, --rollback, --gate-no-load):
+    checked together, then the switch run through deploy.blue_green and its result shown."""
+
+    blue_green: bool
+    accept_downtime: bool
+    rollback_asked: bool
+    gate_no_load: bool
+    detach: bool
+    as_json: bool
+
+    def __post_init__(self) -> None:
+        for flag, given in (
+            ("--accept-downtime", self.accept_downtime),
+            ("--gate-no-load", self.gate_no_load),
+        ):
+            if given and not self.asked:
+                raise InputError(f"{flag} applies to --blue-green or --rollback", hint="add --blue-green")
+        if self.asked and self.detach:
+            raise InputError(
+                "--detach and --blue-green exclude each other: the gate needs the new server up",
+                hint="drop --detach",
+            )
+
+    @property
+    def asked(self) -> bool:
+        return self.blue_green or self.rollback_asked
+
+    def rollback(self, planned: bool, name: str | None) -> tuple[Deployment, str]:
+        """The kept previous plan (deploy.rollback_deployment), and the runtime it ran in."""
+        if planned:
+            raise InputError(
+                "--rollback puts back the kept previous plan: plan options, --port and --locked do not apply",
+                hint="drop them, or launch the plan you want with --blue-green",
+            )
+        from m31ctl import deploy  # lazy: launch's modules
+
+        return deploy.rollback_deployment(name)
+
+    def attended(self) -> bool:
+        """A person can answer: a terminal, no --json, not CI (CI=true, as GitHub Actions and
+        GitLab set it)."""
+        return not self.as_json and sys.stdin.isatty() and not os.environ.get("CI")
+
+    def run(
+        self,
+        d: Deployment,
+        runtime: str,
+        timeout: float | None,
+        deep: bool,
+        fetch: Callable[[Deployment], bool] | None,
+    ) -> int:
+        from m31ctl import deploy  # lazy: launch's modules
+
+        options, display = launch_options(
+            timeout, False, False, self.as_json, confirm if self.attended() else never
+        )
+        back = ["m31ctl", "launch", "--rollback", "--name", d.name] + (
+            ["--gate-no-load"] if self.gate_no_load else []
+        )
+        switch = deploy.Switch(verify_gate(self.gate_no_load), self.accept_downtime, shlex.join(back))
+        try:
+            result = deploy.blue_green(d, runtime, options, switch, deep=deep, fetch=fetch)
+        finally:
+            display.close()
+        emit(LaunchShown(d, result), self.as_json, line=True)
+        return 0
+
+
+def verify_gate(no_load: bool) -> Callable[[Deployment, str], GateVerdict]:
+    """The blue-green gate: `m31ctl verify --name NEW` (its recorded plan, its runtime's
+    benchmark unless `no_load`), as a verdict."""
+
+    def gate(new: Deployment, runtime: str) -> GateVerdict:
+        # lazy: served/ talks to the server, only once one is up
+        from m31ctl.served import target as targets
+        from m31ctl.served import verify
+
+        target = targets.find(lambda: new, False, targets.Where(None, new.name, runtime, None))
+        report = verify.run_target(target, no_load=no_load, baseline=None, tolerance=0.25)
+        failed = tuple(f"{c.id}: {c.message}" for c in report.checks if c.failed)
+        return GateVerdict(report.ok, tuple(c.id for c in report.checks), failed)
+
+    return gate
 
 
 def pull_progress() -> PullProgress:
@@ -172,9 +287,31 @@ def print_result(shown: LaunchShown) -> None:
     }
     key = deployment.secrets.api_key
     out.print(f"endpoint: {result.endpoint}/v1", markup=False)
+    _print_rollout(out, result)
     words = ["curl", "-s", f"{result.endpoint}/v1/chat/completions", "-H", "'Content-Type: application/json'"]
     words += ["-H", f'"Authorization: Bearer ${key}"'] if key else []
     print_command(out, [*words, "-d", shlex.quote(jsonlib.dumps(body))], lead="try: ")
+
+
+def _print_rollout(out: Any, result: LaunchResult) -> None:
+    """A blue-green switch: whom it replaced, after what, and the endpoint move, said plainly."""
+    rollout = result.rollout
+    if rollout is None:
+        return
+    how = (
+        f"stopped first: about {rollout.downtime_s} s without service (accepted)"
+        if rollout.downtime_s is not None
+        else "started beside it"
+    )
+    gpus = f" on GPU {', '.join(map(str, rollout.gpus))}" if rollout.gpus else ""
+    out.print(
+        f"replaced {rollout.previous} (plan {rollout.previous_plan_hash or '?'}): {how}{gpus}; "
+        f"the gate passed ({len(rollout.gate)} checks)",
+        markup=False,
+    )
+    if rollout.previous_endpoint != result.endpoint:
+        out.print(f"the endpoint moved: {rollout.previous_endpoint} -> {result.endpoint}", markup=False)
+    out.print(f"roll back: {rollout.rollback}", markup=False)
 
 
 def print_unreachable(found: Survey) -> None:

@@ -3,7 +3,6 @@ its options, calls one function below cli/ and prints what it returned."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Annotated
 
@@ -25,6 +24,28 @@ from m31ctl.cli.options import (
 from m31ctl.cli.output import emit
 from m31ctl.errors import ExitCode, HostPreconditionError, InputError
 from m31ctl.interrupt import StoppedAsAsked
+
+BlueGreenOpt = Annotated[
+    bool,
+    typer.Option(
+        "--blue-green",
+        help="Start the changed plan beside the live server (free GPUs, another port), gate it with "
+        "verify's checks, then stop the old one.",
+    ),
+]
+AcceptDowntimeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--accept-downtime", help="--blue-green without free GPUs: stop the old server first, unasked."
+    ),
+]
+RollbackOpt = Annotated[
+    bool,
+    typer.Option("--rollback", help="Put back the plan the last --blue-green replaced (blue-green again)."),
+]
+GateNoLoadOpt = Annotated[
+    bool, typer.Option("--gate-no-load", help="--blue-green's gate without verify's vllm bench serve load.")
+]
 
 
 @command
@@ -87,6 +108,10 @@ def launch(
             "--no-pull", help="Start without m31ctl pull first (the engine downloads what it lacks)."
         ),
     ] = False,
+    blue_green: BlueGreenOpt = False,
+    accept_downtime: AcceptDowntimeOpt = False,
+    rollback: RollbackOpt = False,
+    gate_no_load: GateNoLoadOpt = False,
 ) -> int:
     """Check, pull, start the server, wait until it answers.
 
@@ -98,13 +123,17 @@ def launch(
     from m31ctl.cli.locking import apply_lock
     from m31ctl.commands import deployment
     from m31ctl.runtime import get_runtime, refuse_conflicts
-    from m31ctl.runtime.protocol import LaunchOptions
 
     get_runtime(runtime)  # an unknown runtime is bad input before anything resolves
     if timeout is not None and not (0 < timeout < float("inf")):
         raise InputError(
             f"--timeout {timeout:g} is not a positive number of seconds", hint="e.g. --timeout 900"
         )
+    switching = launch_views.Switching(blue_green, accept_downtime, rollback, gate_no_load, detach, json)
+    fetch = None if no_pull else pulling.before_launch(json)
+    if rollback:  # the previous plan, as kept: no plan options, no lock
+        d, runtime = switching.rollback(plan_options.given or port is not None or locked is not None, name)
+        return switching.run(d, runtime, timeout, not skip_deep, fetch)
     request = plan_options._replace(sets=deploy.launch_sets(plan_options.sets, name, port)).request()
     d = deployment(request, not no_validate)
     if locked is not None:
@@ -114,20 +143,11 @@ def launch(
     if dry_run:
         emit(launch_views.DryRunShown(d, deploy.dry_run(d, runtime)), json)
         return 0
-    display = launch_views.PhaseDisplay(live=not json)
-    options = LaunchOptions(
-        report=display.reporting(launch_views.reporter()),
-        confirm=launch_views.confirm,
-        timeout=timeout,
-        detach=detach,
-        yes=yes,
-        environ=dict(os.environ),
-        pull_progress=launch_views.pull_progress(),
-        on_phase=launch_views.phase_events() if json else display.on_phase,
-    )
+    if switching.asked:
+        return switching.run(d, runtime, timeout, not skip_deep, fetch)
+    options, display = launch_views.launch_options(timeout, detach, yes, json)
     refuse_conflicts(d, runtime, yes, sys.stdin.isatty)
     try:
-        fetch = None if no_pull else pulling.before_launch(json)
         result = deploy.launch(d, runtime, options, deep=not skip_deep, fetch=fetch)
     except HostPreconditionError as exc:
         exc.hint = deploy.preflight_hint(exc, d, runtime, plan_options.argv())

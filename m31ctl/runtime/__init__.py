@@ -26,6 +26,7 @@ from m31ctl.errors import (
 from m31ctl.names import check_name
 from m31ctl.netaddr import port_free
 from m31ctl.plan import Plan
+from m31ctl.runtime import bluegreen
 from m31ctl.runtime.planrecord import plan_differences, recorded_plan
 from m31ctl.runtime.protocol import Reporter, Runtime, ServerStatus
 
@@ -183,9 +184,17 @@ def refuse_conflicts(d: Deployment, runtime: str, yes: bool, interactive: Callab
     ask: `interactive`), with the settings that differ; a port that something else listens on.
     The runtime's own decision after the preflight still rules (a race, a terminal's answer)."""
     try:
-        same_name = [s for s in get_runtime(runtime).servers() if s.name == d.name]
+        found = get_runtime(runtime).servers()
     except M31Error:
         return  # an engine that cannot be asked: the preflight says so, with its fix
+    same_name = [s for s in found if s.name == d.name]
+    green = bluegreen.slots(d.name)[1]
+    if any(s.name == green and s.running for s in found):
+        raise ConflictError(
+            f"{green} serves {d.name}'s deployment (a launch --blue-green put it there); a plain launch "
+            f"would start a second server beside it",
+            hint="launch with --blue-green to change it, or stop it first (m31ctl stop --name " + green + ")",
+        )
     if same_name:
         server = same_name[0]
         if server.running and server.plan_hash != d.plan.hash and not yes and not interactive():

@@ -63,8 +63,11 @@ class ContainerRun(NamedTuple):
 
 
 def single(deployment: Deployment) -> ContainerRun:
-    """An aggregated server's container."""
+    """An aggregated server's container. GPUs the deployment was given by index on a host whose
+    GPUs have no UUIDs (a simulated one) are requested by index (the pair's roles are, too)."""
     spec = container_spec(deployment)
+    if spec.device_request and not spec.gpu_device_ids and deployment.gpus.indices:
+        spec = spec._replace(gpu_device_ids=tuple(str(i) for i in deployment.gpus.indices))
     return ContainerRun(deployment, spec, spec.label_dict)
 
 

@@ -105,7 +105,18 @@ def status_row(container: Any) -> ServerStatus:
         started_at=(container.attrs.get("State") or {}).get("StartedAt"),
         restart_count=int(container.attrs.get("RestartCount", 0) or 0),
         plan=PlanRecord.parse(labels.get(Label.PLAN)),
+        gpus=device_ids(container),
     )
+
+
+def device_ids(container: Any) -> tuple[str, ...]:
+    """The GPUs its device requests name (UUIDs or indices); () for a request by count. Anyone
+    can create a container with our labels, so an odd shape names nothing rather than crash."""
+    requests = (container.attrs.get("HostConfig") or {}).get("DeviceRequests") or []
+    ids = [
+        i for r in requests if isinstance(r, dict) for i in (r.get("DeviceIDs") or []) if isinstance(i, str)
+    ]
+    return tuple(ids)
 
 
 def statuses(containers: Sequence[Any], row: Callable[[Any], ServerStatus]) -> list[ServerStatus]:

@@ -23,6 +23,7 @@ from m31ctl import interrupt
 from m31ctl.deployment import Deployment
 from m31ctl.engine.adapter import build_invocation, native_command
 from m31ctl.errors import CheckFailed, ConflictError, HostPreconditionError, ServerDied
+from m31ctl.hardware import Platform
 from m31ctl.runtime.converge import ExistingServer
 from m31ctl.runtime.flow import Found, converge
 from m31ctl.runtime.gates import CheckId
@@ -155,8 +156,9 @@ class ProcessLaunch:
         return command(self.deployment)
 
     def own_env(self) -> Mapping[str, str]:
-        """What the process's own invocation sets, over the inherited environment."""
-        return dict(build_invocation(self.deployment).env)
+        """What the process's own invocation sets, over the inherited environment: the plan's,
+        and the GPUs it was given by index (a P/D role's, a blue-green successor's)."""
+        return {**pinned_gpus(self.deployment), **dict(build_invocation(self.deployment).env)}
 
     def claim(self) -> contextlib.AbstractContextManager[object]:
         return claim(self.name)
@@ -239,6 +241,7 @@ class ProcessLaunch:
             identity=process_identity(child.pid),
             plan=record_of(d, os.getcwd()).to_json(),
             group=self.group,
+            gpus=tuple(str(i) for i in d.gpus.indices),
             **self.record_extra(),
         )
         save(server)
@@ -266,6 +269,26 @@ class ProcessLaunch:
 
     def started(self, server: NativeServer) -> str:
         return f"started {server.name} (pid {server.pid}): {' '.join(server.argv[:3])}; log {server.log}"
+
+
+# NVML and nvidia-smi number GPUs by PCI bus ID, CUDA by default fastest first (CUDA's
+# programming guide, "CUDA Environment Variables"): an index the probe read means the same GPU
+# to CUDA only in the bus order.
+_CUDA_ORDER = ("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+
+
+def pinned_gpus(deployment: Deployment) -> dict[str, str]:
+    """The vendor's visibility variable for the host GPU indices the deployment was given (a
+    container gets them by device request instead); nothing where it was given none, or where
+    the plan's runtime.env names the GPUs itself (the user's choice)."""
+    pick, indices = deployment.vendor.pick_var, deployment.gpus.indices
+    planned = dict(deployment.plan.settings.runtime.env)
+    if pick is None or not indices or any(v in planned for v in deployment.vendor.visibility_vars):
+        return {}
+    env = {pick: ",".join(str(i) for i in indices)}
+    if deployment.vendor.platform is Platform.CUDA:
+        env.update([_CUDA_ORDER])
+    return env
 
 
 def _abandon(child: subprocess.Popen[bytes]) -> None:
@@ -359,6 +382,7 @@ def server_status(s: NativeServer) -> ServerStatus:
         started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(s.started_at)),
         pid=s.pid,
         plan=PlanRecord.parse(s.plan),
+        gpus=s.gpus,
     )
 
 

@@ -81,6 +81,9 @@ class NativeServer:
     # records in `parts`; each role engine's record names its group.
     parts: tuple[str, ...] = ()
     group: str | None = None
+    # The host GPU indices it was pinned to (its vendor's visibility variable); () where it
+    # took what it inherited (launch --blue-green places the next server beside them).
+    gpus: tuple[str, ...] = ()
 
     @property
     def base(self) -> str:
@@ -185,6 +188,7 @@ def load(name: str) -> NativeServer | None:
             data = json.loads(handle.read(MAX_RECORD_BYTES + 1)[:MAX_RECORD_BYTES])
         data["argv"] = tuple(data["argv"])
         data["parts"] = tuple(data.get("parts", ()))
+        data["gpus"] = tuple(str(g) for g in data.get("gpus", ()))
         server = NativeServer(**data)
     except (OSError, ValueError, TypeError, KeyError, RecursionError):
         return None
@@ -287,7 +291,12 @@ def save(server: NativeServer) -> None:
     directory = state_dir()
     data = (
         json.dumps(
-            {**asdict(server), "argv": list(server.argv), "parts": list(server.parts)},
+            {
+                **asdict(server),
+                "argv": list(server.argv),
+                "parts": list(server.parts),
+                "gpus": list(server.gpus),
+            },
             indent=1,
             sort_keys=True,
         )

@@ -72,6 +72,9 @@ class LaunchResult:
     ready: bool
     timings: Mapping[str, float] = field(default_factory=dict)
     phases: tuple[Phase, ...] = ()
+    # A blue-green launch's switch (deploy.blue_green): the server replaced, the endpoint move,
+    # the gate, the rollback command; None for a launch that replaced nothing beside itself.
+    rollout: Replacement | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -85,6 +88,36 @@ class LaunchResult:
             "ready": self.ready,
             "phases": [p.value for p in self.phases],
             "timings_s": {k: round(v, 3) for k, v in self.timings.items()},
+            "rollout": self.rollout.to_json() if self.rollout is not None else None,
+        }
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """How a blue-green launch replaced the server that served: `previous` (its name, endpoint
+    and plan hash) stopped after the new one passed `gate` (the failed checks' ids, () when it
+    passed), or before it started (`downtime_s`: the timeline's start estimate the user
+    accepted). `rollback` is the one command that puts the previous plan back."""
+
+    previous: str
+    previous_endpoint: str
+    previous_plan_hash: str | None
+    gpus: tuple[int, ...]  # the host GPU indices the new server took (() on no GPU platform)
+    downtime_s: int | None  # None: the new server started beside the old one
+    gate: tuple[str, ...]  # the gate's checks that ran (its ids)
+    rollback: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "previous": {
+                "server": self.previous,
+                "endpoint": self.previous_endpoint,
+                "plan_hash": self.previous_plan_hash,
+            },
+            "gpus": list(self.gpus),
+            "downtime_s": self.downtime_s,
+            "gate": list(self.gate),
+            "rollback": self.rollback,
         }
 
 
@@ -110,6 +143,9 @@ class ServerStatus:
     # A P/D role engine's group (the group's own row is the router's): stop and smoke act on
     # the group, status shows each part.
     group: str | None = None
+    # The host GPUs it was given by name (UUIDs, render nodes or indices); () where it took the
+    # host's first GPUs by count, or none (launch --blue-green places the next beside them).
+    gpus: tuple[str, ...] = ()
 
     @property
     def running(self) -> bool:
@@ -132,6 +168,7 @@ class ServerStatus:
             "pid": self.pid,
             "plan_recorded": self.plan is not None,
             "group": self.group,
+            "gpus": list(self.gpus),
         }
 
 

@@ -1,0 +1,1 @@
+"""The gated stand-in engine: see openai/api_server.py."""
