@@ -117,11 +117,17 @@ class Manifest(NamedTuple):
     kinds: tuple[str, ...]  # every kind the manifest holds (what the rehearsal did not emulate shows)
     services: tuple[ServiceRun, ...] = ()
     api_pod: str = ""  # the pod clients reach: the one behind the API Service
+    serving_port: int = 0  # the port api_pod serves its API on (its Service's target)
 
     @property
     def forwarded(self) -> tuple[ServiceRun, ...]:
         """The Services that map a port: each gets a forwarder at its names."""
         return tuple(s for s in self.services if s.maps_ports)
+
+    @property
+    def serving(self) -> PodRun | None:
+        """The serving container of the pod clients reach (api_pod); None: the render has none."""
+        return next((p for p in self.pods if p.pod == self.api_pod and not p.init), None)
 
 
 def _by_kind(documents: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -374,10 +380,14 @@ def service_runs(services: list[dict[str, Any]], pods: list[PodRun]) -> tuple[Se
     return tuple(out)
 
 
-def read_manifest(documents: list[dict[str, Any]], api_service: str = "") -> Manifest:
+def read_manifest(
+    documents: list[dict[str, Any]], api_service: str = "", container_port: int = 0
+) -> Manifest:
     """The pods a rendered manifest makes, in start order, and what else it declares.
     `api_service`: the Service clients reach (the deployment's `<name>-api`); without it, or
-    when no Service selects a pod, the first leader or server is the one clients reach."""
+    when no Service selects a pod, the first leader or server is the one clients reach. The
+    port that pod serves on: vLLM's is named http, vllm-router's (a P/D plan's front) api; else
+    the plan's `container_port`."""
     service_documents = _by_kind(documents, "Service")
     pods: list[PodRun] = []
     for lws in _by_kind(documents, "LeaderWorkerSet"):
@@ -404,7 +414,9 @@ def read_manifest(documents: list[dict[str, Any]], api_service: str = "") -> Man
     pods = [p._replace(aliases=p.aliases + names.get(p.pod, ())) if not p.init else p for p in pods]
     claims = tuple(d["metadata"]["name"] for d in _by_kind(documents, "PersistentVolumeClaim"))
     kinds = tuple(str(d.get("kind")) for d in documents if d)
-    return Manifest(tuple(pods), claims, api_port, kinds, services, api_pod)
+    ports = dict(next((p.ports for p in pods if p.pod == api_pod and not p.init), ()))
+    serving_port = ports.get("http") or ports.get("api") or container_port
+    return Manifest(tuple(pods), claims, api_port, kinds, services, api_pod, serving_port)
 
 
 def render_documents(deployment: Deployment, target: str) -> list[dict[str, Any]]:
@@ -418,7 +430,11 @@ def render_documents(deployment: Deployment, target: str) -> list[dict[str, Any]
 
 def rendered_manifest(deployment: Deployment, target: str) -> Manifest:
     """The pods, Services and claims Kubernetes would run from the deployment's render."""
-    return read_manifest(render_documents(deployment, target), deployment.name + API_SERVICE_SUFFIX)
+    return read_manifest(
+        render_documents(deployment, target),
+        deployment.name + API_SERVICE_SUFFIX,
+        deployment.network.container_port,
+    )
 
 
 def refuse_secret_expansion(manifest: Manifest) -> None:

@@ -44,7 +44,6 @@ class PairRun(NamedTuple):
 
 class Prepared(NamedTuple):
     twin: Twin
-    deployment: Deployment  # the twin's: read in prepare, by nothing after it
     manifest: Manifest
     model_dir: Path
     layout: str  # the twin's layout in words
@@ -52,7 +51,6 @@ class Prepared(NamedTuple):
     served_name: str
     # The serving pod's readiness budget: its rendered startup probe's (the timeline's ready_s).
     ready_s: float
-    serving_port: int  # the port the serving pod answers on (its Service's target)
     completions: int  # sent at once through the serving pod: two a data-parallel rank
     pair: PairRun | None = None  # None: not a P/D plan
 
@@ -67,13 +65,6 @@ class Prepared(NamedTuple):
         """The pods whose container the proof kills and starts again in place: a P/D pair's
         prefill (pairing.py's faults). The kubelet gives them a sandbox holding their address."""
         return frozenset() if self.pair is None else frozenset({self.pair.prefill})
-
-
-def served_port(pod: PodRun, deployment: Deployment) -> int:
-    """The port a pod serves its API on: vLLM's is named http, vllm-router's (a P/D plan's
-    front) api; else the plan's container port."""
-    ports = dict(pod.ports)
-    return ports.get("http") or ports.get("api") or deployment.network.container_port
 
 
 def pair_clocks(group: Disaggregated) -> PairClocks:
@@ -102,21 +93,21 @@ def layout_words(twin: Twin, deployment: Deployment) -> str:
     return f"{shape} on {par.nodes} node(s) ({kind}), {twin.ranks_per_node} rank(s) a node"
 
 
-def _pair(group: Disaggregated, manifest: Manifest, alone: Deployment, target: str) -> PairRun:
-    """The pair's pods and ports (each role's API Service's), and the reference's serving pod,
-    renamed and without the Service names (those are the pair's)."""
+def _pair(group: Disaggregated, manifest: Manifest, reference: Manifest, target: str) -> PairRun:
+    """The pair's pods and ports (each role's API Service's), and the aggregated reference's
+    serving pod, renamed and without the Service names (those are the pair's)."""
     services = {s.name: s for s in manifest.services}
-    prefill, decode = (services[role.name + API_SERVICE_SUFFIX] for role in (group.prefill, group.decode))
-    reference = rendered_manifest(alone, target)
-    pod = next(p for p in reference.pods if p.pod == reference.api_pod and not p.init)
-    pod = pod._replace(pod=REFERENCE_POD, hostname=REFERENCE_POD, aliases=())
+    prefill, decode = (services[role.name + API_SERVICE_SUFFIX] for role in group.roles)
+    pod = reference.serving
+    if pod is None:
+        raise InputError(f"the {target} render of the aggregated reference holds no pod to serve")
     return PairRun(
         prefill=prefill.pod,
         prefill_port=prefill.ports[0][1],
         decode=decode.pod,
         decode_port=decode.ports[0][1],
-        reference=pod,
-        reference_port=served_port(pod, alone),
+        reference=pod._replace(pod=REFERENCE_POD, hostname=REFERENCE_POD, aliases=()),
+        reference_port=reference.serving_port,
         reference_claims=reference.claims,
         clocks=pair_clocks(group),
         prefill_stop_s=group.prefill.timeline.stop_s,
@@ -125,7 +116,8 @@ def _pair(group: Disaggregated, manifest: Manifest, alone: Deployment, target: s
 
 def prepare(plan: Plan, options: Options) -> Prepared:
     """The twin of `plan` and, for a P/D plan, its aggregated reference: each derived once, here,
-    and rendered once by the normal render code."""
+    and rendered once by the normal render code; what the later steps need of them is read
+    here, and neither Deployment leaves this function."""
     if options.target not in TARGETS:
         raise InputError(
             f"rehearse runs the {', '.join(TARGETS)} target, not {options.target!r}",
@@ -143,22 +135,22 @@ def prepare(plan: Plan, options: Options) -> Prepared:
     manifest = rendered_manifest(deployment, options.target)
     # The pod clients reach (read_manifest: the API Service's, a P/D plan's router; else the
     # first leader or server).
-    serving = next((p for p in manifest.pods if p.pod == manifest.api_pod and not p.init), None)
-    if serving is None:
+    if manifest.serving is None:
         raise InputError(f"the {options.target} render holds no pod to serve")
     refuse_secret_expansion(manifest)
+    reference = None if alone is None else rendered_manifest(alone, options.target)
     group = deployment.disaggregated
     settings = twin.plan.settings
     return Prepared(
         twin=twin,
-        deployment=deployment,
         manifest=manifest,
         model_dir=twin.model_dir,
         layout=layout_words(twin, deployment),
         image=settings.engine.image,
         served_name=settings.model.served_name,
         ready_s=deployment.timeline.ready_s,
-        serving_port=served_port(serving, deployment),
         completions=max(2, 2 * settings.parallelism.data),
-        pair=None if group is None or alone is None else _pair(group, manifest, alone, options.target),
+        pair=None
+        if group is None or reference is None
+        else _pair(group, manifest, reference, options.target),
     )

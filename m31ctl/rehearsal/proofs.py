@@ -68,7 +68,7 @@ def completions(endpoint: str, model: str, count: int, timeout: float) -> int:
 def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served:
     """Completions and smoke through the leader, at its pod address and the Service's target
     port (where the Service sends in-cluster clients)."""
-    endpoint = f"http://{leader.ip}:{prepared.serving_port}"
+    endpoint = f"http://{leader.ip}:{prepared.manifest.serving_port}"
     answered = completions(endpoint, prepared.served_name, prepared.completions, timeout)
     try:
         found = smoke.run(endpoint, prepared.served_name, max_tokens=16, timeout=timeout).to_json()

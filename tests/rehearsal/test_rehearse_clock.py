@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from m31ctl.deployment import derive
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.rehearsal.prepared import prepare
@@ -28,14 +29,14 @@ TIMEOUT = 420
 def test_a_scaled_rehearsal_keeps_the_plans_clock(tmp_path):
     plan = resolve(PlanRequest(hardware=simulated("b300x4"), sets=(*DP_DENSE, *RWX)))
     prepared = prepare(plan, Options(cache_dir=tmp_path, timeout_s=TIMEOUT, clock_scale=SCALE))
-    env = dict(prepared.deployment.plan.settings.runtime.env)
+    env = dict(prepared.twin.plan.settings.runtime.env)
     load_budget = plan.settings.runtime.load_and_compile_s  # 1,200 s on real GPUs
     delay = int(env[LOAD_DELAY_ENV])
     # A load longer than vLLM's default engine-ready limit, at the same scale: the case that
     # restarts forever on real GPUs unless the limit is raised.
     assert delay == math.ceil(load_budget * SCALE * 0.75) > VLLM_DEFAULT_ENGINE_READY_S * SCALE
     assert int(env[HANDSHAKE_ENV]) == math.ceil(VLLM_HANDSHAKE_S * SCALE)
-    timeline = prepared.deployment.timeline
+    timeline = derive(prepared.twin.plan).timeline  # the twin's, as prepare derived it
     # The twin's budget: the tiny model's own start (--timeout) plus the plan's, scaled; vLLM's
     # limit raised to it in the rendered pods, and the startup probe derived from it.
     assert timeline.load_s == TIMEOUT + math.ceil(load_budget * SCALE)

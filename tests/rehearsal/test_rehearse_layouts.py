@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from m31ctl.deployment import derive
 from m31ctl.errors import InputError
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
@@ -80,7 +81,7 @@ def test_one_node_keeps_two_ranks_in_one_pod(tmp_path):
 def test_pods_get_the_lws_environment_and_dns_names(tmp_path):
     prepared = _prepared(tmp_path, *DP)
     leader, worker = prepared.manifest.pods
-    name = prepared.deployment.name
+    name = derive(prepared.twin.plan).name
     address = f"{name}-0.{name}.default"
     assert dict(leader.env)["LWS_LEADER_ADDRESS"] == dict(worker.env)["LWS_LEADER_ADDRESS"] == address
     assert (dict(leader.env)["LWS_WORKER_INDEX"], dict(worker.env)["LWS_WORKER_INDEX"]) == ("0", "1")
@@ -101,7 +102,7 @@ def test_pods_get_the_lws_environment_and_dns_names(tmp_path):
 
     create = run_args(leader, "s", "net")
     (shm,) = [m for m in create["host"]["mounts"] if m["Target"] == "/dev/shm"]
-    shm_size = prepared.deployment.plan.settings.runtime.shm_size
+    shm_size = prepared.twin.plan.settings.runtime.shm_size
     assert shm == {"Type": "tmpfs", "Target": "/dev/shm", "TmpfsOptions": {"SizeBytes": parse_size(shm_size)}}
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from m31ctl.deployment import derive
 from m31ctl.hardware import simulated
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.rehearsal.cluster import forwarder_pod, pod_addresses
@@ -43,7 +44,8 @@ def _prepared(tmp_path: Path, hardware: str = "cpu", *sets: str):
 def test_clients_reach_the_router_and_the_roles_reach_each_other_by_their_services(tmp_path, hardware):
     prepared = _prepared(tmp_path, hardware)
     manifest = prepared.manifest
-    group = prepared.deployment.disaggregated
+    deployment = derive(prepared.twin.plan)  # the twin's, as prepare derived it
+    group = deployment.disaggregated
     assert group is not None
     assert manifest.api_pod == f"{group.router.name}-0"
     # The roles' Services map their ports (8100, 8200) onto vLLM's: each gets a forwarder; the
@@ -60,7 +62,7 @@ def test_clients_reach_the_router_and_the_roles_reach_each_other_by_their_servic
     assert (pair.decode, pair.decode_port) == (f"{group.decode.name}-0", 8000)
     assert prepared.restarted_in_place == {pair.prefill}
     router = next(p for p in manifest.pods if p.pod == manifest.api_pod and not p.init)
-    assert f"{prepared.deployment.name}-api" in router.aliases  # the API Service: the router
+    assert f"{deployment.name}-api" in router.aliases  # the API Service: the router
     roles = [p for p in manifest.pods if p.pod != manifest.api_pod]
     assert all(("VLLM_NIXL_SIDE_CHANNEL_HOST", "status.podIP") in p.fields for p in roles)
     # No role holds another Service's name: a name that resolved to the wrong pod would pair
