@@ -454,6 +454,7 @@ def run_script(
     environ = {
         **os.environ,
         "HF_HOME": deployment.hf_cache,
+        **pinned_gpus(deployment),
         **dict(build_invocation(deployment).env),
         **dict(env or {}),
     }

@@ -135,7 +135,11 @@ def gpu_memory(ctx: CheckContext) -> Outcome:
 
     fit = plan_fit(deployment)
     need = fit.weights_per_gpu_bytes
-    gpus = ctx.probe.hardware.gpus[: deployment.layout.gpus_per_node]
+    # The GPUs it is given: by index where a runtime hands it chosen ones (a P/D role, a
+    # blue-green successor beside the live server), else the host's first.
+    chosen = deployment.gpus.indices
+    every = ctx.probe.hardware.gpus
+    gpus = [g for g in every if g.index in chosen] if chosen else every[: deployment.layout.gpus_per_node]
     free = [g.memory_free_bytes for g in gpus if g.memory_free_bytes is not None]
     if not free:
         return Outcome(CheckStatus.SKIP, "free GPU memory unknown (no GPU, or the probe could not read it)")
