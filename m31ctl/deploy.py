@@ -294,7 +294,9 @@ def _start_and_gate(
         else f"nothing serves; `{switch.rollback_command}` starts the previous plan again"
     )
     try:
-        result = launch(new, runtime_name, dataclasses.replace(options, detach=False), deep, fetch)
+        # The slot holds nothing that serves (the live server is the other one): a server left in
+        # it, of another plan, is replaced without a question.
+        result = launch(new, runtime_name, dataclasses.replace(options, detach=False, yes=True), deep, fetch)
     except M31Error as exc:
         _discard(new.name, runtime_name, options)
         exc.message = f"blue-green: {new.name} did not start: {exc.message}; {after}"
