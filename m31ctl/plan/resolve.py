@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_args
 
 from pydantic import BaseModel, ValidationError
 
@@ -179,6 +180,41 @@ def _model_fields_at(loc: tuple[str, ...]) -> list[str]:
     return list(model.model_fields)
 
 
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The settings section an annotation holds (`RdmaSettings | None` holds RdmaSettings)."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _setting_paths(model: type[BaseModel] = PlanSettings, prefix: str = "") -> list[str]:
+    """Every setting's dotted path, in the schema's order (serving.max_num_seqs, ...)."""
+    paths: list[str] = []
+    for name, info in model.model_fields.items():
+        section = _section(info.annotation)
+        paths.extend(_setting_paths(section, f"{prefix}{name}.") if section else [f"{prefix}{name}"])
+    return paths
+
+
+def _meant_setting(dotted: str) -> str | None:
+    """The setting an unknown key most likely means: a close spelling of it, then the one whose
+    last part is the key's (`max_num_seqs` is serving.max_num_seqs), then a close spelling of
+    that last part; the shortest path first where several match."""
+    paths = _setting_paths()
+    close = close_matches(dotted, paths, n=1, cutoff=0.8)
+    if close:
+        return close[0]
+    leaf = dotted.rsplit(".", 1)[-1]
+    by_leaf: dict[str, list[str]] = {}
+    for path in sorted(paths, key=lambda p: p.count(".")):  # stable: the schema's order kept
+        by_leaf.setdefault(path.rsplit(".", 1)[-1], []).append(path)
+    if leaf in by_leaf:
+        return by_leaf[leaf][0]
+    near = close_matches(leaf, list(by_leaf), n=1, cutoff=0.8)
+    return by_leaf[near[0]][0] if near else None
+
+
 def _validation_error(exc: ValidationError, merged: Layer) -> InputError:
     err = exc.errors()[0]
     loc = tuple(str(p) for p in err["loc"])
@@ -199,12 +235,14 @@ def _validation_error(exc: ValidationError, merged: Layer) -> InputError:
     where = str(setting.source) if setting else None
     if err["type"] == "extra_forbidden":
         parent, leaf = loc[:-1], loc[-1]
-        close = close_matches(leaf, _model_fields_at(parent), n=1)
-        hint = (
-            f"did you mean {'.'.join((*parent, close[0]))!r}?"
-            if close
-            else "see `m31ctl plan --explain` for valid keys"
-        )
+        close = [".".join((*parent, c)) for c in close_matches(leaf, _model_fields_at(parent), n=1)]
+        # A close sibling that is a section (`tensor_parallel` is not `parallelism`) is no setting.
+        meant = close[0] if close and close[0] in _setting_paths() else _meant_setting(dotted)
+        hint = f"did you mean {meant!r}?" if meant else "see `m31ctl plan --explain` for valid keys"
+        if meant and setting is not None and setting.source.layer == "--set":
+            value = setting.value
+            typed = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+            hint = redact(f"did you mean {meant!r}? --set {shlex.quote(f'{meant}={typed}')}")
         return InputError(f"unknown setting {dotted!r}", where=where, hint=hint)
     message = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "missing":

@@ -176,6 +176,31 @@ def test_set_json_values_and_hostile_strings():
     assert flag(inv.args, "--served-model-name") == "x'; echo pwned"
 
 
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("max_num_seqs=64", "serving.max_num_seqs=64"),  # the last part of a setting's path
+        ("cache.max_num_seqs=64", "serving.max_num_seqs=64"),  # in another section
+        ("max_nm_seqs=64", "serving.max_num_seqs=64"),  # a close spelling of that last part
+        ("serving.max_num_seq=64", "serving.max_num_seqs=64"),  # a close spelling of the path
+        ("port=8001", "runtime.port=8001"),
+    ],
+)
+def test_an_unknown_set_key_suggests_the_setting_and_the_flag_to_type(typed, meant):
+    with pytest.raises(InputError) as info:
+        plan_for("b300x4", sets=(typed,))
+    line = info.value.one_line()
+    assert f"did you mean {meant.split('=')[0]!r}? --set {meant}" in line, line
+
+
+def test_an_unknown_key_suggests_no_section_and_no_far_setting():
+    """`tensor_parallel` is not the section `parallelism`, and no setting is spelt near it."""
+    for typed in ("tensor_parallel=3", "runtime.hf_tokn=x"):
+        with pytest.raises(InputError) as info:
+            plan_for("b300x4", sets=(typed,))
+        assert "did you mean" not in info.value.one_line() and "plan --explain" in info.value.one_line()
+
+
 def test_bad_set_syntax():
     with pytest.raises(InputError, match=r"key\.path=value"):
         plan_for("b300x4", sets=("nokey",))
