@@ -1,13 +1,14 @@
 """The kubelet's part of a rehearsal: the pods started in the LWS controller's order and watched
-until the serving pod is ready. Each pod becomes a container on a private Docker network, started
-with the pod's own command and args (as expanded), and its probes run as the kubelet runs them:
-HTTP GET to the pod's IP and the probe's port, exec inside the container with the probe's
-timeout; the startup probe gates liveness and readiness. Periods are shortened to at most
-PROBE_PERIOD_S (a rehearsal has no minutes to spare); paths, ports, commands, timeouts and the
-order are as rendered. The kubelet owns what is done to a pod's container (run detached, in its
-sandbox, exec, kill, start again in place) over the program's one client (engine_api), whose
-refusals() say why the Engine refused; what the rest of the rehearsal asks of Docker (image,
-volumes, a container run to its end, logs, cleanup) is docker_verbs.py's."""
+until the serving pod is ready. Each pod becomes a container on a private Docker network,
+started with the pod's own command and args (as expanded), and its probes run as the kubelet
+runs them: HTTP GET to the pod's IP and the probe's port, exec inside the container with the
+probe's timeout; the startup probe gates liveness and readiness. Periods are shortened to at
+most PROBE_PERIOD_S (a rehearsal has no minutes to spare); paths, ports, commands, timeouts and
+the order are as rendered. The kubelet owns what is done to a pod's container (run detached, in
+its sandbox, exec, kill, start again in place) and its look at it (status, exit code, address)
+over the program's one client (engine_api), whose refusals() say why the Engine refused; what
+the rest of the rehearsal asks of Docker (image, volumes, a container run to its end, logs,
+cleanup) is docker_verbs.py's."""
 
 from __future__ import annotations
 
@@ -44,20 +45,11 @@ def container_name(session: str, pod: PodRun) -> str:
 
 def _mount(volume: Volume, session: str) -> dict[str, Any]:
     """The volume as the Engine API's HostConfig.Mounts entry (what `docker run --mount` sends)."""
-    if volume.kind == "claim":
-        return {
-            "Type": "volume",
-            "Source": claim_volume(session, volume.source),
-            "Target": volume.target,
-            "ReadOnly": volume.read_only,
-        }
-    if volume.kind == "host":
-        return {
-            "Type": "bind",
-            "Source": volume.source,
-            "Target": volume.target,
-            "ReadOnly": volume.read_only,
-        }
+    if volume.kind in ("claim", "host"):  # a Docker volume of the session, or a bind mount
+        claim = volume.kind == "claim"
+        source = claim_volume(session, volume.source) if claim else volume.source
+        return {"Type": "volume" if claim else "bind", "Source": source, "Target": volume.target,
+                "ReadOnly": volume.read_only}  # fmt: skip
     tmpfs = {"TmpfsOptions": {"SizeBytes": quantity_bytes(volume.size)}} if volume.size else {}
     return {"Type": "tmpfs", "Target": volume.target, **tmpfs}
 
@@ -164,6 +156,19 @@ class PodState:
         """The startup probe passed (or there is none): liveness and readiness may run."""
         startup = [p for p in self.probes if p.probe.kind == "startup"]
         return all(p.passes for p in startup)
+
+
+def container_state(client: Any, container: str) -> tuple[str, int, str]:
+    """The kubelet's look at one container: (status, exit code, IP on its network); status ''
+    when the Engine knows no such container (or refused to say)."""
+    with refusals() as refused:
+        info = client.api.inspect_container(container)
+    if refused.reason is not None:
+        return "", -1, ""
+    networks = (info.get("NetworkSettings") or {}).get("Networks") or {}
+    ip = next((n["IPAddress"] for n in networks.values() if n.get("IPAddress")), "")
+    state = info.get("State") or {}
+    return str(state.get("Status", "")), int(state.get("ExitCode", -1)), ip
 
 
 def http_probe(ip: str, probe: Probe, timeout: float) -> tuple[bool, str]:
@@ -344,9 +349,9 @@ class Kubelet:
         return "".join(docker_verbs.logs_by_stream(self.client, state.name, tail))
 
     def refresh(self, state: PodState) -> None:
-        status, code, ip = engine_api.container_state(self.client, state.name)
+        status, code, ip = container_state(self.client, state.name)
         if state.sandbox and not ip:  # the address is the sandbox's
-            ip = engine_api.container_state(self.client, state.sandbox)[2]
+            ip = container_state(self.client, state.sandbox)[2]
         state.ip = ip or state.ip
         if status in ("exited", "dead", ""):
             state.status, state.exit_code = "exited", code

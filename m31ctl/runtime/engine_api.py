@@ -212,18 +212,6 @@ def create_network(
     return refused.reason
 
 
-def container_state(client: Any, container: str) -> tuple[str, int, str]:
-    """(status, exit code, IP on its network); status '' when the container is gone."""
-    try:
-        info = client.api.inspect_container(container)
-    except _sdk().errors.APIError:
-        return "", -1, ""
-    networks = (info.get("NetworkSettings") or {}).get("Networks") or {}
-    ip = next((n["IPAddress"] for n in networks.values() if n.get("IPAddress")), "")
-    state = info.get("State") or {}
-    return str(state.get("Status", "")), int(state.get("ExitCode", -1)), ip
-
-
 class Labelled(NamedTuple):
     kind: str  # container | network | volume
     short: str  # its short id (a volume: its name)

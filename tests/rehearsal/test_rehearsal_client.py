@@ -15,7 +15,7 @@ import pytest
 
 from m31ctl.labels import Label
 from m31ctl.rehearsal import docker_verbs
-from m31ctl.rehearsal.kubelet import exec_in, run_detached
+from m31ctl.rehearsal.kubelet import container_state, exec_in, run_detached
 from m31ctl.runtime import engine_api
 
 pytestmark = pytest.mark.docker
@@ -63,7 +63,7 @@ def test_a_pod_on_its_network_answers_exec_and_state(client, session):
     assert engine_api.create_network(client, network, {Label.REHEARSAL: session}) is None
     started = _shell(client, session, f"{network}-a", "exec sleep 600", network=network, aliases=["pod-a"])
     assert started.ok, started.err
-    status, code, ip = engine_api.container_state(client, f"{network}-a")
+    status, code, ip = container_state(client, f"{network}-a")
     assert status == "running" and ip and code == 0
     # The alias resolves on the network, as `--network-alias` made it.
     peer = docker_verbs.run_to_end(
@@ -81,7 +81,7 @@ def test_a_pod_on_its_network_answers_exec_and_state(client, session):
     # A probe that outlives its timeout: 124, as a timed-out `docker exec` was reported.
     late = exec_in(client, f"{network}-a", ["sleep", "600"], 1)
     assert late == docker_verbs.Ran(124, "", "docker exec timed out after 1 s")
-    assert engine_api.container_state(client, "m31ctl-rh-no-such-container") == ("", -1, "")
+    assert container_state(client, "m31ctl-rh-no-such-container") == ("", -1, "")
 
 
 def test_logs_come_back_by_stream_as_the_cli_gives_them(client, session):

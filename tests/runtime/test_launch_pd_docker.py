@@ -443,8 +443,6 @@ def _pair_subnet_taken(client: Any) -> bool:
 def _serves_as_one(client: Any, name: str, endpoint: str, decode_url: str, env: dict[str, str]) -> None:
     """status lists the group then its roles; each role holds the address it advertises; the
     secret is in no argv or label; a completion through the router had its KV over NIXL."""
-    from m31ctl.runtime import engine_api
-
     shown = run_cli("status", "--runtime", "docker", "--json", env=env)
     rows = [r for r in cli_json.data(shown.stdout)["servers"] if r["name"] in _parts(name)]
     assert [(r["name"], r["state"], r["group"]) for r in rows] == [
@@ -454,14 +452,16 @@ def _serves_as_one(client: Any, name: str, endpoint: str, decode_url: str, env: 
     ]
     assert rows[0]["endpoint"] == endpoint
     for part in _parts(name):
-        config = client.containers.get(part).attrs["Config"]
+        attrs = client.containers.get(part).attrs
+        config = attrs["Config"]
         assert SECRET not in json.dumps([config["Cmd"], config["Entrypoint"], config["Labels"]])
         environ = dict(e.split("=", 1) for e in config["Env"])
         if part == name:
             assert environ[ROUTER_API_KEY_ENV] == SECRET
         else:
             assert environ[API_KEY_ENV] == SECRET
-            assert environ[SIDE_CHANNEL_HOST_ENV] == engine_api.container_state(client, part)[2]
+            networks = attrs["NetworkSettings"]["Networks"].values()
+            assert environ[SIDE_CHANNEL_HOST_ENV] == next(n["IPAddress"] for n in networks if n["IPAddress"])
     before = _external_prompt_tokens(decode_url)
     body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
     answer = _post(f"{endpoint}/v1/completions", body, SECRET)
