@@ -215,6 +215,26 @@ def _meant_setting(dotted: str) -> str | None:
     return by_leaf[near[0]][0] if near else None
 
 
+def _as_json_list(value: Any, loc: tuple[str, ...]) -> str:
+    """A scalar given where a list belongs, as the JSON list it stands for: "--a --b" is two
+    items, and a number where the items are strings is one, quoted. Without spaces, so a screen
+    wraps it as one word."""
+    items = shlex.split(value) if isinstance(value, str) and value.strip() else [value]
+    if str in get_args(_annotation_at(loc)):
+        items = [i if isinstance(i, str) else json.dumps(i) for i in items]
+    return json.dumps(items, separators=(",", ":"))
+
+
+def _annotation_at(loc: tuple[str, ...]) -> Any:
+    model: type[BaseModel] | None = PlanSettings
+    annotation: Any = None
+    for part in loc:
+        info = model.model_fields.get(part) if model else None
+        annotation = info.annotation if info else None
+        model = _section(annotation)
+    return annotation
+
+
 def _validation_error(exc: ValidationError, merged: Layer) -> InputError:
     err = exc.errors()[0]
     loc = tuple(str(p) for p in err["loc"])
@@ -247,6 +267,21 @@ def _validation_error(exc: ValidationError, merged: Layer) -> InputError:
     message = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "missing":
         return InputError(f"setting {dotted!r} is required", hint="set it in a -f file or with --set")
+    if err["type"] in ("tuple_type", "list_type") and setting is not None and dotted in merged:
+        if setting.source.layer == "--set":
+            typed = shlex.quote(f"{dotted}={_as_json_list(setting.value, loc)}")
+            return InputError(
+                f"{dotted} is a list: --set takes it as JSON, quoted for the shell",
+                where=where,
+                hint=redact(f"--set {typed}"),
+            )
+        return InputError(
+            f"{dotted}={redact(repr(setting.value))}: a list is expected",
+            where=where,
+            hint=redact(
+                f"write it as a YAML list, e.g. {dotted.rsplit('.', 1)[-1]}: {_as_json_list(setting.value, loc)}"
+            ),
+        )
     shown = f"{dotted}={redact(repr(setting.value))}: " if setting is not None and dotted in merged else ""
     return InputError(f"{shown}{message}", where=where)
 

@@ -201,6 +201,24 @@ def test_an_unknown_key_suggests_no_section_and_no_far_setting():
         assert "did you mean" not in info.value.one_line() and "plan --explain" in info.value.one_line()
 
 
+def test_a_list_setting_given_a_bare_word_says_the_json_form_to_type(tmp_path):
+    with pytest.raises(InputError) as info:
+        plan_for("b300x4", sets=("engine.extra_args=--enforce-eager",))
+    line = info.value.one_line()
+    assert "valid tuple" not in line and "engine.extra_args is a list" in line and "JSON" in line
+    assert "--set 'engine.extra_args=[\"--enforce-eager\"]'" in line, line
+    with pytest.raises(InputError) as info:  # two flags in one word: two items, no space to wrap at
+        plan_for("b300x4", sets=("engine.extra_args=--enforce-eager --seed 3",))
+    assert '--set \'engine.extra_args=["--enforce-eager","--seed","3"]\'' in info.value.one_line()
+    typed = plan_for("b300x4", sets=('engine.extra_args=["--enforce-eager"]',))  # the form it gives
+    assert build_invocation(derive(typed)).args[-1] == "--enforce-eager"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  extra_args: --enforce-eager\n")
+    with pytest.raises(InputError) as info:  # from a file: its line, and a YAML list
+        plan_for("b300x4", files=(bad,))
+    assert f"{bad}:2" in info.value.one_line() and "a YAML list" in info.value.one_line()
+
+
 def test_bad_set_syntax():
     with pytest.raises(InputError, match=r"key\.path=value"):
         plan_for("b300x4", sets=("nokey",))
