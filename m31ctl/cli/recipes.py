@@ -8,7 +8,7 @@ from typing import Any
 
 from m31ctl.cli.output import console, emit, text_view
 from m31ctl.cli.screen import print_paragraph, print_table
-from m31ctl.plan.catalog import Recipe, builtin_recipes, get_recipe
+from m31ctl.plan.catalog import Recipe, Rule, builtin_recipes, get_recipe
 from m31ctl.plan.resolve import check_recipe_file
 
 
@@ -107,8 +107,8 @@ def _show_text(shown: RecipeShown) -> None:
     for key, value in data["recommended"].items():
         print_paragraph(out, f"recommended {key}: {value}")
     for rule in data["rules"]:
-        cond = {k: v for k, v in rule.items() if k in ("equals", "one_of", "not_in")}
-        print_paragraph(out, f"rule {rule['id']}: {rule['key']} {cond} because {rule['reason']}")
+        said = Rule.model_validate(rule).condition()  # the JSON's structure, said in words
+        print_paragraph(out, f"rule {rule['id']}: {rule['key']} {said} because {rule['reason']}")
         print_paragraph(out, f"  source: {rule['source']}")
     for kind in ("variants", "profiles"):
         for option, text in data[kind].items():

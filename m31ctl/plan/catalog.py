@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -62,12 +63,27 @@ class Rule(_CatalogModel):
         assert self.not_in is not None
         return value not in self.not_in
 
+    def condition(self) -> str:
+        """The rule as a person reads it: "must equal 128", "must be one of fp8, bf16" (values as
+        a recipe or --set spells them: false, not False; fp8, not 'fp8')."""
+        if self.equals is not None:
+            said = _spelt(self.equals)
+            return f"must be {said}" if isinstance(self.equals, bool) else f"must equal {said}"
+        if self.one_of is not None:
+            return f"must be one of {', '.join(_spelt(v) for v in self.one_of)}"
+        return f"must not be one of {', '.join(_spelt(v) for v in self.not_in or ())}"
+
     def expectation(self) -> str:
         if self.equals is not None:
             return f"must be {self.equals!r}"
         if self.one_of is not None:
             return f"must be one of {list(self.one_of)!r}"
         return f"must not be one of {list(self.not_in or ())!r}"
+
+
+def _spelt(value: Any) -> str:
+    """A rule's value as YAML and --set spell it: bare strings and numbers, JSON for the rest."""
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 class Recommended(_CatalogModel):

@@ -306,6 +306,22 @@ def test_every_rule_has_a_source_shown_by_recipes_show(cli):
         assert text.count("  source: ") == len(recipe.rules)
 
 
+def test_recipes_show_says_each_rule_in_words_and_json_keeps_its_structure(cli):
+    text = cli("recipes", "show", "hopper", env={"COLUMNS": "400"}).stdout
+    assert not any(repr_ in text for repr_ in ("{'", "['", "'fp8'", "False")), text
+    for said in (
+        "rule hopper-block-size: cache.block_size must equal 128 because",
+        "rule hopper-indexer-cache: cache.indexer_dtype must be one of fp8, bf16 because",
+        "rule hopper-no-video: multimodal.video must be false because",
+    ):
+        assert said in text, said
+    amd = cli("recipes", "show", "mi355x", env={"COLUMNS": "400"}).stdout
+    assert "speculative.draft_attention_backend must not be one of FLASHINFER_TS, FLASHINFER because" in amd
+    rules = {r["id"]: r for r in cli_json.data(cli("recipes", "show", "hopper", "--json").stdout)["rules"]}
+    assert rules["hopper-block-size"]["equals"] == 128
+    assert rules["hopper-indexer-cache"]["one_of"] == ["fp8", "bf16"]
+
+
 def test_a_rule_without_source_is_refused(tmp_path, cli):
     text = (ROOT / "recipes" / "hopper.yaml").read_text()
     stripped = "\n".join(line for line in text.splitlines() if not line.strip().startswith("source:"))
