@@ -83,8 +83,8 @@ def geometry_json(origin: GeometryOrigin) -> dict[str, Any]:
 
 def geometry_line(origin: GeometryOrigin) -> str:
     """'geometry of MiniMax-M3 (MXFP8): MiniMax-M3-preview's (...), from recipes/models.yaml;
-    published' (or the facts that are not)."""
-    shown = "published" if origin.published else f"unpublished: {', '.join(origin.unpublished)}"
+    every value published' (or the values that are not: 'unpublished: sparse_layers=60')."""
+    shown = "every value published" if origin.published else f"unpublished: {', '.join(origin.unpublished)}"
     return f"geometry of {origin.model}: {origin.name}, from {origin.source}; {shown}"
 
 

@@ -265,7 +265,7 @@ def test_capacity_text_names_each_geometry(cli):
         "geometry of MiniMax-M3.1-Flash: MiniMax-M3.1-Flash's (main attention from the launch post's bytes "
         "per token), from recipes/models.yaml; unpublished: sparse_layers=60, indexer_dim=128",
         "geometry of MiniMax-M3 (MXFP8): MiniMax-M3-preview's (vLLM 0.32 MiniMaxM3TextConfig defaults), from "
-        "recipes/models.yaml; published",
+        "recipes/models.yaml; every value published",
     ]
 
 

@@ -418,6 +418,28 @@ def test_bench_table_keeps_each_figure_whole_at_80_columns(monkeypatch, capsys):
             assert _cell(figure) in text, (_cell(figure), text)
 
 
+# --- issue 51: messages -------------------------------------------------------------------------
+
+
+def _paragraphs(text: str) -> list[str]:
+    """Wrapped lines joined back into the paragraphs they were (continuations are indented)."""
+    joined: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("  ") and joined:
+            joined[-1] += " " + line.strip()
+        else:
+            joined.append(line)
+    return joined
+
+
+def test_capacity_geometry_line_says_what_is_published_not_a_dangling_word():
+    text = run_cli("capacity", "--hardware", "b300x4", env={"COLUMNS": "80"}).stdout
+    said = [p for p in _paragraphs(text) if p.startswith("geometry of ")]
+    assert len(said) == 2 and not any(p.endswith("; published") for p in said), said
+    assert said[0].endswith("unpublished: sparse_layers=60, indexer_dim=128")
+    assert said[1].endswith("from recipes/models.yaml; every value published")
+
+
 # --- 6: hints that help ---------------------------------------------------------------------------
 
 
