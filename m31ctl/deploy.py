@@ -338,9 +338,10 @@ def _switched(
     switch: Switch,
 ) -> LaunchResult:
     result, verdict = gated
-    rollout = Replacement(
-        live.name, live.endpoint, live.plan_hash, gpus, downtime, verdict.checks, switch.rollback_command
-    )
+    back = switch.rollback_command
+    if downtime is not None and "--accept-downtime" not in back:
+        back += " --accept-downtime"  # going back needs the same GPUs: the same downtime, accepted
+    rollout = Replacement(live.name, live.endpoint, live.plan_hash, gpus, downtime, verdict.checks, back)
     return dataclasses.replace(result, rollout=rollout)
 
 

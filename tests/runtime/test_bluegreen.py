@@ -196,6 +196,7 @@ def test_without_free_gpus_the_downtime_is_said_and_refused_unattended(monkeypat
     [new] = acts.launched
     assert new.network.port == 8000 and new.gpus.uuids == UUIDS  # its slot: the endpoint stays
     assert result.rollout is not None and result.rollout.downtime_s == ready
+    assert result.rollout.rollback == "m31ctl launch --rollback --name m31 --accept-downtime"
     assert result.rollout.to_json()["previous"] == {
         "server": "m31",
         "endpoint": "http://127.0.0.1:8000",
