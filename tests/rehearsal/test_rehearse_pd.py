@@ -254,3 +254,21 @@ def test_the_report_says_each_proof_in_a_line():
         "    DIFF thirteen-blocks (1651 prompt tokens)",
     ]
     assert not outcome.ok and outcome.to_json()["parity"][1]["same"] is False
+
+
+def test_the_manifest_names_the_serving_pod_and_the_port_it_serves_on(tmp_path):
+    """vLLM's port is named http, the router's api; a pod that names neither serves on the plan's
+    container port (read_manifest's container_port), as the Service would target it."""
+    prepared = _prepared(tmp_path)
+    assert (
+        prepared.manifest.serving is not None and prepared.manifest.serving.pod == prepared.manifest.api_pod
+    )
+    assert prepared.manifest.serving_port == dict(prepared.manifest.serving.ports)["api"]
+    assert (
+        prepared.pair is not None
+        and prepared.pair.reference_port == dict(prepared.pair.reference.ports)["http"]
+    )
+    unnamed = {"kind": "Deployment", "metadata": {"name": "web"},
+               "spec": {"template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}}}  # fmt: skip
+    manifest = read_manifest([unnamed], container_port=8123)
+    assert manifest.serving is not None and (manifest.api_pod, manifest.serving_port) == ("web-0", 8123)
