@@ -309,7 +309,9 @@ def _start_and_gate(
             f"blue-green: {new.name} failed the gate ({'; '.join(verdict.failed)}); it is stopped and {after}",
             hint=f"run the same checks on a server of this plan: m31ctl verify --name {new.name}",
         )
-    options.report(f"gate passed: {len(verdict.checks)} checks ({', '.join(verdict.checks)})")
+    passed = [c for c in verdict.checks if c not in verdict.skipped]
+    skipped = f"; skipped: {', '.join(verdict.skipped)}" if verdict.skipped else ""
+    options.report(f"gate passed: {', '.join(passed)}{skipped}")
     return result, verdict
 
 

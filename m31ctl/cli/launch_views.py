@@ -13,6 +13,7 @@ from typing import Any
 import typer
 
 from m31ctl.capacity.fit import plan_fit
+from m31ctl.checks import CheckStatus
 from m31ctl.cli import output
 from m31ctl.cli.output import console, emit, emit_event, text_view
 from m31ctl.cli.screen import for_stderr, print_command, print_paragraph, print_table
@@ -185,7 +186,8 @@ def verify_gate(no_load: bool) -> Callable[[Deployment, str], GateVerdict]:
         target = targets.find(lambda: new, False, targets.Where(None, new.name, runtime, None))
         report = verify.run_target(target, no_load=no_load, baseline=None, tolerance=0.25)
         failed = tuple(f"{c.id}: {c.message}" for c in report.checks if c.failed)
-        return GateVerdict(report.ok, tuple(c.id for c in report.checks), failed)
+        skipped = tuple(c.id for c in report.checks if c.status is CheckStatus.SKIP)
+        return GateVerdict(report.ok, tuple(c.id for c in report.checks), failed, skipped)
 
     return gate
 
@@ -306,7 +308,7 @@ def _print_rollout(out: Any, result: LaunchResult) -> None:
     gpus = f" on GPU {', '.join(map(str, rollout.gpus))}" if rollout.gpus else ""
     out.print(
         f"replaced {rollout.previous} (plan {rollout.previous_plan_hash or '?'}): {how}{gpus}; "
-        f"the gate passed ({len(rollout.gate)} checks)",
+        f"the gate passed (verify's {len(rollout.gate)} checks)",
         markup=False,
     )
     if rollout.previous_endpoint != result.endpoint:

@@ -196,3 +196,4 @@ class GateVerdict(NamedTuple):
     ok: bool
     checks: tuple[str, ...]  # the ids of the checks that ran
     failed: tuple[str, ...]  # "id: message" of each that failed
+    skipped: tuple[str, ...] = ()  # the ids of those the plan does not ask for (or --gate-no-load)
