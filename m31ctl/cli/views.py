@@ -437,12 +437,12 @@ def print_probe(report: ProbeReport) -> None:
                 markup=False,
             )
         for note in hw.notes:
-            out.print(f"  note: {note}")
-    out.print(f"Recipe: {recipe_line}")
+            print_paragraph(out, f"  note: {note}")
+    # Wrapped between phrases: a flag with its value and a `command` are never split.
+    print_paragraph(out, f"Recipe: {recipe_line}")
     for attempt in report.attempts:
-        out.print(
-            f"  probe {attempt.method}: {'ok' if attempt.ok else 'unavailable'} ({attempt.detail})",
-            markup=False,
+        print_paragraph(
+            out, f"  probe {attempt.method}: {'ok' if attempt.ok else 'unavailable'} ({attempt.detail})"
         )
 
 

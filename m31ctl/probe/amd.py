@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,26 @@ def _name_for(arch: str, device_id: str | None) -> str:
     return f"AMD GPU ({arch})"
 
 
+# Where ROCm keeps the amdsmi Python package that matches its own libamd_smi.so.
+ROCM_AMDSMI = Path("/opt/rocm/share/amd_smi")
+
+
+def amdsmi_install() -> str:
+    """The command that puts amdsmi into the Python m31ctl runs in, as it works from a clone as
+    from a wheel: that interpreter's pip (`pip install 'm31ctl[amd]'` asks the index for an
+    m31ctl it does not have), with the copy the host's ROCm ships where there is one (the
+    index's amdsmi must match ROCm's library), else the `amd` extra's package itself."""
+    rocm_amdsmi = ROCM_AMDSMI
+    python = sys.executable or "python3"
+    with contextlib.suppress(ValueError):  # another drive: the path as it is
+        near = os.path.relpath(python)
+        python = near if not near.startswith("..") else python
+    if rocm_amdsmi.is_dir():
+        command = f"{shlex.quote(python)} -m pip install {shlex.quote(str(rocm_amdsmi))}"
+        return f"`{command}` adds the copy this host's ROCm ships"
+    return f"`{shlex.quote(python)} -m pip install amdsmi` adds it; it loads ROCm's libamd_smi.so"
+
+
 class AmdSmiProbe:
     name = "amdsmi"
 
@@ -40,7 +63,7 @@ class AmdSmiProbe:
             import amdsmi
         except ImportError:
             raise ProbeUnavailable(
-                "amdsmi is not installed (it ships with ROCm; pip install 'm31ctl[amd]')"
+                f"amdsmi is not installed in m31ctl's Python ({amdsmi_install()})"
             ) from None
         except OSError as exc:  # the Python package is there but libamd_smi.so is not
             raise ProbeUnavailable(f"amdsmi cannot load its library: {exc}") from None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -268,6 +270,35 @@ def test_cli_probe_without_gpu_exits_zero(cli, tmp_path):
     assert data["hardware"]["count"] == 0 and data["recipe"]["name"] is None
     assert [a["method"] for a in data["attempts"]] == methods.split(",")
     assert not any(a["ok"] for a in data["attempts"])
+
+
+def test_amdsmi_missing_says_a_command_that_works_from_a_clone(cli, monkeypatch, tmp_path):
+    """`pip install 'm31ctl[amd]'` asks the index for an m31ctl it has not got; the hint is the pip
+    of the Python m31ctl runs in, with ROCm's own amdsmi where the host has one."""
+    import sys
+
+    from m31ctl.probe import amd
+    from m31ctl.probe.snapshot import ProbeUnavailable
+
+    monkeypatch.setitem(sys.modules, "amdsmi", None)  # `import amdsmi` raises ImportError
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ProbeUnavailable) as info:
+        AmdSmiProbe().probe()
+    said = str(info.value)
+    assert "m31ctl[amd]" not in said and f"`{sys.executable} -m pip install amdsmi`" in said, said
+    rocm = tmp_path / "amd_smi"
+    rocm.mkdir()
+    monkeypatch.setattr(amd, "ROCM_AMDSMI", rocm)
+    with pytest.raises(ProbeUnavailable) as info:
+        AmdSmiProbe().probe()
+    assert f"-m pip install {rocm}` adds the copy this host's ROCm ships" in str(info.value)
+    monkeypatch.setattr(amd, "ROCM_AMDSMI", tmp_path / "none")
+    monkeypatch.chdir(Path(sys.executable).parents[2])  # in the clone: the venv's path as typed there
+    shown = cli("probe", env={"COLUMNS": "80", "M31CTL_PROBE_METHODS": "amdsmi"}).stdout
+    lines = shown.splitlines()
+    assert all(len(line) <= 80 for line in lines), shown
+    command = f"`{os.path.relpath(sys.executable)} -m pip install amdsmi`"
+    assert any(command in line for line in lines), shown  # whole on one line, to be copied
 
 
 DEVICE = GPU_FIXTURES / "device-h200x2"
