@@ -31,8 +31,10 @@ from m31ctl.plan.layers import FlagSet
 from m31ctl.probe import ProbeReport, detect
 from m31ctl.runtime import RUNTIMES, bluegreen, get_runtime, previous
 from m31ctl.runtime.bluegreen import GateVerdict
+from m31ctl.runtime.launching import api_key_for
 from m31ctl.runtime.planrecord import record_of, recorded_deployment
 from m31ctl.runtime.protocol import DryRun, LaunchOptions, LaunchResult, Replacement, Runtime
+from m31ctl.runtime.readiness import models
 from m31ctl.timeline import ENGINE_READY_ENV
 from m31ctl.timeline import conflicts as clock_conflicts
 
@@ -218,10 +220,7 @@ def blue_green(
         options.report(f"no server of {asked.name} runs: nothing to replace; launching it")
         return launch(asked, runtime_name, options, deep, fetch)
     if bluegreen.serves(live, record_of(asked, os.getcwd())):
-        options.report(f"{live.name} serves this plan already, on {live.endpoint}")
-        return LaunchResult(
-            "unchanged", live.name, runtime_name, live.endpoint, live.plan_hash or asked.plan.hash, True
-        )
+        return _unchanged(asked, live, runtime_name, options, deep, fetch)
     placement = _placement(asked, live)
     cut = bluegreen.cutover(placement)
     if not cut.beside:
@@ -234,6 +233,26 @@ def blue_green(
     gated = _start_and_gate(new, live, runtime_name, options, switch, deep, fetch, serving=True)
     _replace_live(asked.name, live, runtime_name, options)
     return _switched(gated, live, cut.gpus, None, switch)
+
+
+def _unchanged(
+    asked: Deployment,
+    live: bluegreen.Live,
+    runtime_name: str,
+    options: LaunchOptions,
+    deep: bool,
+    fetch: Callable[[Deployment], bool] | None,
+) -> LaunchResult:
+    """The live server runs the asked plan: nothing changes where it serves; one still loading
+    is launched as it was placed, which the flow adopts and waits for."""
+    served = asked.plan.settings.model.served_name
+    if served in (models(live.endpoint, api_key_for(asked, options.environ)) or []):
+        options.report(f"{live.name} serves this plan already, on {live.endpoint}")
+        return LaunchResult(
+            "unchanged", live.name, runtime_name, live.endpoint, live.plan_hash or asked.plan.hash, True
+        )
+    port = urlsplit(live.endpoint).port or asked.network.port
+    return launch(_placed(asked, live.name, port, ()), runtime_name, options, deep, fetch)
 
 
 def _live(runtime_name: str, base: str) -> bluegreen.Live | None:
