@@ -234,3 +234,51 @@ def test_free_gpus_start_the_new_server_beside_on_them(monkeypatch):
     assert new.plan.settings.runtime.container_name == "m31-green"
     assert result.endpoint == "http://127.0.0.1:8001" and result.rollout is not None
     assert result.rollout.downtime_s is None and result.rollout.gate == ("plan", "chat")
+
+
+# How the chosen GPUs reach the new server, and what a runtime reads back of the live one's.
+
+
+def _on_gpus(hw: Hardware, indices: tuple[int, ...], *sets: str):  # type: ignore[no-untyped-def]
+    d = derive(resolve(PlanRequest(hw, sets=("parallelism.tensor=1", *sets))))
+    return d._replace(gpus=bluegreen.selection_of(hw, indices))
+
+
+def test_the_native_runtime_pins_the_chosen_gpus_in_pci_bus_order():
+    from m31ctl.runtime.native import pinned_gpus
+
+    hw = probed(held_by_vllm=(0,))
+    assert pinned_gpus(_on_gpus(hw, (1,))) == {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert pinned_gpus(_on_gpus(hw, (1,), "runtime.env.CUDA_VISIBLE_DEVICES=0")) == {}  # the user's own
+    assert pinned_gpus(derive(resolve(PlanRequest(hw, sets=("parallelism.tensor=1",))))) == {}  # unpinned
+    assert pinned_gpus(derive(resolve(PlanRequest(simulated("cpu"))))) == {}
+
+
+def test_the_docker_runtime_requests_the_chosen_gpus_and_reads_them_back():
+    from types import SimpleNamespace
+
+    from m31ctl.runtime.docker_launch import single
+    from m31ctl.runtime.docker_servers import device_ids
+
+    assert single(_on_gpus(probed(), (1,))).spec.gpu_device_ids == (UUIDS[1],)
+    by_index = derive(resolve(PlanRequest(simulated("h200x8"), sets=("parallelism.tensor=4",))))
+    placed = by_index._replace(gpus=bluegreen.selection_of(by_index.plan.hardware, (4, 5, 6, 7)))
+    assert single(placed).spec.gpu_device_ids == ("4", "5", "6", "7")
+    requested = {"HostConfig": {"DeviceRequests": [{"DeviceIDs": [UUIDS[1]], "Capabilities": [["gpu"]]}]}}
+    assert device_ids(SimpleNamespace(attrs=requested)) == (UUIDS[1],)
+    by_count = {"HostConfig": {"DeviceRequests": [{"Count": 1, "DeviceIDs": None}]}}
+    assert device_ids(SimpleNamespace(attrs=by_count)) == ()
+    assert device_ids(SimpleNamespace(attrs={"HostConfig": {"DeviceRequests": "odd"}})) == ()
+
+
+def test_the_replaced_plan_is_kept_and_read_back(tmp_path, monkeypatch):
+    from m31ctl.runtime import previous
+
+    monkeypatch.setenv("M31CTL_STATE_DIR", str(tmp_path))
+    d = derive(resolve(PlanRequest(simulated("cpu"), sets=("runtime.container_name=m31",))))
+    previous.remember(previous.Previous("m31", "m31-green", "native", record_of(d, "/"), 1.0))
+    kept = previous.recall("m31")
+    assert kept is not None and kept.server == "m31-green" and kept.record.plan_hash == d.plan.hash
+    assert previous.kept() == ["m31"]
+    (tmp_path / "rollouts" / "m31.json").write_text("{not json")
+    assert previous.recall("m31") is None and previous.kept() == []
