@@ -10,8 +10,10 @@ on the API port's /metrics, which vLLM's API key does not guard. Series are sele
 target label, `m31ctl_deployment`, that the scrape configuration and the PodMonitor both set, so
 the same rules and dashboard serve a host and a cluster.
 
-Speculative decoding's and P/D's queries are always there: without a draft or a NIXL connector
-their metrics are absent, the panels stay empty and the rules never fire.
+Speculative decoding's queries are always there: without a draft their metrics are absent, the
+panels stay empty and the rules never fire. The KV transfer's panel and alert are a P/D plan's
+alone, and only where its connector is NIXL (the one whose metrics they read): an aggregated
+server has no KV connector, and a rule for one would be read as something to watch.
 """
 
 from __future__ import annotations
@@ -92,6 +94,14 @@ def _acceptance_length(sel: str, window: str = RATE_WINDOW) -> str:
     return f"1 + {accepted} / {drafts}"
 
 
+def _kv_over_nixl(deployment: Deployment) -> bool:
+    """A P/D plan whose KV moves through vLLM's NixlConnector, the one the vllm:nixl_* metrics
+    come from."""
+    return (
+        deployment.disaggregated is not None and deployment.plan.settings.disaggregation.connector == "nixl"
+    )
+
+
 def panels(deployment: Deployment) -> tuple[Panel, ...]:
     sel = _selector(deployment)
     drafts = f"sum({_rate('vllm:spec_decode_num_drafts_total', sel)})"
@@ -99,7 +109,7 @@ def panels(deployment: Deployment) -> tuple[Panel, ...]:
         f"sum by (position) ({_rate('vllm:spec_decode_num_accepted_tokens_per_pos_total', sel)})"
         f" / ignoring(position) group_left {drafts}"
     )
-    return (
+    shown = (
         Panel("Engine up", "none", (Query(f"up{sel}", "{{instance}}"),)),
         Panel(
             "Throughput (tokens/s)",
@@ -154,12 +164,13 @@ def panels(deployment: Deployment) -> tuple[Panel, ...]:
             "percentunit",
             (Query(per_position, "position {{position}}"),),
         ),
-        Panel(
-            "Failed KV transfers/s (P/D with NIXL)",
-            "short",
-            (Query(f"sum({_rate('vllm:nixl_num_failed_transfers_total', sel)})", "failed"),),
-        ),
     )
+    transfers = Panel(
+        "Failed KV transfers/s (P/D with NIXL)",
+        "short",
+        (Query(f"sum({_rate('vllm:nixl_num_failed_transfers_total', sel)})", "failed"),),
+    )
+    return (*shown, transfers) if _kv_over_nixl(deployment) else shown
 
 
 def alerts(deployment: Deployment) -> tuple[Alert, ...]:
@@ -169,7 +180,7 @@ def alerts(deployment: Deployment) -> tuple[Alert, ...]:
     queue_s = verify.ttft_p99_ms / 1000 if verify.ttft_p99_ms else DEFAULT_QUEUE_P99_S
     acceptance = verify.min_acceptance_length or DEFAULT_MIN_ACCEPTANCE
     name = deployment.name
-    return (
+    shown = (
         Alert(
             "VllmEngineDown",
             Query(f"up{sel}", "up"),
@@ -204,14 +215,6 @@ def alerts(deployment: Deployment) -> tuple[Alert, ...]:
             f"{name}: p99 queue time above {queue_s:g} s for 10 minutes (more load than the batch admits)",
         ),
         Alert(
-            "VllmKvTransferFailures",
-            Query(f"sum(increase(vllm:nixl_num_failed_transfers_total{sel}[{RATE_WINDOW}]))", "failed"),
-            "> 0",
-            "0m",
-            "critical",
-            f"{name}: NIXL KV transfers failed between prefill and decode in the last {RATE_WINDOW}",
-        ),
-        Alert(
             "VllmSpecAcceptanceCollapsed",
             Query(_acceptance_length(sel, "15m"), "tokens per step"),
             f"< {acceptance:g}",
@@ -221,6 +224,17 @@ def alerts(deployment: Deployment) -> tuple[Alert, ...]:
             "(the draft no longer pays; check the draft and the traffic)",
         ),
     )
+    if not _kv_over_nixl(deployment):
+        return shown
+    transfers = Alert(
+        "VllmKvTransferFailures",
+        Query(f"sum(increase(vllm:nixl_num_failed_transfers_total{sel}[{RATE_WINDOW}]))", "failed"),
+        "> 0",
+        "0m",
+        "critical",
+        f"{name}: NIXL KV transfers failed between prefill and decode in the last {RATE_WINDOW}",
+    )
+    return (*shown[:4], transfers, *shown[4:])  # where it stood: the alerts' order kept
 
 
 def rule_groups(deployment: Deployment) -> list[dict[str, Any]]:

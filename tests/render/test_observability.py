@@ -34,9 +34,10 @@ from tests.support.prometheus import start as start_prometheus
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="no promtool (scripts/setup-host installs prometheus)"
 )
-# Queries on P/D's NIXL metrics: a single server has no KV connector, so here they are checked by
-# name against vLLM's source and by promtool; tests/runtime/test_launch_pd.py runs them in a real
-# Prometheus scraping a launched P/D group, where they return data.
+# Queries on P/D's NIXL metrics, rendered for a P/D plan alone: a single server has no KV
+# connector, so here they are checked by name against vLLM's source and by promtool;
+# tests/runtime/test_launch_pd.py runs them in a real Prometheus scraping a launched P/D group,
+# where they return data.
 PD_ONLY = ("vllm:nixl_",)
 
 
@@ -68,9 +69,10 @@ def test_the_scrape_config_targets_the_plans_port_with_the_selector_label():
 
 
 def test_every_query_selects_the_deployment_and_uses_vllms_real_metric_names():
-    d = deployment_for("runtime.container_name=mon-b")
+    single = deployment_for("runtime.container_name=mon-b")
+    pair = deployment_for("runtime.container_name=mon-b", "disaggregation.enabled=true")  # + NIXL's
     vllm_names = _vllm_metric_names()
-    for what, expr in all_queries(d):
+    for what, expr in all_queries(single) + all_queries(pair):
         used = set(re.findall(r"vllm:[a-z_]+", expr))
         assert used or expr.startswith("up{"), what
         for name in used:
@@ -150,6 +152,17 @@ def test_promtool_checks_the_rules_and_the_config(tmp_path):
     assert done.returncode == 0, done.stderr
     rules = subprocess.run(
         [PROMTOOL, "check", "rules", str(tmp_path / "m31ctl-alerts.yaml")], capture_output=True, text=True
+    )
+    # An aggregated server: no KV connector, so no KV transfer rule (a P/D plan's sixth).
+    assert rules.returncode == 0 and "SUCCESS: 5 rules found" in rules.stdout, rules.stdout + rules.stderr
+    pair = tmp_path / "pair"
+    sets = ("--set", "disaggregation.enabled=true")
+    assert (
+        run_cli("render", "--hardware", "cpu", *sets, "--target", "monitoring", "-o", str(pair)).returncode
+        == 0
+    )
+    rules = subprocess.run(
+        [PROMTOOL, "check", "rules", str(pair / "m31ctl-alerts.yaml")], capture_output=True, text=True
     )
     assert rules.returncode == 0 and "SUCCESS: 6 rules found" in rules.stdout, rules.stdout + rules.stderr
     config = subprocess.run(
@@ -339,3 +352,28 @@ def test_a_plan_the_k8s_target_refuses_still_gets_the_host_files():
         "# No k8s-monitoring.yaml: the k8s target refuses this plan (the plan spans 2 nodes"
         in files["prometheus.yml"]
     )
+
+
+def _kv_transfer_watched(files: dict[str, str]) -> tuple[bool, bool, bool]:
+    """Whether the dashboard, the rules file and the PrometheusRule read the NIXL transfer metrics."""
+    board = json.loads(files["grafana-dashboard.json"])
+    panel = any("vllm:nixl_" in t["expr"] for p in board["panels"] for t in p["targets"])
+    rules = "VllmKvTransferFailures" in files["m31ctl-alerts.yaml"]
+    # k8s-monitoring.yaml is left out where the k8s target refuses the plan (no pinned revision).
+    return panel, rules, "nixl" in files.get("k8s-monitoring.yaml", "")
+
+
+def test_only_a_pd_plan_over_nixl_gets_the_kv_transfer_alert_and_panel(tmp_path):
+    """An aggregated server has no KV connector: a NIXL alert there is a rule for something it does
+    not do. The command of the issue (51) and the P/D pair of the same host."""
+    out = tmp_path / "aggregated"
+    done = run_cli("render", "--target", "monitoring", "--hardware", "h200x8", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    aggregated = {p.name: p.read_text() for p in out.iterdir()}
+    assert _kv_transfer_watched(aggregated) == (False, False, False)
+    assert "VllmEngineDown" in aggregated["m31ctl-alerts.yaml"]
+    assert _kv_transfer_watched(artifacts(deployment_for(hw="h200x8"))) == (False, False, False)
+    pair = artifacts(deployment_for("disaggregation.enabled=true"))
+    assert _kv_transfer_watched(pair) == (True, True, True)
+    names = [a.name for a in obs.alerts(deployment_for("disaggregation.enabled=true"))]
+    assert names.index("VllmKvTransferFailures") == names.index("VllmQueueTimeHigh") + 1
