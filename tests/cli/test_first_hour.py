@@ -574,6 +574,59 @@ def test_demo_has_headings_one_profile_no_settings_table_and_next_steps():
     assert "m31ctl render --target k8s" in out.split("== Next")[1]
 
 
+def test_demo_titles_and_next_steps_follow_the_host_it_was_given():
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "demo"), "--hardware", "h200x8"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "== 1. The plan: MiniMax-M3.1-Flash on a simulated 8x H200 host ==" in out
+    assert "B300" not in out and "b300x4" not in out, out
+    after = out.split("== Next")[1]
+    assert "m31ctl render --target k8s --hardware h200x8 -o deploy/" in after
+    assert "m31ctl capacity --hardware h200x8 --profile throughput" in after
+    assert all(len(line) <= 80 for line in after.splitlines()) and all(
+        len(h) <= 80 for h in out.splitlines() if h.startswith("==")
+    )
+
+
+def test_demo_says_what_it_sets_up_before_the_quiet_set_up(tmp_path):
+    """The first run's set-up (scripts/bootstrap: pip, about 40 s) prints nothing: the demo says
+    what it is doing first. Run on a copy whose bootstrap and m31ctl only say they ran."""
+    import shutil
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "demo", tmp_path / "scripts" / "demo")
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    for path, body in (
+        (tmp_path / "scripts" / "bootstrap", 'echo "BOOTSTRAP RAN"\ntouch .venv/.m31ctl-installed\n'),
+        (tmp_path / ".venv" / "bin" / "m31ctl", 'echo "m31ctl $*"\n'),
+    ):
+        path.write_text("#!/usr/bin/env bash\n" + body)
+        path.chmod(0o755)
+    demo = [str(tmp_path / "scripts" / "demo"), "--hardware", "mi355xx8"]
+    first = subprocess.run(demo, capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = first.splitlines()
+    assert lines[0].startswith("== Setting up .venv") and "about a minute" in lines[0], first
+    assert lines[1] == "BOOTSTRAP RAN"
+    assert "m31ctl plan --brief --hardware mi355xx8" in first  # the host given once, not b300x4 too
+    assert "simulated 8x MI355X host" in first
+    again = subprocess.run(demo, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "Setting up" not in again and again.startswith("BOOTSTRAP RAN")  # set up: nothing to say
+
+
 def test_plan_brief_leaves_out_the_settings_table():
     brief = run_cli("plan", "--hardware", "b300x4", "--brief").stdout
     assert "cache.block_size" not in brief and "--explain" in brief and "vllm serve" in brief
