@@ -329,15 +329,16 @@ def _print_settings(deployment: Deployment, explain: bool, out: Any) -> None:
 
 
 def _print_notes(deployment: Deployment, out: Any) -> None:
-    """What the plan requires of the host, what the engine was told, and the plan's warnings."""
+    """What the recipe recommends of the host, what the engine was told, and the plan's warnings."""
     plan = deployment.plan
-    requirements = plan.recipe.recommended
-    if requirements.cuda_driver:
+    # The recipe's `recommended:`, said as that: doctor warns below it, it refuses nothing.
+    recommended = plan.recipe.recommended
+    if recommended.cuda_driver:
         print_paragraph(
-            out, f"Requires: a driver supporting CUDA {requirements.cuda_driver} (recommended by the recipe)"
+            out, f"Recommended: a driver supporting CUDA {recommended.cuda_driver} (doctor warns below it)"
         )
-    if requirements.rocm:
-        print_paragraph(out, f"Requires: ROCm {requirements.rocm}")
+    if recommended.rocm:
+        print_paragraph(out, f"Recommended: ROCm {recommended.rocm}")
     for note in dict.fromkeys(n for engine in deployment.engines for n in build_invocation(engine).effects):
         print_paragraph(out, f"Engine: {note}")
     for warning in plan.warnings:
