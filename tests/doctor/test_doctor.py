@@ -137,6 +137,32 @@ def test_capacity_warning_when_max_num_seqs_cannot_fit():
     assert by_id["capacity"].status == "warn" and "max_num_seqs=64" in by_id["capacity"].message
 
 
+# --- issue 51: doctor's messages ------------------------------------------------------------------
+
+
+def test_the_plans_own_max_num_seqs_is_what_the_engine_does_not_a_warning(tmp_path):
+    """b300x4's 512 comes from the plan (a runtime rule over the defaults), not from the user: the
+    finding says what vLLM does with more than fit, and warns only where the user set it."""
+    by_id, report = results(h200_probe(), (PORT,), FakeDocker(), hardware="b300x4")
+    assert report.plan is not None and report.plan.settings.serving.max_num_seqs == 512
+    capacity = by_id["capacity"]
+    assert capacity.status == "ok" and capacity.remedy == "", capacity
+    assert "vLLM admits up to 512 sequences" in capacity.message and "preempts or queues" in capacity.message
+    assert "the plan's default" in capacity.message and " but only " not in capacity.message
+    by_id, _ = results(h200_probe(), (PORT, "serving.max_num_seqs=512"), FakeDocker(), hardware="b300x4")
+    warned = by_id["capacity"]
+    assert warned.status == "warn" and warned.message.startswith(
+        "serving.max_num_seqs=512 (--set #2) but only"
+    )
+    assert "--set serving.max_num_seqs=" in warned.remedy
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("serving:\n  max_num_seqs: 200\n")
+    request = PlanRequest(hardware=simulated("b300x4"), files=(mine,), sets=(PORT,))
+    report = diagnose(request, h200_probe(), lambda: FakeDocker())
+    (from_file,) = [r for r in report.results if r.id == "capacity"]
+    assert from_file.status == "warn" and f"({mine}:2)" in from_file.message
+
+
 def test_port_in_use_fails():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -17,6 +17,9 @@ from m31ctl.doctor.checks.host import without_docker
 from m31ctl.redact import SECRET_ENV
 
 GB = 1e9
+# The layers a user writes (a -f file; a --set, or the flag that stands for one): a value from
+# them is the user's choice, one from the defaults, the recipe or a rule is the plan's.
+USERS_LAYERS = ("file", "--set")
 
 
 def snapshot(deployment: Deployment) -> Path | None:
@@ -140,24 +143,39 @@ def capacity(ctx: CheckContext) -> Outcome:
     tier = host_tier_outcome(ctx, deployment)
     if tier is not None and tier.status is CheckStatus.FAIL:
         return tier
-    warning = capacity_warning(deployment)
-    if warning:
-        also = f"; {tier.message}" if tier is not None and tier.status is CheckStatus.WARN else ""
-        return Outcome(
-            CheckStatus.WARN, warning + also, "lower serving.max_model_len / max_num_seqs or add GPUs"
-        )
     fit = plan_fit(deployment)
+    warned = tier is not None and tier.status is CheckStatus.WARN
+    also = f"; {tier.message}" if warned and tier is not None else ""
+    if not fit.fits:
+        warning = capacity_warning(deployment) or ""
+        return Outcome(CheckStatus.WARN, warning + also, "lower serving.max_model_len or add GPUs")
     basis = fit.sequences_published_basis
     published = "" if basis is None else f"; {basis} on the launch post's basis (main attention only)"
-    status, also, remedy = CheckStatus.OK, "", ""
+    fits = (
+        f"{fit.sequences} sequences of {fit.context} tokens fit ({fit.layout}, "
+        f"{fit.kv_cache_tokens:,} KV tokens per engine){published}"
+    )
+    admitted = deployment.plan.settings.serving.max_num_seqs
+    if admitted is not None and admitted > fit.sequences:
+        # What the engine does with more than fit: it admits them, then preempts or queues.
+        engine = (
+            f"vLLM admits up to {admitted} sequences, and past {fit.sequences} at full length it "
+            "preempts or queues the rest"
+        )
+        source = deployment.plan.provenance.get("serving.max_num_seqs")
+        if source is not None and source.layer in USERS_LAYERS:  # the user's choice: a warning
+            return Outcome(
+                CheckStatus.WARN,
+                f"serving.max_num_seqs={admitted} ({source}) but only {fits}; {engine}{also}",
+                f"lower it to what fits (--set serving.max_num_seqs={fit.sequences}), lower "
+                "serving.max_model_len, or add GPUs",
+            )
+        # The plan's own default, which the user never set: what the engine will do, no warning.
+        fits += f"; {engine} (serving.max_num_seqs={admitted}, the plan's default)"
+    status, remedy = CheckStatus.OK, ""
     if tier is not None:
         status, also, remedy = tier.status, f"; {tier.message}", tier.remedy
-    return Outcome(
-        status,
-        f"{fit.sequences} sequences of {fit.context} tokens fit ({fit.layout}, "
-        f"{fit.kv_cache_tokens:,} KV tokens per engine){published}{also}",
-        remedy,
-    )
+    return Outcome(status, fits + also, remedy)
 
 
 def meminfo(root: Path) -> dict[str, int]:
