@@ -75,6 +75,7 @@ def diagnose(
         scripts=scripts,
         lock_path=locked,
         plan_files=files,
+        named_host=request.hardware if request is not None and request.hardware.simulated else None,
     )
     checks = [c for c in all_checks(deployment) if (deep or not c.deep) and (locked or not c.locked)]
     plan = deployment.plan if deployment is not None else None

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from m31ctl.checks import CheckResult, CheckStatus
 from m31ctl.deployment import Deployment
 from m31ctl.errors import DockerUnreachable, M31Error
+from m31ctl.hardware import Hardware
 from m31ctl.plan import Plan
 from m31ctl.probe import ProbeReport
 from m31ctl.probe.snapshot import Runner, run_command
@@ -89,6 +90,9 @@ class CheckContext:
     plan_files: tuple[Path, ...] = ()
     # Where the host's /sys and /dev are read (the fabric check): / here, a tree in tests.
     host_root: Path = Path("/")
+    # The host --hardware named, where it named one (a plan or not): the messages then point at
+    # that host, not at the flag the user already passed.
+    named_host: Hardware | None = None
     _memo: dict[str, Any] = field(default_factory=dict, init=False)
     _memo_lock: Any = field(default_factory=threading.Lock, init=False)
     _docker_client: Any = field(default=None, init=False)
@@ -114,10 +118,9 @@ class CheckContext:
     def require_deployment(self) -> Deployment:
         """The deployment, for checks that judge it; without one they skip."""
         if self.deployment is None:
-            raise SkipCheck(
-                "needs a plan (none for this host: see above)",
-                "pass --hardware to check against a target host",
-            )
+            # The first line says why there is none and what to pass (--hardware where it was
+            # probed, another host where --hardware named one no recipe serves): not said again.
+            raise SkipCheck("needs a plan (none was made: see the first line)")
         return self.deployment
 
     def require_plan(self) -> Plan:

@@ -384,10 +384,16 @@ def select_recipe(hw: Hardware) -> Recipe:
         ):
             return recipe
     found = f"{hw.count}x {hw.product or 'GPU'} ({describe_arch(hw.arch)})"
+    # A host named by --hardware: the remedy is another name, not the flag the user just passed.
+    other = (
+        "--hardware names one they serve (b300x4, h200x8, mi355xx8, ...)"
+        if hw.simulated
+        else "pass --hardware or --recipe to plan for other hardware"
+    )
     raise UnsupportedHardware(
         f"{found} is not supported by any recipe",
         hint="recipes exist for Hopper (9.0), Blackwell (10.0, 10.3), Rubin (10.7) and MI350 (gfx950); "
-        "pass --hardware or --recipe to plan for other hardware",
+        + other,
     )
 
 

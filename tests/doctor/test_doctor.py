@@ -163,6 +163,26 @@ def test_the_plans_own_max_num_seqs_is_what_the_engine_does_not_a_warning(tmp_pa
     assert from_file.status == "warn" and f"({mine}:2)" in from_file.message
 
 
+def _no_gpu_probe() -> ProbeReport:
+    return detect([], env={})
+
+
+def test_a_host_without_gpus_is_not_told_to_pass_the_hardware_it_passed():
+    by_id, _ = results(_no_gpu_probe(), (PORT,), FakeDocker(), hardware="b300x4")
+    remedy = by_id["gpus"].remedy
+    assert by_id["gpus"].status == "fail" and "--hardware" not in remedy, remedy
+    assert "not the b300x4 it was given" in remedy and "nvidia-smi" in remedy
+    # A --hardware no recipe serves: no plan, and neither the first line nor a skipped check
+    # says to pass --hardware again.
+    by_id, report = results(_no_gpu_probe(), (PORT,), FakeDocker(), hardware="rtxpro6000x4")
+    assert report.plan is None and report.plan_error is not None
+    assert "pass --hardware" not in report.plan_error and "--hardware names one" in report.plan_error
+    assert not any("pass --hardware" in r.remedy for r in report.results), [r.remedy for r in report.results]
+    # Probed (no --hardware), the flag is still the way to plan for another host.
+    by_id, _ = results(_no_gpu_probe(), (PORT,), FakeDocker())
+    assert "pass --hardware" in by_id["gpus"].remedy
+
+
 def test_port_in_use_fails():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

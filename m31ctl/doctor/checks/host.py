@@ -18,7 +18,7 @@ from m31ctl.capacity.host_tier import NCCL_SHM_FLOOR, host_memory_need
 from m31ctl.checks import CheckStatus
 from m31ctl.container import container_spec
 from m31ctl.doctor.base import CheckContext, Outcome, SkipCheck
-from m31ctl.hardware import Platform, vendor_facts
+from m31ctl.hardware import Platform, hardware_spec, vendor_facts
 from m31ctl.netaddr import port_free
 from m31ctl.runtime import get_runtime
 from m31ctl.runtime.docker_create import trial_run
@@ -95,6 +95,20 @@ def gpu_runtime(ctx: CheckContext) -> Outcome:
     )
 
 
+def _no_gpu_remedy(ctx: CheckContext) -> str:
+    """What to do on a host without GPUs: with --hardware given, doctor still checks the host it
+    runs on, so the way on is that host, not the flag the user already passed."""
+    named = ctx.named_host or (ctx.deployment.hardware if ctx.deployment is not None else None)
+    if named is None or not named.simulated:
+        return "check the driver (nvidia-smi / amd-smi), or pass --hardware to plan for another host"
+    tool = {"nvidia": "nvidia-smi", "amd": "amd-smi"}.get(named.vendor, "nvidia-smi / amd-smi")
+    spec = hardware_spec(named) or named.source
+    return (
+        f"doctor checks this host, not the {spec} it was given: run it there (where {tool} lists "
+        "the GPUs); plan, capacity and render need no GPU"
+    )
+
+
 def gpus(ctx: CheckContext) -> Outcome:
     hw = ctx.probe.hardware
     if ctx.deployment is not None and not ctx.deployment.vendor.gpus:
@@ -104,7 +118,7 @@ def gpus(ctx: CheckContext) -> Outcome:
         return Outcome(
             CheckStatus.FAIL,
             f"no GPU found ({reasons})" if reasons else "no GPU found",
-            "check the driver (nvidia-smi / amd-smi), or pass --hardware to plan for another host",
+            _no_gpu_remedy(ctx),
         )
     found = f"{hw.count}x {hw.product} ({hw.family or 'no recipe'}, arch {hw.arch}) via {hw.source}"
     if ctx.plan is None:
