@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import socket
 
@@ -181,6 +182,21 @@ def test_a_host_without_gpus_is_not_told_to_pass_the_hardware_it_passed():
     # Probed (no --hardware), the flag is still the way to plan for another host.
     by_id, _ = results(_no_gpu_probe(), (PORT,), FakeDocker())
     assert "pass --hardware" in by_id["gpus"].remedy
+
+
+def test_shm_over_half_the_hosts_memory_says_the_memory_and_the_limit(monkeypatch):
+    from m31ctl.doctor.checks import host
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 24 * 2**30 // 4096}  # a 24 GiB host
+    real = os.sysconf
+    monkeypatch.setattr(host.os, "sysconf", lambda name: pages.get(name) or real(name))
+    by_id, _ = results(h200_probe(), (*TWO_GPU_PLAN, "runtime.shm_size=64g"), FakeDocker())
+    shm = by_id["shm"]
+    assert shm.status == "warn" and shm.message == (
+        "runtime.shm_size=64g is over half of this host's memory: the host has 24.0 GiB, so the limit "
+        "is 12.0 GiB"
+    ), shm.message
+    assert shm.remedy == "lower it to the limit: --set runtime.shm_size=12g"
 
 
 def test_port_in_use_fails():

@@ -288,10 +288,13 @@ def shm(ctx: CheckContext) -> Outcome:
     need = host_memory_need(deployment)
     tier = need.tier.bytes_per_host if need is not None and need.tier.in_shm else 0
     if want - tier > mem_total // 2:
+        limit = mem_total // 2 + tier
+        beside = f" (half, and the prefix cache's {tier / GIB:.1f} GiB host tier in it)" if tier else ""
         return Outcome(
             CheckStatus.WARN,
-            f"runtime.shm_size={runtime.shm_size} is over half of host memory ({mem_total / GIB:.0f} GiB)",
-            "lower --set runtime.shm_size",
+            f"runtime.shm_size={runtime.shm_size} is over half of this host's memory: the host has "
+            f"{mem_total / GIB:.1f} GiB, so the limit is {limit / GIB:.1f} GiB{beside}",
+            f"lower it to the limit: --set runtime.shm_size={max(limit, SHM_FLOOR) // GIB}g",
         )
     return Outcome(
         CheckStatus.OK, f"private /dev/shm of {runtime.shm_size} (host memory {mem_total / GIB:.0f} GiB)"
