@@ -199,6 +199,60 @@ def test_shm_over_half_the_hosts_memory_says_the_memory_and_the_limit(monkeypatc
     assert shm.remedy == "lower it to the limit: --set runtime.shm_size=12g"
 
 
+class UnreachableRegistry(FakeDocker):
+    """docker-py's own error for a registry look-up the Engine could not make, as it reads on a
+    host without DNS (500 from /distribution, the Engine's words in parentheses)."""
+
+    def inspect_distribution(self, name: str) -> None:
+        import requests
+        from docker.errors import APIError
+
+        response = requests.Response()
+        response.status_code, response.reason = 500, "Internal Server Error"
+        response.url = f"http+docker://localhost/v1.41/distribution/{name}/json"
+        said = 'Get "https://registry-1.docker.io/v2/": dial tcp: lookup registry-1.docker.io on 10.0.0.53:53: no such host'
+        raise APIError("500 Server Error", response=response, explanation=said)
+
+
+def test_an_unreachable_registry_is_one_line_in_m31ctls_words():
+    by_id, _ = results(h200_probe(), TWO_GPU_PLAN, UnreachableRegistry())
+    image = by_id["image"]
+    assert (
+        image.status == "warn" and "http+docker" not in image.message and "Server Error" not in image.message
+    )
+    assert image.message == (
+        "vllm/vllm-openai:minimax-m31-flash is not present locally, and its registry could not be asked: "
+        "registry-1.docker.io does not resolve here (no DNS or network)"
+    )
+    assert "\n" not in image.message and "`docker load`" in image.remedy
+
+
+@pytest.mark.parametrize(
+    ("engine_said", "meaning", "remedy"),
+    [
+        ("manifest unknown: manifest unknown", "has no such image or tag", "engine.image's name and tag"),
+        ("unauthorized: authentication required", "refused to say without credentials", "docker login"),
+        (
+            'Get "https://quay.io/v2/": net/http: TLS handshake timeout',
+            "quay.io did not answer in time",
+            "reachable",
+        ),
+        (
+            "something new: the registry is on fire",
+            "could not be asked: its registry: the registry is on fire",
+            "reachable",
+        ),
+    ],
+)
+def test_a_registrys_refusal_is_said_by_what_it_means(engine_said, meaning, remedy):
+    from m31ctl.doctor.checks.image import registry_said
+
+    said, how = registry_said(
+        f'500 Server Error for http+docker://localhost/x/json: Internal ("{engine_said}")'
+    )
+    assert meaning in said and remedy in how and "http+docker" not in said, (said, how)
+
+
 def test_port_in_use_fails():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

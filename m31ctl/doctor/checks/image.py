@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from m31ctl.checks import CheckStatus
 from m31ctl.deployment import Deployment
@@ -22,12 +23,54 @@ def image(ctx: CheckContext) -> Outcome:
         return Outcome(CheckStatus.OK, f"{name} present locally ({img.short_id})")
     problem = registry_error(client, name)
     if problem is not None:
-        return Outcome(
-            CheckStatus.WARN,
-            f"{name} is not present locally and its registry did not answer ({problem[:120]})",
-            "pull it where the registry is reachable, or `docker load` it",
-        )
+        said, remedy = registry_said(problem)
+        return Outcome(CheckStatus.WARN, f"{name} is not present locally, and {said}", remedy)
     return Outcome(CheckStatus.OK, f"{name} not present locally; the registry has it (launch pulls it)")
+
+
+# What a registry's refusal means, by the words the Engine passes on from it (Docker's
+# distribution errors and Go's net errors), most specific first: (words, what it means, remedy).
+_UNREACHED = "pull it where the registry is reachable, or `docker load` it"
+_UNASKED = "its registry could not be asked: "
+_REGISTRY_SAYS = (
+    (
+        ("no such host", "server misbehaving"),
+        _UNASKED + "{host} does not resolve here (no DNS or network)",
+        _UNREACHED,
+    ),
+    (("timeout", "deadline exceeded"), _UNASKED + "{host} did not answer in time", _UNREACHED),
+    (
+        ("connection refused", "connection reset", "unreachable"),
+        _UNASKED + "{host} cannot be reached",
+        _UNREACHED,
+    ),
+    (
+        ("unauthorized", "denied", "authentication required"),
+        "{host} refused to say without credentials (a private image, or none of that name)",
+        "`docker login {host}`, or check engine.image's name",
+    ),
+    (
+        ("manifest unknown", "not found", "no such image"),
+        "{host} has no such image or tag",
+        "check engine.image's name and tag (--set engine.image=NAME:TAG)",
+    ),
+)
+
+
+def registry_said(problem: str) -> tuple[str, str]:
+    """docker-py's text for a refused registry look-up ("500 Server Error for http+docker://...:
+    Internal Server Error ("Get "https://registry-1.docker.io/v2/": dial tcp: ... no such host")")
+    as one clause in m31ctl's words and its remedy; the Engine's URL and status line left out."""
+    inner = problem.split(' ("', 1)[1].removesuffix('")') if ' ("' in problem else problem
+    found = re.search(r"https?://([^/\"\s]+)", inner)
+    host = found.group(1) if found else "its registry"
+    low = inner.lower()
+    for words, meaning, remedy in _REGISTRY_SAYS:
+        if any(w in low for w in words):
+            return meaning.format(host=host), remedy.format(host=host)
+    # Anything else: the registry's own last words, without the Engine's request line.
+    last = inner.rsplit(": ", 1)[-1].strip().rstrip(".")[:100]
+    return f"{_UNASKED}{host}: {last}", _UNREACHED
 
 
 def engine(ctx: CheckContext) -> Outcome:
