@@ -7,6 +7,7 @@ Sources: ../shared/fixtures/gpu/public-samples.md (identifier facts) and the rea
 
 from __future__ import annotations
 
+import difflib
 import os
 import platform
 import re
@@ -361,9 +362,10 @@ def simulated(spec: str) -> Hardware:
     match = _HW_SPEC.match(spec.strip().lower())
     product = PRODUCTS.get(match.group("product")) if match else None
     if match is None or product is None:
-        names = [f"{p}x4" for p in PRODUCTS]
-        close = close_matches(spec.lower(), names, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
+        meant = likely_spec(spec)  # the count typed is kept: the product is the near miss
+        hint = ""
+        if meant is not None:
+            hint = f"did you mean {meant[0]}x{meant[1]}? " if meant[1] else f"did you mean {meant[0]}? "
         raise InputError(
             f"unknown --hardware {spec!r}",
             hint=f"{hint}use PRODUCTxCOUNT with PRODUCT one of {', '.join(PRODUCTS)} "
@@ -405,6 +407,29 @@ def simulated(spec: str) -> Hardware:
         notes=(f"memory per GPU: {product.memory_source}",),
         host_memory_bytes=host_memory,
     )
+
+
+def likely_spec(spec: str) -> tuple[str, int | None] | None:
+    """The catalogue product and GPU count a --hardware the catalogue does not know most likely
+    meant, the count as typed (None where none was): `mi355x8` is mi355x with 8 (the separating
+    x left out), `h20x8` h200 with 8, `b3004` b300 with 4. Every way of reading the trailing
+    digits as the count is weighed, and the product spelt closest wins; None where none is close."""
+    text = spec.strip().lower().split(",", 1)[0]
+    digits = len(text) - len(text.rstrip("0123456789"))
+    readings: list[tuple[str, int | None]] = [(text, None)]  # no count at all
+    for width in range(1, min(digits, 6) + 1):
+        head, typed = text[:-width], int(text[-width:])
+        if 1 <= typed <= MAX_GPUS_PER_HOST:
+            readings += [(head, typed), (head.removesuffix("x"), typed)]
+    best: tuple[float, str, int | None] | None = None
+    for head, count in readings:
+        if not head:
+            continue
+        for product in close_matches(head, list(PRODUCTS), n=1):
+            score = difflib.SequenceMatcher(None, head, product).ratio()
+            if best is None or score > best[0]:
+                best = (score, product, count)
+    return (best[1], best[2]) if best else None
 
 
 def _host_memory(spec: str, text: str | None) -> int | None:

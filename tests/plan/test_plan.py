@@ -237,6 +237,39 @@ def test_missing_file():
         plan_for("b300x4", files=(Path("/nonexistent.yaml"),))
 
 
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("mi355x8", ("mi355x", 8)),  # the x between product and count left out: the count kept
+        ("h20x8", ("h200", 8)),
+        ("b3004", ("b300", 4)),
+        ("gb30x4", ("gb300", 4)),
+        ("mi355", ("mi355x", None)),  # no count typed: none made up
+        ("foo", None),
+    ],
+)
+def test_a_misspelt_hardware_is_read_as_the_product_and_count_meant(typed, meant):
+    from m31ctl.hardware import likely_spec
+
+    assert likely_spec(typed) == meant
+
+
+def test_an_unknown_hardware_suggests_the_host_typed_not_another_count():
+    with pytest.raises(InputError) as info:
+        simulated("mi355x8")
+    assert "did you mean mi355xx8?" in info.value.one_line() and "x4" not in info.value.one_line()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="m31ctl/cli/options.py (not this change's file) replaces the hint with the smallest host "
+    "that fits; its patch, using hardware.likely_spec, is in issue 51's report",
+)
+def test_the_cli_suggests_the_host_typed_with_its_product_spelt_right(cli):
+    result = cli("plan", "--hardware", "mi355x8")
+    assert result.returncode == 2 and "did you mean mi355xx8?" in result.stderr, result.stderr
+
+
 def test_unsupported_hardware_is_refused_with_what_was_found():
     with pytest.raises(UnsupportedHardware, match="RTX"):
         plan_for("rtxpro6000x4")
