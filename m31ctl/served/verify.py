@@ -86,10 +86,12 @@ def run(
         check_spec_decode(metrics, plan, report)
         if transfers_before is not None:
             # Every request above went through the router: decode's counters must show their
-            # prompts' KV came over the wire, none failed (served/kv_transfer.py).
+            # prompts' KV came over the wire, none failed, and with every cache's bytes (main +
+            # indexer a token, capacity's figure for the decode role: served/kv_transfer.py).
             seen = kv_transfer.since(transfers_before, kv_transfer.facts_of(prometheus.scrape(metrics)))
             report.facts["kv_transfer"] = seen._asdict()
             report.checks.append(kv_transfer.check(seen))
+            report.checks.append(kv_transfer.check_bytes(seen, kv_transfer.per_token(engine)))
     if baseline is not None:
         check_regression(report, baseline, tolerance)
     return report
