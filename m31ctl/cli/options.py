@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import typer
 
-from m31ctl.errors import InputError, M31Error, close_matches
+from m31ctl.errors import InputError, M31Error
 
 if TYPE_CHECKING:
     from m31ctl.plan import PlanRequest
@@ -169,19 +168,18 @@ class PlanOptions(NamedTuple):
     def _with_a_count_that_fits(self, error: Exception) -> Exception:
         """`--hardware h200` (a product without a count): the hint names the smallest host of
         it whose plan fits (h200x8: Hopper's TP8), not a count the plan then refuses."""
-        from m31ctl.hardware import PRODUCTS, simulated  # lazy: as in request()
+        from m31ctl.hardware import PRODUCTS, likely_spec, simulated  # lazy: as in request()
 
         asked = (self.hardware or "").strip().lower()
-        product = re.sub(r"x\d*$", "", asked) if asked not in PRODUCTS else asked
-        if product not in PRODUCTS:  # a misspelt product: the closest one's host
-            product = next(iter(close_matches(product, list(PRODUCTS))), "")
+        # A misspelt product: the one spelt closest, with the count typed (mi355x8 is mi355xx8).
+        product, typed = (asked, None) if asked in PRODUCTS else (likely_spec(asked) or ("", None))
         if not isinstance(error, InputError) or product not in PRODUCTS:
             return error
         # lazy: as in request()
         from m31ctl.deployment import derive, require_fit
         from m31ctl.plan import PlanRequest, resolve
 
-        for count in (1, 2, 4, 8):
+        for count in ((typed,) if typed else ()) + (1, 2, 4, 8):
             spec = f"{product}x{count}"
             request = PlanRequest(
                 simulated(spec), self.recipe, self.variant, self.profile, self.files, self.sets
@@ -193,6 +191,8 @@ class PlanOptions(NamedTuple):
             message = (
                 f"--hardware {self.hardware!r} needs a GPU count" if asked == product else str(error.message)
             )
+            if count == typed:  # the host typed, its product spelt right
+                return InputError(message, hint=f"did you mean {spec}?")
             return InputError(
                 message, hint=f"did you mean {spec}, the smallest {product} host this plan fits?"
             )

@@ -260,11 +260,6 @@ def test_an_unknown_hardware_suggests_the_host_typed_not_another_count():
     assert "did you mean mi355xx8?" in info.value.one_line() and "x4" not in info.value.one_line()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="m31ctl/cli/options.py (not this change's file) replaces the hint with the smallest host "
-    "that fits; its patch, using hardware.likely_spec, is in issue 51's report",
-)
 def test_the_cli_suggests_the_host_typed_with_its_product_spelt_right(cli):
     result = cli("plan", "--hardware", "mi355x8")
     assert result.returncode == 2 and "did you mean mi355xx8?" in result.stderr, result.stderr
