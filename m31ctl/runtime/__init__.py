@@ -132,6 +132,13 @@ def logs(
 ) -> Survey:
     servers, found = select(name, runtime)
     servers = _whole(servers)
+    if not servers:  # unnamed, and none at all: say so, as a name that runs nowhere does
+        found.raise_if_incomplete()
+        where = f"in the {runtime} runtime " if runtime else ""
+        raise HostPreconditionError(
+            f"no m31ctl server {where}has a log to print",
+            hint="see `m31ctl status`; `m31ctl launch` starts one",
+        )
     if follow and len(servers) > 1:
         raise InputError(
             f"--follow needs one server, and {len(servers)} run", hint="pass --name (see `m31ctl status`)"

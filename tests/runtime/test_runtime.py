@@ -205,3 +205,13 @@ def test_a_pulled_checkpoint_reaches_the_container_offline():
     env = Client.api.created["environment"]
     assert isinstance(env, dict)
     assert env["HF_HUB_OFFLINE"] == "1" and env["HF_TOKEN"] == "hf_x" and "UNRELATED" not in env
+
+
+def test_logs_with_no_server_says_so(cli, tmp_path):
+    """`m31ctl logs` with nothing launched printed nothing and exited 0 (issue 51): it now says
+    there is no log to print, exit 6, as `logs --name` of a server that runs nowhere does."""
+    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
+    done = cli("logs", "--runtime", "native", env=env)
+    assert done.returncode == 6 and done.stdout == ""
+    assert "no m31ctl server in the native runtime has a log to print" in done.stderr
+    assert "m31ctl status" in done.stderr and "Traceback" not in done.stderr
