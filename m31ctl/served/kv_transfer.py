@@ -245,9 +245,10 @@ def check_bytes(seen: KvTransferFacts, plan: PerToken) -> CheckResult:
     """judge_bytes as a server check (verify's shape), id kv-transfer-bytes."""
     verdict = judge_bytes(seen, plan)
     remedy = (
-        "the decode's caches are not all transferred: check that both roles run the same vLLM and "
-        "that the hybrid KV cache manager is on (a connector that moves only the main cache leaves "
-        "the decode's indexer reading blocks nobody wrote)"
+        "run both roles on one vLLM whose KV connector registers every cache (vLLM 0.32's "
+        "NixlConnector registers the indexer's layers with the main cache's); with "
+        "VLLM_LOGGING_LEVEL=DEBUG the decode log names each layer NIXL registers ('Registering "
+        "layer ...'), the indexer's among them"
         if verdict.ok is False
         else ""
     )

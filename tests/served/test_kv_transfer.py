@@ -179,7 +179,7 @@ def test_main_alone_fails_naming_the_indexer(decode_role: Deployment):
         "2,048 + indexer 512 = 2,560"
     )
     result = kv_transfer.check_bytes(seen, plan)
-    assert result.status == CheckStatus.FAIL and "hybrid KV cache manager" in result.remedy
+    assert result.status == CheckStatus.FAIL and "'Registering layer ...'" in result.remedy
 
 
 def test_partial_blocks_that_hide_a_small_indexer_skip_and_one_long_prompt_tells():
