@@ -33,6 +33,7 @@ decode ranks that pull (`judge_bytes`).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from m31ctl.capacity.fit import memory_inputs, plan_fit, plan_layout
@@ -206,6 +207,8 @@ def judge_bytes(seen: KvTransferFacts, plan: PerToken) -> BytesVerdict:
     bytes, or where the partial blocks leave both readings possible."""
     if not seen.nixl_exported or seen.transfers <= 0 or seen.external_prompt_tokens <= 0:
         return BytesVerdict(None, "no KV transfer to weigh (see kv-transfer)")
+    if not math.isfinite(seen.bytes_transferred):
+        return BytesVerdict(False, f"the engine reports {seen.bytes_transferred} bytes transferred: no count")
     if seen.bytes_transferred <= 0:
         return BytesVerdict(
             None,

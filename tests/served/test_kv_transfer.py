@@ -5,7 +5,11 @@ and 901 prompt tokens: all 909 counted as external KV transfer) and then the sam
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -16,7 +20,7 @@ from m31ctl.deployment import Deployment, derive
 from m31ctl.hardware import simulated
 from m31ctl.plan.resolve import PlanRequest, resolve
 from m31ctl.rehearsal.make_tiny_model import CONFIG
-from m31ctl.served import kv_transfer
+from m31ctl.served import kv_transfer, verify
 from tests.conftest import FIXTURES
 
 CAPTURE = (FIXTURES / "pd" / "decode-metrics.txt").read_text()
@@ -100,14 +104,19 @@ def test_since_counts_only_what_happened_in_between():
 
 
 @pytest.fixture(scope="module")
-def decode_role(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+def pd_group(tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+    """The cpu recipe's pd plan over a folder holding the tiny Llama's config.json."""
     model = tmp_path_factory.mktemp("tiny-config")
     (model / "config.json").write_text(
         json.dumps({**CONFIG, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     )
-    group = derive(resolve(PlanRequest(simulated("cpu"), variant="pd", sets=(f"model.path={model}",))))
-    assert group.disaggregated is not None
-    return group.disaggregated.decode
+    return derive(resolve(PlanRequest(simulated("cpu"), variant="pd", sets=(f"model.path={model}",))))
+
+
+@pytest.fixture(scope="module")
+def decode_role(pd_group: Deployment) -> Deployment:
+    assert pd_group.disaggregated is not None
+    return pd_group.disaggregated.decode
 
 
 def _buckets(name: str) -> dict[float, float]:
@@ -222,3 +231,64 @@ def test_an_engine_that_reports_no_bytes_is_skipped_with_the_reason(decode_role:
     )
     nothing = kv_transfer.since(kv_transfer.facts(CAPTURE), kv_transfer.facts(CAPTURE))
     assert kv_transfer.judge_bytes(nothing, kv_transfer.per_token(decode_role)).ok is None
+
+
+def test_a_server_that_reports_no_count_fails_the_check(decode_role: Deployment):
+    """A hostile or broken /metrics: NaN bytes is no figure to pass on."""
+    text = _edited(
+        'vllm:nixl_bytes_transferred_sum{engine="0",model_name="tiny"} 2.359296e+06',
+        'vllm:nixl_bytes_transferred_sum{engine="0",model_name="tiny"} NaN',
+    )
+    verdict = kv_transfer.judge_bytes(kv_transfer.facts(text), kv_transfer.per_token(decode_role))
+    assert verdict == (False, "the engine reports nan bytes transferred: no count")
+
+
+class _Decode(BaseHTTPRequestHandler):
+    """A decode role's /metrics as verify scrapes it: no transfer at the first scrape, the
+    capture's after; every other path 404 (verify's function checks fail, which is not this test's)."""
+
+    scrapes = 0
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if self.path != "/metrics":
+            self._send(404, b"{}")
+            return
+        type(self).scrapes += 1
+        text = CAPTURE if type(self).scrapes > 1 else "vllm:num_requests_running 0.0\n"
+        self._send(200, text.encode())
+
+    def do_POST(self) -> None:
+        self._send(404, b"{}")
+
+    def _send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@contextlib.contextmanager
+def _decode() -> Iterator[str]:
+    _Decode.scrapes = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Decode)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_verify_of_a_pd_plan_weighs_the_decodes_bytes(pd_group: Deployment):
+    """verify.run of the pd plan: kv-transfer and kv-transfer-bytes from the decode's counters
+    between its first and last scrape, the bytes against the decode role's own figure."""
+    with _decode() as url:
+        report = verify.run(pd_group, url, engine_base=url, server_plan_hash=None, bench=None)
+    checks = {c.id: c for c in report.checks}
+    assert checks["kv-transfer"].status == CheckStatus.OK
+    assert checks["kv-transfer-bytes"].status == CheckStatus.OK, checks["kv-transfer-bytes"]
+    assert checks["kv-transfer-bytes"].message.endswith("over 1 decode rank; the plan's main 2,048")
+    assert report.facts["kv_transfer"]["bytes_transferred"] == 2_359_296.0
