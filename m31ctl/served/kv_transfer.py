@@ -76,14 +76,20 @@ def facts_of(found: prometheus.ServedMetrics) -> KvTransferFacts:
         by_source[source] = by_source.get(source, 0.0) + sample.value
     return KvTransferFacts(
         nixl_exported=TRANSFERS in found.samples,
-        transfers=int(found.total(TRANSFERS)),
+        transfers=_count(found.total(TRANSFERS)),
         bytes_transferred=found.total(BYTES),
-        failed_transfers=int(found.total(FAILED)),
-        external_prompt_tokens=int(by_source.get(EXTERNAL, 0.0)),
-        local_prompt_tokens=int(by_source.get(LOCAL_COMPUTE, 0.0)),
-        cached_prompt_tokens=int(by_source.get(LOCAL_CACHE_HIT, 0.0)),
+        failed_transfers=_count(found.total(FAILED), unreadable=1),
+        external_prompt_tokens=_count(by_source.get(EXTERNAL, 0.0)),
+        local_prompt_tokens=_count(by_source.get(LOCAL_COMPUTE, 0.0)),
+        cached_prompt_tokens=_count(by_source.get(LOCAL_CACHE_HIT, 0.0)),
         block_size=_block_size(found),
     )
+
+
+def _count(value: float, unreadable: int = 0) -> int:
+    """A counter as a whole number. One that is no number (NaN, Inf: a broken or hostile
+    /metrics) proves nothing moved, and is no "none failed" for the failure counter."""
+    return int(value) if math.isfinite(value) else unreadable
 
 
 def _block_size(found: prometheus.ServedMetrics) -> int | None:

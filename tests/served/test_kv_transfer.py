@@ -292,3 +292,18 @@ def test_verify_of_a_pd_plan_weighs_the_decodes_bytes(pd_group: Deployment):
     assert checks["kv-transfer-bytes"].status == CheckStatus.OK, checks["kv-transfer-bytes"]
     assert checks["kv-transfer-bytes"].message.endswith("over 1 decode rank; the plan's main 2,048")
     assert report.facts["kv_transfer"]["bytes_transferred"] == 2_359_296.0
+
+
+def test_counters_that_are_no_number_fail_the_judgement_not_verify():
+    """+Inf transfers or NaN failures (a broken /metrics) read as nothing moved and a failure,
+    where int() raised and verify crashed."""
+    text = _edited(
+        'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="tiny"} 2.0',
+        'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="tiny"} +Inf',
+    )
+    assert kv_transfer.judge(kv_transfer.facts(text)).reason.startswith("no KV transfer happened: ")
+    text = _edited(
+        'vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny"} 0.0',
+        'vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny"} NaN',
+    )
+    assert kv_transfer.judge(kv_transfer.facts(text)).reason.startswith("failed transfers: ")
