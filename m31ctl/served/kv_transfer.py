@@ -14,7 +14,8 @@ vLLM 0.32 exports, per engine, on the instance that pulls KV (the decode side):
                                        local_cache_hit + external_kv_transfer = total)
 
 The counters are cumulative since the engine started: a run's own figures are `after - before`
-(`since`). Pure: text in, typed facts out; the scrape is prometheus.scrape's.
+(`since`). Pure: text in, typed facts out, judged against the plan's figure (`per_token`, read
+from capacity); the scrape is prometheus.scrape's.
 
 What `vllm:nixl_bytes_transferred` counts (vLLM 0.32 with NIXL 1.5.1; docs/decisions.md "P/D
 bytes a token"): one observation per completed NIXL READ handle on the decode
