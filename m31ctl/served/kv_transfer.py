@@ -37,7 +37,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from m31ctl.capacity.fit import memory_inputs, plan_fit, plan_layout
+from m31ctl.capacity.fit import memory_inputs, plan_layout
+from m31ctl.capacity.memory import token_bytes
 from m31ctl.checks import CheckResult, judged
 from m31ctl.deployment import Deployment
 from m31ctl.served import prometheus
@@ -160,7 +161,7 @@ BYTES_TOLERANCE = 0.01
 
 class PerToken(NamedTuple):
     """What the decode engine's pulling ranks hold for one token, by cache: capacity's bytes a
-    token a rank (capacity/memory.py token_bytes, read through capacity/fit.py plan_fit) times
+    token a rank (capacity/memory.py token_bytes, of the inputs capacity/fit.py derives) times
     the ranks, each of which reads its own share over NIXL (TP x PP of one engine; a DP rank is
     an engine of its own, and the facts sum the engines)."""
 
@@ -176,16 +177,20 @@ class PerToken(NamedTuple):
 
 
 def per_token(engine: Deployment) -> PerToken:
-    """The plan's bytes a token for `engine` (a P/D group's decode role), as capacity derives them."""
-    fit = plan_fit(engine)
+    """The plan's bytes a token for `engine` (a P/D group's decode role), as capacity derives them:
+    its inputs and layout (capacity/fit.py memory_inputs, plan_layout) through the one function
+    that turns them into bytes a token a rank (capacity/memory.py token_bytes, what plan_fit
+    reports as kv_bytes_per_token), without the fit's resident-sequence search."""
+    inputs = memory_inputs(engine)
     layout = plan_layout(engine)
+    per_rank = token_bytes(inputs, layout)
     ranks = layout.tensor * layout.pipeline
     return PerToken(
-        main=fit.kv_bytes_per_token.main_attention * ranks,
-        indexer=fit.kv_bytes_per_token.indexer * ranks,
+        main=per_rank.main_attention * ranks,
+        indexer=per_rank.indexer * ranks,
         ranks=ranks,
-        block_size=memory_inputs(engine).block_size,
-        assumed=fit.geometry.unpublished,
+        block_size=inputs.block_size,
+        assumed=inputs.geometry.origin.unpublished,
     )
 
 

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from m31ctl.capacity.fit import memory_inputs, plan_layout
+from m31ctl.capacity.fit import memory_inputs, plan_fit, plan_layout
 from m31ctl.capacity.memory import token_bytes
 from m31ctl.checks import CheckStatus
 from m31ctl.deployment import Deployment, derive
@@ -214,6 +214,9 @@ def test_bytes_a_token_are_summed_over_the_ranks_that_pull():
     assert group.disaggregated is not None
     plan = kv_transfer.per_token(group.disaggregated.decode)
     assert (plan.main, plan.indexer, plan.ranks, plan.block_size) == (34_560.0, 17_280.0, 4, 128)
+    # The same fact `m31ctl capacity` reports for the role (plan_fit's kv_bytes_per_token), per rank.
+    per_rank = plan_fit(group.disaggregated.decode).kv_bytes_per_token
+    assert (per_rank.main_attention * 4, per_rank.indexer * 4) == (plan.main, plan.indexer)
     assert plan.assumed == ("sparse_layers=60", "indexer_dim=128")  # said in a failure's line
     # One 4,096-token request over 4 ranks: 32 blocks each, all caches.
     seen = kv_transfer.KvTransferFacts(True, 4, 32 * 128 * plan.total, 0, 4096, 0, 0, 128)
