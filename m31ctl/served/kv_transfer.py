@@ -219,6 +219,9 @@ def judge_bytes(seen: KvTransferFacts, plan: PerToken) -> BytesVerdict:
     bytes, or where the partial blocks leave both readings possible."""
     if not seen.nixl_exported or seen.transfers <= 0 or seen.external_prompt_tokens <= 0:
         return BytesVerdict(None, "no KV transfer to weigh (see kv-transfer)")
+    if seen.failed_transfers > 0:
+        # A failed read moved part of its blocks or none: short bytes would blame the wrong cache.
+        return BytesVerdict(None, f"{seen.failed_transfers} transfers failed (see kv-transfer)")
     if not math.isfinite(seen.bytes_transferred):
         return BytesVerdict(False, f"the engine reports {seen.bytes_transferred} bytes transferred: no count")
     if seen.bytes_transferred <= 0:

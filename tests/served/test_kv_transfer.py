@@ -234,6 +234,10 @@ def test_an_engine_that_reports_no_bytes_is_skipped_with_the_reason(decode_role:
     )
     nothing = kv_transfer.since(kv_transfer.facts(CAPTURE), kv_transfer.facts(CAPTURE))
     assert kv_transfer.judge_bytes(nothing, kv_transfer.per_token(decode_role)).ok is None
+    # A failed transfer is kv-transfer's failure; its missing bytes name no cache.
+    failed = kv_transfer.facts(CAPTURE)._replace(failed_transfers=1, bytes_transferred=1.0)
+    verdict = kv_transfer.judge_bytes(failed, kv_transfer.per_token(decode_role))
+    assert verdict == (None, "1 transfers failed (see kv-transfer)")
 
 
 def test_a_server_that_reports_no_count_fails_the_check(decode_role: Deployment):
