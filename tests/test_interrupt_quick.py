@@ -4,9 +4,10 @@ does not, so each outcome is checked against the phase it shows (docs/decisions.
 the first millisecond"):
 
 - before the interpreter has its own handler: killed by SIGINT, nothing printed;
-- in the interpreter's start-up (its `site` import, the installer's script wrapper importing `re`),
-  before m31ctl's first statement: Python's own KeyboardInterrupt, whose traceback has no m31ctl
-  frame (not m31ctl's to change: see the decision);
+- in the interpreter's start-up (its `site` import), before the first statement of m31ctl's
+  launcher (bin/m31ctl, the installed command): Python's own KeyboardInterrupt, whose traceback
+  has no m31ctl frame and none in the launcher past that statement (not m31ctl's to change: see
+  the decision);
 - from m31ctl's first statement on: exit 130, the command's one line, no traceback, and nothing
   half-written (stdout empty or the whole result; render's files all there or none, no temporary);
 - after the command's end: its normal result.
@@ -67,12 +68,22 @@ def _first_statement() -> int:
     )
 
 
+def _launcher_first_statement() -> int:
+    """The line of bin/m31ctl (the installed command's source) that installs its recorder."""
+    lines = (ROOT / "bin" / "m31ctl").read_text().splitlines()
+    return next(i for i, text in enumerate(lines, 1) if "_signal.signal(_signal.SIGINT, _record)" in text)
+
+
 def _before_m31ctl(err: str) -> bool:
     """A KeyboardInterrupt from before m31ctl's first handler: the interpreter's start-up, the
-    script wrapper, the package's own two statements, or the lines of m31ctl.cli up to the handler."""
+    launcher's lines up to its recorder, or (run as `python -m m31ctl`) the package's own two
+    statements and the lines of m31ctl.cli up to the handler."""
     package = str(ROOT / "m31ctl") + os.sep
+    launcher = _entry()[0]
     first = _first_statement()
     for path, line in re.findall(r'File "([^"]+)", line (\d+)', err):
+        if path == launcher and int(line) > _launcher_first_statement():
+            return False
         if not path.startswith(package) or path == package + "__init__.py":
             continue
         if path != package + os.path.join("cli", "__init__.py") or int(line) > first:

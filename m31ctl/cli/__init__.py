@@ -22,6 +22,11 @@ try:
     _PREVIOUS_SIGINT = _signal.signal(_signal.SIGINT, _record_early)
 except ValueError:  # imported off the main thread: not the m31ctl process
     _PREVIOUS_SIGINT = None
+if getattr(_PREVIOUS_SIGINT, "m31ctl_launcher", False):
+    # bin/m31ctl recorded SIGINT from its first statement: what it caught is ours, and what it
+    # took over was Python's own handler.
+    _EARLY.extend(_PREVIOUS_SIGINT.signals)  # type: ignore[union-attr]
+    _PREVIOUS_SIGINT = _signal.default_int_handler
 
 import sys
 
