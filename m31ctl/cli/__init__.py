@@ -25,7 +25,7 @@ except ValueError:  # imported off the main thread: not the m31ctl process
 if getattr(_PREVIOUS_SIGINT, "m31ctl_launcher", False):
     # bin/m31ctl recorded SIGINT from its first statement: what it caught is ours, and what it
     # took over was Python's own handler.
-    _EARLY.extend(_PREVIOUS_SIGINT.signals)  # type: ignore[union-attr]
+    _EARLY.extend(_PREVIOUS_SIGINT.signals)
     _PREVIOUS_SIGINT = _signal.default_int_handler
 
 import sys
