@@ -34,6 +34,7 @@ from m31ctl.plan.disaggregation import (
 from m31ctl.plan.engine_check import check_engine
 from m31ctl.plan.layers import Layer, Setting, Source, merge, parse_set, unflatten
 from m31ctl.plan.rdma import check_fabric
+from m31ctl.plan.rollout import decide_rollout
 from m31ctl.plan.runtime_notes import runtime_warnings
 from m31ctl.plan.runtime_shapes import (
     MoELayout,
@@ -119,9 +120,12 @@ class Plan(NamedTuple):
         # An aggregated plan leaves the disaggregation section out: its identity (hash, lock,
         # rendered labels) stays what it was before P/D existed; the section shows once enabled.
         # The fabric section likewise, until fabric.rdma is set.
-        exclude = set() if self.settings.disaggregation.enabled else {"disaggregation"}
+        # And kubernetes.spare_gpus until it is said.
+        exclude: dict[str, Any] = {} if self.settings.disaggregation.enabled else {"disaggregation": True}
         if self.settings.fabric.rdma is None:
-            exclude.add("fabric")
+            exclude["fabric"] = True
+        if self.settings.kubernetes.spare_gpus is None:
+            exclude["kubernetes"] = {"spare_gpus"}
         return self.settings.model_dump(mode="json", exclude=exclude or None)
 
     @property
@@ -305,6 +309,7 @@ def resolve(request: PlanRequest, recipe: Recipe | None = None, *, advise: bool 
     )
     check_disaggregation(settings, merged, request.hardware, model)
     check_fabric(settings, merged, request.hardware)
+    settings, merged = decide_rollout(settings, merged)
     # A disaggregated plan runs two engines, each refused as the server it is.
     engine_check = check_role_engines if settings.disaggregation.enabled else check_engine
     return Plan(

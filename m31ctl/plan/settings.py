@@ -317,6 +317,8 @@ class KubernetesSettings(_Frozen):
     # (no second copy's GPUs needed; a start's downtime), surge starts one more copy and stops the
     # old only once the new one is ready (its GPUs must be free). render/k8s.py `ROLLOUTS`.
     rollout: Literal["recreate", "surge"] = "recreate"
+    # GPUs the cluster keeps free for a surge's second copy; None: not said (plan/rollout.py).
+    spare_gpus: StrictInt | None = Field(None, ge=0)
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
 
 
