@@ -327,6 +327,8 @@ class ModelLimits(_CatalogModel):
     max_position_embeddings: Sourced | None = None
     # MSA: the sparse block size the KV cache block size must equal.
     sparse_block_size: Sourced | None = None
+    # MSA: the blocks the indexer selects per query (its window: this x sparse_block_size tokens).
+    sparse_topk_blocks: Sourced | None = None
     # The DSpark draft's block size (its dspark/config.json): tokens one draft step proposes.
     draft_block_size: Sourced | None = None
 

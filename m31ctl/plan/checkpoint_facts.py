@@ -53,6 +53,17 @@ class CheckpointFacts(NamedTuple):
     nested_text_config: bool  # the decoder's config sits under text_config
     config: str | None  # the config.json read; None: recipes/models.yaml
     draft_unknown: str = ""  # why draft_block_size is None
+    sparse_topk_blocks: Fact | None = None  # MSA: the blocks the indexer selects per query
+
+    @property
+    def sparse_window(self) -> Fact | None:
+        """The tokens a sparse layer attends to whole (sparse_topk_blocks x sparse_block_size:
+        2,048 for MiniMax-M3): below it the indexer selects every block, so what its key cache
+        holds decides nothing. None: no MSA sparse attention, or no top-k stated."""
+        block, topk = self.sparse_block_size, self.sparse_topk_blocks
+        if block is None or topk is None:
+            return None
+        return Fact(block.value * topk.value, f"{topk.source} x {block.source}")
 
 
 def checkpoint_dir(settings: PlanSettings) -> tuple[Path | None, str]:
@@ -119,6 +130,7 @@ def checkpoint_facts(settings: PlanSettings, model: ModelFacts) -> CheckpointFac
             tokenizer_max=None,
             rope=None,
             sparse_block_size=from_yaml(limits.sparse_block_size),
+            sparse_topk_blocks=from_yaml(limits.sparse_topk_blocks),
             draft_block_size=published,
             nested_text_config=limits.sparse_block_size is not None,  # MiniMax-M3 nests text_config
             config=None,
@@ -137,11 +149,9 @@ def checkpoint_facts(settings: PlanSettings, model: ModelFacts) -> CheckpointFac
     heads = fact("num_attention_heads")
     kv = fact("num_key_value_heads") or heads or kv_heads
     sparse = text.get("sparse_attention_config") or {}
-    sparse_block = (
-        fact("sparse_block_size", sparse, f"{src} sparse_attention_config")
-        if isinstance(sparse, dict) and sparse.get("use_sparse_attention", True)
-        else None
-    )
+    msa = isinstance(sparse, dict) and sparse.get("use_sparse_attention", True)
+    sparse_block = fact("sparse_block_size", sparse, f"{src} sparse_attention_config") if msa else None
+    sparse_topk = fact("sparse_topk_blocks", sparse, f"{src} sparse_attention_config") if msa else None
     tokenizer = directory / "tokenizer_config.json"
     tok_max = fact("model_max_length", _read_json(tokenizer), str(tokenizer)) if tokenizer.is_file() else None
     if tok_max is not None and tok_max.value >= _NO_TOKENIZER_LIMIT:
@@ -166,6 +176,7 @@ def checkpoint_facts(settings: PlanSettings, model: ModelFacts) -> CheckpointFac
         tokenizer_max=tok_max,
         rope=rope,
         sparse_block_size=sparse_block,
+        sparse_topk_blocks=sparse_topk,
         draft_block_size=draft,
         nested_text_config=nested,
         config=src,
