@@ -259,8 +259,9 @@ def _span(fewest: int, most: int) -> str:
     return str(fewest) if fewest == most else f"{fewest}-{most}"
 
 
-def check_bytes(seen: KvTransferFacts, plan: PerToken) -> CheckResult:
-    """judge_bytes as a server check (verify's shape), id kv-transfer-bytes."""
+def check_bytes(seen: KvTransferFacts, plan: PerToken, id: str = "kv-transfer-bytes") -> CheckResult:
+    """judge_bytes as a server check (verify's shape): kv-transfer-bytes over all of verify's
+    requests, pd-parity-bytes over pd-parity's long prompts alone."""
     verdict = judge_bytes(seen, plan)
     remedy = (
         "run both roles on one vLLM whose KV connector registers every cache (vLLM 0.32's "
@@ -270,4 +271,4 @@ def check_bytes(seen: KvTransferFacts, plan: PerToken) -> CheckResult:
         if verdict.ok is False
         else ""
     )
-    return judged("kv-transfer-bytes", verdict.ok, verdict.reason, remedy)
+    return judged(id, verdict.ok, verdict.reason, remedy)

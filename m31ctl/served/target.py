@@ -35,6 +35,15 @@ class Target(NamedTuple):
             return self.base
         return self.deployment.answering_engine.network.local_url
 
+    @property
+    def prefill_base(self) -> str | None:
+        """Where a P/D group's prefill role that m31ctl runs answers, asked directly (verify's
+        pd-parity reference: a request without kv_transfer_params is served wholly there); None
+        for a server of one engine, or one --url names (the router's URL names no role)."""
+        if self.deployment.disaggregated is None or self.server_hash is None:
+            return None
+        return self.deployment.disaggregated.prefill.network.local_url
+
 
 class Where(NamedTuple):
     """Where the server is, as the options name it."""

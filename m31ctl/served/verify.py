@@ -2,7 +2,8 @@
 is fast enough, with vLLM's own benchmark. This module runs the checks, in the order a report
 lists them: the plan's hash, smoke's checks, the function checks (verify_answers.py), the facts
 the engine reports (verify_facts.py), the load and its regression (verify_load.py) and, for a P/D
-group, the KV transfers (kv_transfer.py), all into one VerifyReport (verified.py).
+group, the router's completions against prefill's alone past the sparse window (pd_parity.py)
+and the KV transfers (kv_transfer.py), all into one VerifyReport (verified.py).
 
 Function: a chat completion and a streamed one (smoke's checks), structured output, and a tool
 call, the reasoning split and an image input where the plan configures them. Facts: the served
@@ -23,7 +24,7 @@ import httpx
 from m31ctl.deployment import Deployment
 from m31ctl.errors import CheckFailed
 from m31ctl.runtime.load_run import BenchRunner
-from m31ctl.served import kv_transfer, prometheus, smoke
+from m31ctl.served import kv_transfer, pd_parity, prometheus, smoke
 from m31ctl.served.target import Target
 from m31ctl.served.verified import VerifyReport
 from m31ctl.served.verify_answers import (
@@ -45,6 +46,7 @@ def run(
     base: str,
     *,
     engine_base: str | None = None,
+    prefill_base: str | None = None,
     server_plan_hash: str | None,
     bench: BenchRunner | None,
     baseline: Mapping[str, Any] | None = None,
@@ -84,6 +86,10 @@ def run(
         else:
             check_load(plan, base, bench, report)
         check_spec_decode(metrics, plan, report)
+        if deployment.disaggregated is not None:
+            # The router's greedy completions against prefill's alone, past the sparse window
+            # (pd_parity.py): the indexer cache lost on the way shows only there.
+            pd_parity.check(deployment, base, prefill_base, metrics, report)
         if transfers_before is not None:
             # Every request above went through the router: decode's counters must show their
             # prompts' KV came over the wire, none failed, and with every cache's bytes (main +
@@ -106,6 +112,7 @@ def run_target(
         target.deployment,
         target.base,
         engine_base=target.engine_base,
+        prefill_base=target.prefill_base,
         server_plan_hash=None if target.plan_check else target.server_hash,
         bench=None if no_load else target.bench,
         baseline=baseline,

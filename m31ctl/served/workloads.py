@@ -155,6 +155,12 @@ def _with_notes(question: str, notes: list[str]) -> str:
     return "Some background notes first.\n\n" + "\n\n".join(notes) + "\n\nMy question: " + question
 
 
+def document(i: int, seed: int, size: int) -> str:
+    """The long-context workload's request i prompt of about `size` characters (verify's
+    pd-parity tokenizes one to the length it needs)."""
+    return _long_prompt(i, seed, size)
+
+
 def _long_prompt(i: int, seed: int, size: int) -> str:
     """Request i's prompt: a document of numbered sections cut at `size` characters (at a word),
     then a question about one of its sections."""

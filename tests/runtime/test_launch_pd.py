@@ -2,7 +2,8 @@
 variant starts a prefill vLLM and a decode vLLM (the CPU build, NixlConnector over UCX/TCP on
 loopback) and vllm-router in front, as one deployment under the plan's name. A greedy
 completion is answered through the router, and the decode instance's /metrics show its prompt's
-KV came over the wire (m31ctl/served/kv_transfer.py); status lists the group and its two roles;
+KV came over the wire (m31ctl/served/kv_transfer.py); verify's pd-parity finds the router's greedy
+token ids equal to the prefill role's alone (m31ctl/served/pd_parity.py); status lists the group and its two roles;
 logs prints each part's; a relaunch changes nothing; stop leaves no process of any part. A
 decode that dies while the group starts stops the whole group, with one line naming it.
 
@@ -146,6 +147,15 @@ def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_mode
         assert checks["kv-transfer"]["status"] == "ok", checks["kv-transfer"]
         assert checks["kv-cache-dtype"]["status"] == "ok", checks["kv-cache-dtype"]
         assert report["facts"]["kv_transfer"]["transfers"] > 0, report["facts"]
+        # pd-parity (issue 49): the router's greedy token ids equal prefill's alone, for the
+        # longest prompt the plan holds (2,048 - 16: the tiny Llama states no sparse window).
+        assert checks["pd-parity"]["status"] == "ok", checks["pd-parity"]
+        (compared,) = report["facts"]["pd_parity"]["compared"]
+        assert compared["prompt_tokens"] == 2_032 and compared["matched"] == compared["compared"] == 16, (
+            compared
+        )
+        assert report["facts"]["pd_parity"]["kv_transfer"]["external_prompt_tokens"] >= 2_032 - 128
+        print(f"pd-parity: {checks['pd-parity']['message']}; {checks['pd-parity-bytes']['message']}")
 
         # bench on the group: per point, the prompts' KV over NIXL (decode's counters), none failed.
         bench = run_cli(
