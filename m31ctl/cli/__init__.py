@@ -59,6 +59,18 @@ from m31ctl.cli.output import GuardedStdout, emit_error
 from m31ctl.errors import ExitCode, M31Error, OutputError
 from m31ctl.redact import redact
 
+# Commands that compute and print, touching no server: they finish in a fraction of a second.
+# Nearly everything they allocate lives to the end (classes, validators, typer's parameters), so
+# CPython's cyclic collector, run ~80 times at start-up, frees almost nothing: main() turns it
+# off for them, before the app loads (about 10 ms of 0.2 s measured, scripts/bench.py; typer's
+# and pydantic's imports included). Commands that wait on servers (launch, logs, verify, ...) keep it.
+QUICK_COMMANDS = frozenset({"plan", "render", "capacity", "validate", "lock", "recipes"})
+
+
+def is_quick(argv: Sequence[str]) -> bool:
+    """Whether the command line runs one of QUICK_COMMANDS (its first word that is no option)."""
+    return next((a for a in argv if not a.startswith("-")), None) in QUICK_COMMANDS
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run m31ctl with `argv` (default: sys.argv[1:]) and return the exit code."""
@@ -70,11 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     output.COMMAND = output.command_name(args)  # what --json's envelopes name (docs/json.md)
     stdout = _standard_streams()
     try:
-        # lazy: the app (typer) loads after interrupt.install(), so a Ctrl-C meanwhile is handled
-        from m31ctl.cli.app import is_quick
-
         if gc.isenabled() and is_quick(args):
-            gc.disable()  # the cyclic collector only costs these commands time (see QUICK_COMMANDS)
+            # The cyclic collector only costs these commands time (QUICK_COMMANDS), from before the
+            # app (typer, pydantic) loads.
+            gc.disable()
             try:
                 return _finished(_main(args))
             finally:
@@ -256,13 +267,12 @@ def run() -> None:
     recorded by this module's first statements is handled as soon as m31ctl.interrupt is in place."""
     started = False
     quick = True
+    _without_pydantic_plugins()
     try:
         interrupt.install()
         interrupt.command(sys.argv[1:] or ["--help"])
         for signum in _EARLY[:1]:
             interrupt.deliver(signum)  # a command cut at once stops here
-        from m31ctl.cli.app import is_quick  # lazy: after interrupt.install(), as in main()
-
         quick = is_quick(sys.argv[1:])
         started = True
         code = main()
@@ -272,6 +282,39 @@ def run() -> None:
     if quick or not started:
         _leave_now(code)
     sys.exit(code)
+
+
+# pydantic's plugin loader, which m31ctl stands in for (see _without_pydantic_plugins).
+_PYDANTIC_PLUGIN_LOADER = "pydantic.plugin._loader"
+
+
+def _without_pydantic_plugins() -> None:
+    """The m31ctl process runs no pydantic plugins (observability hooks around every validation,
+    found through installed packages' entry points, that m31ctl neither needs nor asks for). Their
+    loader imports importlib.metadata (email, zipfile, csv, ...) and scans every installed
+    distribution's entry points the first time a model is built: 15-20 ms on every command that
+    plans, a third of what m31ctl adds to typer and pydantic (scripts/bench.py). Here the loader
+    answers "no plugins" without that; any other name pydantic asks of it loads the real one."""
+    if _PYDANTIC_PLUGIN_LOADER in sys.modules:  # loaded already (a program that imported pydantic)
+        return
+    import types  # lazy: the console script's alone (main() never stands in for the loader)
+
+    loader = types.ModuleType(_PYDANTIC_PLUGIN_LOADER, "m31ctl's stand-in: no pydantic plugins")
+
+    def get_plugins() -> tuple[()]:
+        return ()
+
+    def real(name: str) -> object:
+        if name.startswith("__"):  # the import system's own questions (__path__): a plain module
+            raise AttributeError(name)
+        import importlib  # lazy: only where pydantic asks the loader for more than get_plugins
+
+        del sys.modules[_PYDANTIC_PLUGIN_LOADER]
+        return getattr(importlib.import_module(_PYDANTIC_PLUGIN_LOADER), name)
+
+    loader.get_plugins = get_plugins  # type: ignore[attr-defined]
+    loader.__getattr__ = real  # type: ignore[method-assign]
+    sys.modules[_PYDANTIC_PLUGIN_LOADER] = loader
 
 
 def _leave_now(code: int) -> None:

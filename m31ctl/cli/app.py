@@ -38,14 +38,6 @@ COMMAND_MODULES = {
 }
 
 
-# Commands that compute and print, touching no server: they finish in a fraction of a second.
-# Nearly everything they allocate lives to the end (classes, validators, typer's parameters), so
-# CPython's cyclic collector, run ~80 times at start-up, frees almost nothing: main() turns it
-# off for them (about 10 ms of 0.2 s measured, scripts/bench.py). Commands that wait on servers
-# (launch, logs, verify, ...) keep it.
-QUICK_COMMANDS = frozenset({"plan", "render", "capacity", "validate", "lock", "recipes"})
-
-
 def command(fn: Callable[..., object]) -> Callable[..., object]:
     COMMANDS[fn.__name__] = fn
     return fn
@@ -79,11 +71,6 @@ def short_help(fn: Callable[..., object]) -> str | None:
 def command_name(argv: list[str]) -> str | None:
     """The command a command line names (its first word that is not an option)."""
     return next((a for a in argv if not a.startswith("-")), None)
-
-
-def is_quick(argv: list[str]) -> bool:
-    """Whether the command line runs one of QUICK_COMMANDS."""
-    return command_name(argv) in QUICK_COMMANDS
 
 
 def build_app(argv: list[str]) -> typer.Typer:

@@ -14,7 +14,6 @@ from m31ctl.cli.screen import for_stderr, print_command, print_paragraph, print_
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.engine.validate import GroupValidation, PlanValidation
 from m31ctl.hardware import Hardware
-from m31ctl.pair import loopback_router_invocation
 from m31ctl.plan.catalog import match_recipe
 from m31ctl.plan.runtime_shapes import MOE_SOURCE
 
@@ -198,6 +197,9 @@ def _engine_json(engine: Deployment) -> dict[str, Any]:
 
 
 def disaggregation_json(group: Disaggregated) -> dict[str, Any]:
+    # lazy: the pair's modules (containers, docker run, the router) for a P/D plan alone
+    from m31ctl.pair import loopback_router_invocation
+
     router = loopback_router_invocation(group)
     return {
         "prefill": _engine_json(group.prefill),
@@ -216,6 +218,8 @@ def _print_commands(deployment: Deployment, out: Any) -> None:
         print_paragraph(out, f"Command ({role}image {inv.image}):")
         print_command(out, [shlex.quote(word) for word in command])
     if group:
+        from m31ctl.pair import loopback_router_invocation  # lazy: as in disaggregation_json
+
         router = loopback_router_invocation(group)
         print_paragraph(out, f"Command (router, image {router.image}):")
         print_command(out, [shlex.quote(word) for word in router.argv])

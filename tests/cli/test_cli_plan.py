@@ -351,6 +351,22 @@ def test_quick_commands_skip_teardown_and_lose_nothing(tmp_path):
     assert "torn-down" in waits.stderr
 
 
+def test_the_console_script_loads_no_pydantic_plugins():
+    """The m31ctl process answers pydantic's plugin loader itself (m31ctl.cli._without_pydantic_plugins):
+    a plan builds its models without importing importlib.metadata or scanning every installed
+    package's entry points, and anything else asked of the loader is the real one's."""
+    code = (
+        "import sys; from m31ctl import cli; cli._without_pydantic_plugins()\n"
+        "from m31ctl.hardware import simulated; simulated('b300x4').model_dump()\n"
+        "from pydantic.plugin._loader import get_plugins; assert tuple(get_plugins()) == ()\n"
+        "print('importlib.metadata' in sys.modules)\n"
+        "from pydantic.plugin._loader import PYDANTIC_ENTRY_POINT_GROUP as group; print(group)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "pydantic"]
+
+
 def test_plan_group_is_one_parameter_and_six_options():
     """A command takes the plan group as one PlanOptions; typer sees the six options in its place."""
     import inspect
