@@ -354,9 +354,9 @@ class ModelFacts(BaseModel):
 
 
 def _parse_models(raw: bytes) -> Any:
-    import yaml  # lazy: PyYAML, as above
+    from m31ctl.plan.yamlfile import safe_load  # lazy: PyYAML, as above
 
-    return yaml.safe_load(raw.decode("utf-8"))
+    return safe_load(raw.decode("utf-8"))
 
 
 @cache

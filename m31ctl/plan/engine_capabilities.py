@@ -90,9 +90,10 @@ def image_reference(image: str) -> str | None:
 
 
 def _parse_table(raw: bytes) -> Any:
-    import yaml  # lazy: PyYAML costs start-up, and the memo answers most runs without parsing
+    # lazy: PyYAML costs start-up, and the memo answers most runs without parsing
+    from m31ctl.plan.yamlfile import safe_load
 
-    return yaml.safe_load(raw.decode("utf-8"))
+    return safe_load(raw.decode("utf-8"))
 
 
 def _answer(data: Any, where: str) -> CapabilityAnswer:
