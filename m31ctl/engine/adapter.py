@@ -357,7 +357,7 @@ def _everything_on() -> list[PlanSettings]:
 def emitted_flags() -> frozenset[str]:
     """Every flag the adapter can put into `vllm serve`'s argv (its sections, and the multi-node
     flags of a leader and a worker, over Ray and without)."""
-    flags: set[str] = {"--served-model-name"}
+    flags: set[str] = {"--served-model-name", KV_TRANSFER_FLAG}  # the latter: each P/D role's
     for settings in _everything_on():
         for section in _SECTIONS:
             flags.update(a for a in section(settings) if a.startswith("--"))
@@ -396,6 +396,17 @@ def refuse_owned_flags(plan: Plan) -> None:
     before anything is rendered, started or shown; build_invocation then reads extra_args as given
     (a P/D group's roles keep the group's)."""
     version = plan.settings.engine.schema_version
+    source = plan.provenance.get("engine.extra_args")
+    where = str(source) if source else None
+    key = owned.overridden_key(plan.settings.engine.extra_args)
+    if key is not None:
+        raise InputError(
+            f"engine.extra_args sets {key} through {owned.HF_OVERRIDES}, which rewrites the checkpoint's "
+            "config that the recipe, capacity and the engine rules read the model from: they would "
+            "describe another model than vLLM loads",
+            where=where,
+            hint=f"remove it; {owned.HF_OVERRIDES} may set RoPE scaling only (text_config.rope_scaling)",
+        )
     for arg in plan.settings.engine.extra_args:
         flag = owned_flag(arg, version)
         if flag is None:
@@ -403,10 +414,9 @@ def refuse_owned_flags(plan: Plan) -> None:
         setting = owned_settings(version)[flag]
         spelled = arg.split("=", 1)[0]
         named = flag if spelled == flag else f"{spelled!r} (vLLM's {flag})"
-        source = plan.provenance.get("engine.extra_args")
         raise InputError(
             f"engine.extra_args sets {named}, which m31ctl sets from {setting}: the container, "
             "probes, rendered files and capacity would describe another server than vLLM runs",
-            where=str(source) if source else None,
+            where=where,
             hint=f"remove it from engine.extra_args and set {setting}",
         )

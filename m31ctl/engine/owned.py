@@ -11,6 +11,13 @@ The owned set is what the adapter emits: `emitted_flags()` runs the adapter's ow
 over settings that switch every section on (and the multi-node flags for each role), so a flag the
 adapter learns to emit is owned from then on. A few flags the adapter never emits are owned too
 (`ALSO_OWNED`): they would change where the server listens, how it speaks, or bypass the plan.
+
+`--hf-overrides` is no setting's: m31ctl writes none. vLLM merges it into the checkpoint's
+config.json before anything reads that (vllm/config/model.py: dict values into the sub-config,
+the rest through config.update), the config every fact of the plan was read from (geometry,
+quantization, positions, the sparse block: plan/checkpoint_facts.py) and the recipe was written
+for. Its keys are refused (`overridden_key`) except RoPE scaling, the one override m31ctl reads
+and checks (plan/engine_rules.py: the 1M opt-in, docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import TYPE_CHECKING
 from m31ctl import vllm_argv as argv
 
 if TYPE_CHECKING:
-    pass
+    from collections.abc import Iterable
 
 _NODES = "parallelism.nodes (multi-node flags are set per pod)"
 _HTTP = "runtime (m31ctl's probes, URLs and Services speak plain HTTP to the port it publishes)"
@@ -60,6 +67,9 @@ SETTING_FOR: dict[str, str] = {
     "--reasoning-parser": "serving.reasoning_parser",
     "--trust-remote-code": "serving.trust_remote_code",
     "--shutdown-timeout": "serving.shutdown_timeout",
+    # Each P/D role's connector and kv_role (adapter.kv_transfer_args); on an aggregated server it
+    # would make the one engine half of a pair no router or peer was rendered for.
+    "--kv-transfer-config": "disaggregation.enabled and disaggregation.connector",
 }
 # Owned though the adapter's `vllm serve` argv does not carry them (canonical long options).
 ALSO_OWNED: dict[str, str] = {
@@ -122,3 +132,26 @@ def owned_flag(arg: str, emitted: frozenset[str], version: str = "0.32.0") -> st
     if found.candidates:  # ambiguous in vLLM: it refuses the token itself
         return None
     return argv.prefix_of(spelled.name, sorted(owned))
+
+
+HF_OVERRIDES = "--hf-overrides"
+# What --hf-overrides may set, at the top level or under text_config (the decoder's config).
+ROPE_KEYS = frozenset({"rope_scaling", "rope_parameters"})
+_TEXT_CONFIG = "text_config"
+
+
+def overridden_key(args: Iterable[str]) -> str | None:
+    """The first key that --hf-overrides in `args` sets beyond RoPE scaling, dotted
+    (`text_config.num_hidden_layers`), in every spelling vLLM merges (m31ctl/vllm_argv.py
+    json_config: `=`, `_`, a prefix, a dotted key); None where it sets RoPE scaling alone."""
+    for key, value in argv.json_config(args, HF_OVERRIDES).items():
+        path = tuple(key.split("."))  # a dotted key (`--hf-overrides.text_config.x`) is a nested one
+        if path == (_TEXT_CONFIG,) and isinstance(value, dict):
+            found = [f"{_TEXT_CONFIG}.{k}" for k in value if k not in ROPE_KEYS]
+        elif path[-1] in ROPE_KEYS and path[:-1] in ((), (_TEXT_CONFIG,)):
+            found = []
+        else:
+            found = [key]
+        if found:
+            return found[0]
+    return None

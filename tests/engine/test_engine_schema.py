@@ -234,9 +234,95 @@ def test_every_command_refuses_an_owned_flag_before_it_shows_anything(command, c
     ]
 
 
+def _every_flag_m31ctl_writes() -> list[str]:
+    """What the adapter emits and what it owns beside (issue 49: --kv-transfer-config, which the
+    adapter writes for each P/D role, passed on an aggregated plan)."""
+    from m31ctl.engine.adapter import owned_settings
+
+    return sorted(owned_settings("0.32.0"))
+
+
+@pytest.mark.parametrize("flag", _every_flag_m31ctl_writes())
+@pytest.mark.parametrize("spelling", ["apart", "joined"])
+def test_every_flag_m31ctl_writes_is_refused_in_both_spellings_exit_2_one_line(flag, spelling):
+    """`--flag value` and `--flag=value`, on an aggregated plan and a P/D one, in-process (the
+    exit code and the one line are InputError's; the CLI case below runs the command)."""
+    from m31ctl.commands import deployment
+    from m31ctl.errors import InputError
+    from m31ctl.hardware import simulated
+    from m31ctl.plan import PlanRequest
+
+    args = [flag, "1"] if spelling == "apart" else [f"{flag}=1"]
+    for pd in ((), ("disaggregation.enabled=true",)):
+        sets = (*pd, f"engine.extra_args={json.dumps(args)}")
+        with pytest.raises(InputError) as caught:
+            deployment(PlanRequest(hardware=simulated("b300x8"), sets=sets), validate=False)
+        assert caught.value.exit_code == 2
+        line = caught.value.one_line()
+        # a P/D plan's --kv-transfer-config is refused at plan time (plan/disaggregation.py)
+        assert "\n" not in line and flag in line and "engine.extra_args" in line and " sets " in line, line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'],
+        ["--kv-transfer-config={}"],
+        ["--hf-overrides", '{"num_hidden_layers":2}'],
+        ['--hf-overrides={"text_config":{"num_local_experts":8}}'],
+        ["--hf_overrides.quantization_config", "{}"],
+        ["--hf-overrides", '{"architectures":["LlamaForCausalLM"]}'],
+    ],
+)
+def test_cli_refuses_what_rewrites_the_plan_exit_2_one_line(args, cli):
+    """issue 49: both were accepted on an aggregated plan."""
+    result = cli("plan", "--hardware", "b300x8", "--set", f"engine.extra_args={json.dumps(args)}")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == "" and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "engine.extra_args sets" in result.stderr and "--set #1" in result.stderr
+
+
+def test_hf_overrides_may_carry_rope_scaling_alone():
+    """--hf-overrides is no setting's (m31ctl writes none): it rewrites the checkpoint's config
+    (vLLM 0.32 config/model.py), so only the RoPE scaling the engine rules read is let through,
+    at the top level or under text_config, in every spelling vLLM merges."""
+    from m31ctl.engine.owned import overridden_key
+
+    rope = '{"rope_type":"yarn","factor":2.0,"original_max_position_embeddings":524288}'
+    for args in (
+        ["--hf-overrides", "{}"],
+        ["--hf-overrides", f'{{"text_config":{{"rope_scaling":{rope}}}}}'],
+        [f'--hf-overrides={{"rope_parameters":{rope}}}'],
+        ["--hf-overrides.text_config.rope_scaling", rope],
+        ["--enforce-eager"],
+    ):
+        assert overridden_key(args) is None, args
+    assert overridden_key(
+        ["--hf-overrides", '{"text_config":{"rope_scaling":{},"num_hidden_layers":1}}']
+    ) == ("text_config.num_hidden_layers")
+    assert overridden_key(["--hf-overrides.text_config.head_dim", "64"]) == "text_config.head_dim"
+    assert overridden_key(["--hf-over", '{"max_position_embeddings":1048576}']) == "max_position_embeddings"
+
+
+def test_rope_scaling_on_nvidia_still_meets_the_rule_that_the_model_ignores_it():
+    """On NVIDIA a RoPE override changes nothing in MiniMax-M3's model (it reads rope_theta and
+    partial_rotary_factor alone), and a factor that raises vLLM's derived length cannot carry a
+    context past the native positions: the engine rule refuses it whatever the override says."""
+    from m31ctl.errors import InputError
+    from m31ctl.hardware import simulated
+    from m31ctl.plan import PlanRequest, resolve
+
+    linear = '{"text_config":{"rope_scaling":{"rope_type":"linear","factor":2.0}}}'
+    sets = ("serving.max_model_len=1048576", f"engine.extra_args={json.dumps(['--hf-overrides', linear])}")
+    with pytest.raises(InputError) as caught:
+        resolve(PlanRequest(hardware=simulated("b300x8"), sets=sets))
+    assert "vllm-nvidia-m3-no-rope-scaling" in caught.value.one_line()
+
+
 def test_flags_that_are_not_owned_pass_and_ambiguous_ones_go_to_the_validator():
     from m31ctl.engine.adapter import owned_flag
 
+    # --hf-overrides is no setting's: its keys are checked apart (test_hf_overrides_may_carry_rope_scaling_alone)
     for arg in ("--enforce-eager", "-O0", "--hf-overrides", "--max-num-batched-tokens", "--monokernel"):
         assert owned_flag(arg) is None, arg
     assert owned_flag("--max-num") is None  # ambiguous: vLLM refuses it, validate names both
