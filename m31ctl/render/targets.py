@@ -19,7 +19,6 @@ from m31ctl.render.common import engine_secrets, header, health_command, in_comm
 from m31ctl.render.download import download_step
 from m31ctl.render.escape import Interpolation, compose_escape, yaml_file
 from m31ctl.render.k8s import k8s_comments, k8s_documents
-from m31ctl.render.observability import render_monitoring
 from m31ctl.render.script_cache import at_run_time, script_cache
 
 ENV_FILE = "/etc/m31ctl/minimax-m31-flash.env"
@@ -459,6 +458,14 @@ def render_k8s(deployment: Deployment) -> list[Artifact]:
     comments = [*header(deployment, "k8s").splitlines(), *k8s_comments(deployment)]
     content = yaml_file(comments, documents, explicit_start=True)
     return [Artifact("k8s.yaml", content)]
+
+
+def render_monitoring(deployment: Deployment) -> list[Artifact]:
+    """observability.py's target: scrape config, alert rules, dashboard."""
+    # lazy: the monitoring files' module for --target monitoring alone (a render loads this registry)
+    from m31ctl.render.observability import render_monitoring as monitoring
+
+    return monitoring(deployment)
 
 
 # The registry: a new target is a function above and one line here.
