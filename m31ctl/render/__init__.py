@@ -3,8 +3,8 @@ compared with what a directory holds (files.py). Templates live in the top-level
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from typing import Any
 
 from m31ctl.deployment import Deployment
 from m31ctl.errors import InputError
@@ -13,28 +13,27 @@ from m31ctl.render.targets import RENDERERS, SINGLE_HOST, Artifact, render_monit
 Renderer = Callable[[Deployment], list[Artifact]]
 
 
-def _pd_renderers() -> dict[str, Renderer]:
-    """The targets that render a prefill/decode plan (render/pd.py, pd_host.py); the others refuse
-    it. Compose, the script and systemd check themselves that the pair fits one host; monitoring
-    reads the group (observability.py)."""
-    # lazy: the P/D renderers and the pair's modules (containers, docker run, the router) load for a
-    # P/D plan alone
-    from m31ctl.render.pd import render_compose_pd, render_k8s_pd
-    from m31ctl.render.pd_host import render_script_pd, render_systemd_pd
+def _loaded(module: str, name: str) -> Renderer:
+    """`module`'s renderer `name`, imported when first called: render/pd.py and pd_host.py (and with
+    them the pair's containers, docker run and router) load for a P/D plan alone."""
 
-    return {
-        "script": render_script_pd,
-        "compose": render_compose_pd,
-        "k8s": render_k8s_pd,
-        "systemd": render_systemd_pd,
-        "monitoring": render_monitoring,
-    }
+    def render(deployment: Deployment) -> list[Artifact]:
+        renderer: Renderer = getattr(importlib.import_module(module), name)
+        return renderer(deployment)
+
+    return render
 
 
-def __getattr__(name: str) -> Any:
-    if name == "PD_RENDERERS":  # the registry of P/D renderers, loaded when first asked for
-        return _pd_renderers()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The targets that render a prefill/decode plan (render/pd.py, pd_host.py); the others refuse
+# it. Compose, the script and systemd check themselves that the pair fits one host; monitoring
+# reads the group (observability.py).
+PD_RENDERERS: dict[str, Renderer] = {
+    "script": _loaded("m31ctl.render.pd_host", "render_script_pd"),
+    "compose": _loaded("m31ctl.render.pd", "render_compose_pd"),
+    "k8s": _loaded("m31ctl.render.pd", "render_k8s_pd"),
+    "systemd": _loaded("m31ctl.render.pd_host", "render_systemd_pd"),
+    "monitoring": render_monitoring,
+}
 
 
 def get_target(name: str) -> Renderer:
@@ -46,12 +45,11 @@ def get_target(name: str) -> Renderer:
     def render(deployment: Deployment) -> list[Artifact]:
         if deployment.disaggregated is not None:
             # A P/D plan: its own registry (render/pd.py); a target without an entry refuses.
-            pd_renderers = _pd_renderers()
-            pd_renderer = pd_renderers.get(name)
+            pd_renderer = PD_RENDERERS.get(name)
             if pd_renderer is None:
-                from m31ctl.render.pd import refuse_pd  # lazy: as in _pd_renderers
+                from m31ctl.render.pd import refuse_pd  # lazy: as in PD_RENDERERS
 
-                refuse_pd(name, tuple(pd_renderers))
+                refuse_pd(name, tuple(PD_RENDERERS))
             assert pd_renderer is not None
             return pd_renderer(deployment)
         if name in SINGLE_HOST:
