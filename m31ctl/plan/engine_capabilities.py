@@ -58,7 +58,7 @@ class Capability(NamedTuple):
 
     def answer(self, engine: str) -> CapabilityAnswer | None:
         for pattern, answer in self.engines:
-            if fnmatch.fnmatchcase(engine, pattern):
+            if matches(engine, pattern):
                 return answer
         return None
 
@@ -71,7 +71,18 @@ class CapabilityTable(NamedTuple):
         ref = image_reference(image)
         if ref is None:
             return None
-        return next((e for e in self.engines if any(fnmatch.fnmatchcase(ref, p) for p in e.images)), None)
+        return next((e for e in self.engines if any(matches(ref, p) for p in e.images)), None)
+
+
+def matches(name: str, pattern: str) -> bool:
+    """fnmatch.fnmatchcase(name, pattern), without compiling a regular expression for the table's
+    common patterns: one without a wildcard is the name itself, one whose only wildcard is a
+    trailing `*` a prefix (`vllm/vllm-openai:v0.32.*`). fnmatch compiled 28 patterns for one
+    plan's image, 2 ms of a 0.18 s command."""
+    stem, star = (pattern[:-1], True) if pattern.endswith("*") else (pattern, False)
+    if any(c in stem for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return name.startswith(stem) if star else name == stem
 
 
 def image_reference(image: str) -> str | None:
