@@ -83,12 +83,10 @@ def k8s_documents(deployment: Deployment, group: Group | None = None) -> list[di
         workload = deployment_workload(pods)
         members = {"app.kubernetes.io/name": pods.name}
         api_selector = members
-    return [
-        hf_cache_claim(pods.deployment, pods.claim_name, pods.labels),
-        workload,
-        _api_service(pods, api_selector),
-        _network_policy(pods, members),
-    ]
+    # A P/D role that mounts its group's claim: the group's documents carry it (render/pd.py).
+    shared = pods.group is not None and pods.group.claim_name is not None
+    claims = [] if shared else [hf_cache_claim(pods.deployment, pods.claim_name, pods.labels)]
+    return [*claims, workload, _api_service(pods, api_selector), _network_policy(pods, members)]
 
 
 def _api_service(pods: Pods, selector: dict[str, str]) -> dict[str, Any]:

@@ -123,11 +123,12 @@ def engine_container(pods: Pods) -> dict[str, Any]:
 def _download_container(pods: Pods, leader: bool = True) -> dict[str, Any] | None:
     """The checkpoint download as an init container, with its own budget (timeline.download).
     In a group that shares the claim only the leader downloads; the workers' init container
-    waits for its marker (render/download.py)."""
+    waits for its marker (render/download.py), as do the pods of a P/D role that mounts the claim
+    the other role downloads into: one download on a claim, never two racing."""
     step = download_step(pods.deployment, pods.spec.env)
     if step is None:
         return None
-    if not leader:
+    if not leader or not pods.owns_cache:
         return {
             "name": "wait-for-checkpoint",
             "image": pods.spec.image,

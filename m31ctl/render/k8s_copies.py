@@ -74,6 +74,23 @@ def claim_shared_by(deployment: Deployment) -> str | None:
     return None
 
 
+def roles_share_claim(deployment: Deployment) -> bool:
+    """Whether a P/D group's roles mount one cache claim, downloaded into once (by the prefill
+    role; the decode's pods wait for its marker, render/download.py): where the plan names
+    kubernetes.hf_cache_storage_class, the class a claim shared across nodes must have
+    (ReadWriteMany, as the aggregated copies' and a group over nodes'). Without it the claims take
+    the cluster's default class, which may be ReadWriteOnce only, and the roles may land on
+    different nodes (their podAffinity is preferred, not required): a claim each. The roles read
+    one checkpoint at one commit with one draft (plan/disaggregation.py role_settings changes
+    neither), so one download serves both."""
+    group = deployment.disaggregated
+    if group is None or not deployment.plan.settings.kubernetes.hf_cache_storage_class:
+        return False
+    prefill, decode = group.roles
+    assert (prefill.model, prefill.draft.skipped) == (decode.model, decode.draft.skipped)
+    return True
+
+
 def claim_size(deployment: Deployment) -> str:
     """What the cache claim asks for: kubernetes.hf_cache_size where the checkpoint is downloaded
     into it (or the plan sizes it); a local checkpoint is a hostPath and downloads nothing, so the
@@ -85,12 +102,15 @@ def claim_size(deployment: Deployment) -> str:
     return UNDOWNLOADED_CACHE
 
 
-def hf_cache_claim(deployment: Deployment, name: str, labels: dict[str, str]) -> dict[str, Any]:
-    """The claim the checkpoint is downloaded into. Pods on several nodes (a group's, or copies an
-    autoscaler adds) share it, so it must then be ReadWriteMany (a file system every node mounts)."""
+def hf_cache_claim(
+    deployment: Deployment, name: str, labels: dict[str, str], shared: bool = False
+) -> dict[str, Any]:
+    """The claim the checkpoint is downloaded into. Pods on several nodes (a group's, copies an
+    autoscaler adds, or with `shared` both roles of a P/D group) share it, so it must then be
+    ReadWriteMany (a file system every node mounts)."""
     k8s = deployment.plan.settings.kubernetes
     spec: dict[str, Any] = {
-        "accessModes": ["ReadWriteMany" if claim_shared_by(deployment) else "ReadWriteOnce"],
+        "accessModes": ["ReadWriteMany" if shared or claim_shared_by(deployment) else "ReadWriteOnce"],
         "resources": {"requests": {"storage": claim_size(deployment)}},
     }
     if k8s.hf_cache_storage_class:

@@ -32,7 +32,14 @@ def k8s_comments(deployment: Deployment, group: Group | None = None) -> list[str
     ]
     if group is None:  # a P/D role admits its group only (render/pd.py says so once)
         notes.append(network_note(pods, layout))
-    if pods.downloads:
+    if pods.downloads and not pods.owns_cache:
+        notes.append(
+            f"Download: none; the init container waits up to {deployment.timeline.checkpoint_wait_s} s for "
+            f"{pods.group and pods.group.cache_owner}'s download into the claim both roles mount "
+            f"({pods.claim_name}). The engine then serves that snapshot offline, and the startup probe allows "
+            f"{spec.startup_timeout} s to load and compile (runtime.load_and_compile_s)."
+        )
+    elif pods.downloads:
         notes.append(
             f"Download: the init container fetches {in_comment(deployment.model.reference, 'model.path')} "
             f"at {'commit' if is_commit(deployment.model.commit or '') else 'revision'} {deployment.model.commit} into the claim within "

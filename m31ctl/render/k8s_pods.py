@@ -38,10 +38,19 @@ class Group(NamedTuple):
     that admits the members to each other."""
 
     name: str
+    # The role whose pods download the checkpoint into the group's one cache claim, which every
+    # role mounts (render/k8s_copies.py roles_share_claim); None: each role has a claim of its own.
+    cache_owner: str | None = None
 
     @property
     def labels(self) -> dict[str, str]:
         return {PART_OF_LABEL: self.name, "app.kubernetes.io/managed-by": "m31ctl"}
+
+    @property
+    def claim_name(self) -> str | None:
+        """The cache claim every role mounts, or None where each has its own."""
+        # Not the aggregated server's claim name: a claim's access modes cannot change once made.
+        return f"{self.name}-pd{HF_CACHE_CLAIM_SUFFIX}" if self.cache_owner else None
 
 
 class Pods(NamedTuple):
@@ -62,7 +71,14 @@ class Pods(NamedTuple):
 
     @property
     def claim_name(self) -> str:
-        return self.name + HF_CACHE_CLAIM_SUFFIX
+        shared = self.group.claim_name if self.group is not None else None
+        return shared or self.name + HF_CACHE_CLAIM_SUFFIX
+
+    @property
+    def owns_cache(self) -> bool:
+        """These pods download into their claim (a leader's); False for a P/D role that mounts the
+        claim another role downloads into, whose pods wait for that download's marker."""
+        return self.group is None or self.group.cache_owner in (None, self.name)
 
     @property
     def k8s(self) -> KubernetesSettings:

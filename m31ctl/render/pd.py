@@ -47,6 +47,7 @@ from m31ctl.render.k8s import (
     k8s_secrets,
     kubelet_literal,
 )
+from m31ctl.render.k8s_copies import hf_cache_claim, roles_share_claim
 from m31ctl.render.targets import (
     COMPOSE_API_KEY_SECRET,
     api_key_entrypoint,
@@ -328,13 +329,13 @@ def _k8s_router(deployment: Deployment, group: Disaggregated) -> list[dict[str, 
 
 
 def _router_policy(deployment: Deployment, name: str, labels: dict[str, str]) -> dict[str, Any]:
-    """Only the plan's API clients reach the router (the aggregated server's NetworkPolicy rule)."""
+    """Only the plan's API clients reach the router (the aggregated server's NetworkPolicy rule),
+    on its API port and its metrics port: an engine's /metrics is on its API port, so whoever
+    reaches an aggregated server reaches its metrics; the router's exporter listens apart
+    (--prometheus-port). The monitoring target's scraper is admitted by k8s-monitoring.yaml."""
     k8s = deployment.plan.settings.kubernetes
-    ingress = (
-        [{"from": [dict(p) for p in k8s.api_clients], "ports": [{"protocol": "TCP", "port": CONTAINER_PORT}]}]
-        if k8s.api_clients
-        else []
-    )
+    ports = [{"protocol": "TCP", "port": port} for port in (CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT)]
+    ingress = [{"from": [dict(p) for p in k8s.api_clients], "ports": ports}] if k8s.api_clients else []
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -352,11 +353,39 @@ def k8s_pd_documents(deployment: Deployment) -> list[dict[str, Any]]:
     role spans nodes; its claim, Service and NetworkPolicy), then the router's."""
     group = deployment.disaggregated
     assert group is not None
-    member = Group(deployment.name)
+    member = k8s_group(deployment)
     documents: list[dict[str, Any]] = []
+    if member.claim_name is not None:
+        documents.append(hf_cache_claim(group.prefill, member.claim_name, member.labels, shared=True))
     for role in group.roles:
         documents += [_near_the_peer(doc, group) for doc in k8s_documents(role, member)]
     return documents + _k8s_router(deployment, group)
+
+
+def k8s_group(deployment: Deployment) -> Group:
+    """The group its roles' documents belong to: one Secret, one label, and, where the roles
+    share the cache claim, the prefill role downloading into it for both."""
+    group = deployment.disaggregated
+    assert group is not None
+    return Group(deployment.name, group.prefill.name if roles_share_claim(deployment) else None)
+
+
+def _claim_note(deployment: Deployment, member: Group) -> str:
+    group = deployment.disaggregated
+    assert group is not None
+    if member.claim_name is not None:
+        return (
+            f"Cache: both roles mount one claim, {member.claim_name} (ReadWriteMany, class "
+            f"{deployment.plan.settings.kubernetes.hf_cache_storage_class}: kubernetes.hf_cache_storage_class "
+            f"must provision ReadWriteMany volumes), and the checkpoint is downloaded once: {group.prefill.name}'s "
+            f"init container downloads it, {group.decode.name}'s waits for the download's marker. "
+        )
+    return (
+        "Cache: each role downloads the checkpoint into a claim of its own (twice the egress and the "
+        "storage): kubernetes.hf_cache_storage_class is unset, so the claims take the cluster's default "
+        "class, which may be ReadWriteOnce only, and the roles may run on different nodes. Name a class "
+        "that provisions ReadWriteMany volumes to download it once into one claim both roles mount. "
+    )
 
 
 def _near_the_peer(document: dict[str, Any], group: Disaggregated) -> dict[str, Any]:
@@ -385,22 +414,24 @@ def render_k8s_pd(deployment: Deployment) -> list[Artifact]:
     documents = k8s_pd_documents(deployment)  # refusals first
     group = deployment.disaggregated
     assert group is not None
-    member = Group(deployment.name)
+    member = k8s_group(deployment)
     note = (
         f"Prefill/decode: {group.prefill.name} and {group.decode.name} (vLLM, NIXL KV transfer), each "
-        f"with its own claim and Service, and {group.router.name} (vllm-router) behind Service "
+        f"with its own Service, and {group.router.name} (vllm-router) behind Service "
         f"{deployment.name}{API_SERVICE_SUFFIX} on port {group.router.network.port}, where clients reach "
         "the plan as they would an aggregated server. The router's pod waits for both roles' /health "
         f"first. Each role advertises its pod IP ({SIDE_CHANNEL_HOST_ENV}, from status.podIP) to its peer. "
         f"Network: the roles admit the pods labelled {PART_OF_LABEL}={deployment.name} (the peer and the "
         "router) on every port, as NIXL's side channel and UCX's TCP transport need; the router admits "
-        f"kubernetes.api_clients to port {CONTAINER_PORT}. The router checks no API key itself"
+        f"kubernetes.api_clients to port {CONTAINER_PORT} and to its metrics on port {RENDERED_ROUTER_METRICS_PORT}, as an "
+        "engine's /metrics on its API port (the monitoring target admits its scraper to both). The router checks no API key itself"
         + (
             f" (it forwards {API_KEY_ENV} to the roles)"
             if API_KEY_ENV in k8s_secrets(group.prefill)[1]
             else ""
         )
         + ": its NetworkPolicy is the guard. "
+        + (_claim_note(deployment, member) if not group.prefill.model.local else "")
         + (
             "Placement: the roles prefer one node (podAffinity on kubernetes.io/hostname), where the KV "
             "crosses no network."

@@ -258,7 +258,10 @@ def test_k8s_validates_and_wires_the_router_to_the_roles_services(key, tmp_path)
     for workload in (documents[1], documents[5], documents[8]):
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert labels.items() >= group_label.items()
-    assert documents[10]["spec"]["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert documents[10]["spec"]["ingress"][0]["ports"] == [
+        {"protocol": "TCP", "port": 8000},
+        {"protocol": "TCP", "port": RENDERED_ROUTER_METRICS_PORT},  # its metrics, as an engine's (issue 49)
+    ]
 
 
 def test_k8s_router_forwards_the_groups_api_key():
@@ -435,3 +438,95 @@ def test_the_rendered_pair_serves_with_the_kv_over_nixl_between_containers(tmp_p
             ["docker-compose", "-p", project, "-f", str(compose), "down", "-v", "--remove-orphans", "-t", "30"],
             capture_output=True, timeout=300, check=False,
         )  # fmt: skip
+
+
+# --- issue 49: the router's metrics admitted, one checkpoint download per group ---------------
+
+
+def _port_numbers(container: dict) -> dict[str, int]:  # type: ignore[type-arg]
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def test_k8s_router_admits_its_api_clients_to_its_metrics_as_to_its_api():
+    """An engine's /metrics is on its API port, which kubernetes.api_clients reach; the router's
+    exporter listens on its own port (--prometheus-port), which its NetworkPolicy admitted none
+    to. The monitoring target's NetworkPolicy admits its scraper to every port its PodMonitor
+    scrapes on the router."""
+    documents = list(yaml.safe_load_all(render("pd-b300x8", "k8s")[0].content))
+    (router,) = [
+        d for d in documents if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-router")
+    ]
+    ports = _port_numbers(router["spec"]["template"]["spec"]["containers"][0])
+    assert ports == {"api": 8000, "metrics": RENDERED_ROUTER_METRICS_PORT}
+    (policy,) = [
+        d for d in documents if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-router")
+    ]
+    (rule,) = policy["spec"]["ingress"]
+    assert sorted(p["port"] for p in rule["ports"]) == sorted(ports.values())
+    monitoring = list(
+        yaml.safe_load_all(
+            {a.name: a.content for a in render("pd-b300x8", "monitoring")}["k8s-monitoring.yaml"]
+        )
+    )
+    monitor = next(d for d in monitoring if d["kind"] == "PodMonitor")
+    scraper = next(d for d in monitoring if d["kind"] == "NetworkPolicy")
+    admitted = {p["port"] for r in scraper["spec"]["ingress"] for p in r["ports"]}
+    scraped = {ports[e["port"]] for e in monitor["spec"]["podMetricsEndpoints"] if e["port"] in ports}
+    assert scraped == {RENDERED_ROUTER_METRICS_PORT} and scraped <= admitted
+    assert (
+        router["spec"]["template"]["metadata"]["labels"].items()
+        >= scraper["spec"]["podSelector"]["matchLabels"].items()
+    )
+
+
+def _cache(documents: list) -> tuple[list[str], dict[str, tuple[str, list[str]]]]:  # type: ignore[type-arg]
+    """The claims made, and each role's (claim mounted, init containers)."""
+    claims = [d["metadata"]["name"] for d in documents if d["kind"] == "PersistentVolumeClaim"]
+    roles = {}
+    for d in documents:
+        if d["kind"] != "Deployment" or d["metadata"]["name"].endswith("-router"):
+            continue
+        pod = d["spec"]["template"]["spec"]
+        (claim,) = [
+            v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v
+        ]
+        roles[d["metadata"]["name"].rsplit("-", 1)[-1]] = (claim, [c["name"] for c in pod["initContainers"]])
+    return claims, roles
+
+
+def test_k8s_roles_share_one_claim_downloaded_once_where_the_plan_names_a_rwx_class(tmp_path):
+    shared = pd_deployment("pd-b300x8", ("kubernetes.hf_cache_storage_class=nfs",))
+    (artifact,) = get_target("k8s")(shared)
+    documents = list(yaml.safe_load_all(artifact.content))
+    claims, roles = _cache(documents)
+    name = "m31ctl-minimax-m31-flash-pd-hf-cache"
+    assert claims == [name]
+    (claim,) = [d for d in documents if d["kind"] == "PersistentVolumeClaim"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"] and claim["spec"]["storageClassName"] == "nfs"
+    # One download on the claim: the decode's pod waits for the prefill's marker, never races it.
+    assert roles == {"prefill": (name, ["download"]), "decode": (name, ["wait-for-checkpoint"])}
+    download, wait = (
+        next(d for d in documents if d["metadata"]["name"].endswith(f"-{r}") and d["kind"] == "Deployment")[
+            "spec"
+        ]["template"]["spec"]["initContainers"][0]["command"]
+        for r in ("prefill", "decode")
+    )
+    assert wait[3] == download[6]  # the marker the download leaves is the one the decode waits for
+    header = " ".join(line[2:] for line in artifact.content.splitlines() if line.startswith("# "))
+    assert "the checkpoint is downloaded once" in header
+    path = tmp_path / "k8s.yaml"
+    path.write_text(artifact.content)
+    done = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_k8s_roles_without_a_class_download_once_each_and_the_header_says_why():
+    (artifact,) = render("pd-b300x8", "k8s")
+    claims, roles = _cache(list(yaml.safe_load_all(artifact.content)))
+    assert claims == [roles["prefill"][0], roles["decode"][0]] and len(set(claims)) == 2
+    assert {r[1][0] for r in roles.values()} == {"download"}
+    header = " ".join(line[2:] for line in artifact.content.splitlines() if line.startswith("# "))
+    assert "each role downloads the checkpoint into a claim of its own" in header
+    assert "kubernetes.hf_cache_storage_class is unset" in header and "ReadWriteOnce" in header
