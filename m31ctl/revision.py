@@ -60,7 +60,7 @@ def pin_checkpoint(deployment: Deployment, target: str, locked: Path | None, rev
     resolved at deploy time, with a warning that says so and how to pin it. A local checkpoint
     and a target that never names the checkpoint (monitoring) are returned as they are."""
     repo = deployment.model.repo_id
-    if repo is None or target in CHECKPOINT_FREE:
+    if repo is None or (target in CHECKPOINT_FREE and deployment.model.commit is not None):
         return Pinned(deployment)
     # lazy: the cache's layout only for a hub checkpoint, and the lock's model (pydantic models,
     # the image facts: a third of render's start) only when a lock is given
@@ -68,6 +68,11 @@ def pin_checkpoint(deployment: Deployment, target: str, locked: Path | None, rev
     from m31ctl.deployment import derive
 
     checked_revision(revision)
+    if target in CHECKPOINT_FREE:
+        # Its files name no checkpoint, so nothing is looked up and nothing warned; but its
+        # k8s-monitoring.yaml selects the pods the k8s target's own documents make, and those
+        # download one named revision: the name given is enough (its value is in no file).
+        return Pinned(derive(deployment.plan, commit=revision))
     recorded = None
     if locked is not None:
         from m31ctl import lockfile  # lazy: see above, only with a lock

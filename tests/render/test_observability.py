@@ -359,7 +359,7 @@ def _kv_transfer_watched(files: dict[str, str]) -> tuple[bool, bool, bool]:
     board = json.loads(files["grafana-dashboard.json"])
     panel = any("vllm:nixl_" in t["expr"] for p in board["panels"] for t in p["targets"])
     rules = "VllmKvTransferFailures" in files["m31ctl-alerts.yaml"]
-    # k8s-monitoring.yaml is left out where the k8s target refuses the plan (no pinned revision).
+    # k8s-monitoring.yaml is left out where the k8s target refuses the plan.
     return panel, rules, "nixl" in files.get("k8s-monitoring.yaml", "")
 
 
@@ -377,3 +377,30 @@ def test_only_a_pd_plan_over_nixl_gets_the_kv_transfer_alert_and_panel(tmp_path)
     assert _kv_transfer_watched(pair) == (True, True, True)
     names = [a.name for a in obs.alerts(deployment_for("disaggregation.enabled=true"))]
     assert names.index("VllmKvTransferFailures") == names.index("VllmQueueTimeHigh") + 1
+
+
+def test_monitoring_of_a_hub_checkpoint_writes_its_k8s_file_with_no_revision_pinned(tmp_path):
+    """Its files name no checkpoint, so an unpinned render (no --revision, no hub, no cache) is the
+    whole render, k8s-monitoring.yaml included, byte for byte what a pinned one writes, and warns of
+    nothing; it once wrote three files and a note that the k8s target refused the plan."""
+    unpinned, pinned = tmp_path / "unpinned", tmp_path / "pinned"
+    first = run_cli("render", "--target", "monitoring", "--hardware", "b300x4", "-o", str(unpinned))
+    assert first.returncode == 0 and "not pinned" not in first.stderr, first.stderr
+    assert (
+        run_cli(
+            "render",
+            "--target",
+            "monitoring",
+            "--hardware",
+            "b300x4",
+            "--revision",
+            PINNED_COMMIT,
+            "-o",
+            str(pinned),
+        ).returncode
+        == 0
+    )
+    names = sorted(p.name for p in unpinned.iterdir())
+    assert "k8s-monitoring.yaml" in names and names == sorted(p.name for p in pinned.iterdir())
+    assert all((unpinned / n).read_bytes() == (pinned / n).read_bytes() for n in names)
+    assert "refuses" not in (unpinned / "prometheus.yml").read_text()
