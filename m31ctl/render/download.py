@@ -49,7 +49,8 @@ open(marker, "w").close()
 print(f"m31ctl: {repo}@{commit} is in the cache (commit {os.path.basename(path)})", flush=True)
 """
 
-# The other members of a group: wait for the marker, saying so once a minute.
+# The other members of a group: wait for the marker, saying so once a minute. Who downloads is
+# a multi-node group's leader, or a P/D pair's prefill where the roles share one claim.
 WAIT_SCRIPT = """\
 import os, signal, sys, time
 marker, budget = sys.argv[1], int(sys.argv[2])
@@ -58,11 +59,12 @@ start = time.monotonic()
 while not os.path.exists(marker):
     waited = time.monotonic() - start
     if waited >= budget:
-        print(f"m31ctl: the leader's download did not complete within {budget} s ({marker})",
+        print(f"m31ctl: the group's download (its leader's, or prefill's) did not complete within {budget} s ({marker})",
               file=sys.stderr, flush=True)
         sys.exit(124)
     if int(waited) % 60 < 5:
-        print(f"m31ctl: waiting for the leader's download ({int(waited)} s of {budget} s)", flush=True)
+        print(f"m31ctl: waiting for the group's download, its leader's or prefill's ({int(waited)} s of {budget} s)",
+              flush=True)
     time.sleep(5)
 """
 
