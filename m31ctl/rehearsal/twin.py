@@ -137,6 +137,8 @@ LOAD_SHARE = 0.75
 # The slow-load plugin's switches (m31ctl/rehearsal/slow_load, in the rehearsal image).
 LOAD_DELAY_ENV = "M31CTL_REHEARSAL_LOAD_DELAY_S"
 HANDSHAKE_ENV = "M31CTL_REHEARSAL_HANDSHAKE_S"
+# Every model step at least this long (the plugin's token pace): a rollout rehearsal's streams.
+TOKEN_ENV = "M31CTL_REHEARSAL_TOKEN_S"
 
 
 def scaled_clock(plan: Plan, startup_s: int, scale: float) -> tuple[dict[str, Any], dict[str, str]]:
@@ -155,9 +157,15 @@ def scaled_clock(plan: Plan, startup_s: int, scale: float) -> tuple[dict[str, An
 
 
 def twin_settings(
-    plan: Plan, model_dir: str, image: str, startup_s: int, scale: float | None = None
+    plan: Plan,
+    model_dir: str,
+    image: str,
+    startup_s: int,
+    scale: float | None = None,
+    token_s: float | None = None,
 ) -> tuple[dict[str, Any], str]:
-    """The twin's settings as data (validated by the caller) and why the layout was scaled."""
+    """The twin's settings as data (validated by the caller) and why the layout was scaled; with
+    `token_s`, every model step paced to it (the plugin's TOKEN_ENV)."""
     tree = plan.settings_dict()
     # settings_dict leaves out a section the plan does not set (an aggregated plan's disaggregation)
     paired = bool(tree.get("disaggregation", {}).get("enabled", False))
@@ -205,6 +213,8 @@ def twin_settings(
     if scale is not None:
         clock, plugin_env = scaled_clock(plan, startup_s, scale)
         tree["runtime"] = {**tree["runtime"], **clock, "env": {**env, **plugin_env}}
+    if token_s is not None:
+        tree["runtime"]["env"] = {**tree["runtime"]["env"], TOKEN_ENV: f"{token_s:g}"}
     return tree, why
 
 
@@ -280,13 +290,18 @@ def aggregated(paired: Plan) -> Plan:
 
 
 def rehearsal_twin(
-    plan: Plan, models: TinyModels, image: str, startup_s: int, scale: float | None = None
+    plan: Plan,
+    models: TinyModels,
+    image: str,
+    startup_s: int,
+    scale: float | None = None,
+    token_s: float | None = None,
 ) -> Twin:
     """The twin of `plan` serving the tiny model of its kind from `models` (the MoE one when the
     plan enables expert parallelism) from `image` (at the plan's own clock scaled by `scale`,
-    with a slow load injected, when given)."""
+    with a slow load injected, when given; its tokens paced to `token_s` when given)."""
     model_dir = models.moe if plan.settings.parallelism.expert else models.dense
-    tree, why = twin_settings(plan, str(model_dir), image, startup_s, scale)
+    tree, why = twin_settings(plan, str(model_dir), image, startup_s, scale, token_s)
     settings = PlanSettings.model_validate(tree)
     provenance = dict(plan.provenance)
     changes = changes_between(plan.settings_dict(), settings.model_dump(mode="json"), why)

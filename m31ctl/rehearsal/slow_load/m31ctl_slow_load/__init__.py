@@ -6,7 +6,10 @@ sleep that long before it loads the weights, inside the engine core process, exa
 250 GB checkpoint spends its minutes: the engine-ready limit, the startup probe and the
 multi-node handshake then meet a load as long as the real one, scaled down. With
 M31CTL_REHEARSAL_HANDSHAKE_S set, vLLM's headless-worker handshake limit (HANDSHAKE_TIMEOUT_MINS,
-five minutes, no setting of its own in 0.32) is scaled the same way. Unset, it does nothing.
+five minutes, no setting of its own in 0.32) is scaled the same way. With M31CTL_REHEARSAL_TOKEN_S
+set, every model step takes at least that long (a token of each running sequence a step), so a
+stream lasts as long as a real model's would (the tiny model streams 400 tokens a second here:
+no stream would still run when a deleted pod's preStop wait ends). Unset, it does nothing.
 Installed in the rehearsal image only (m31ctl/rehearsal/provision.py).
 """
 
@@ -17,6 +20,35 @@ import time
 
 DELAY_ENV = "M31CTL_REHEARSAL_LOAD_DELAY_S"
 HANDSHAKE_ENV = "M31CTL_REHEARSAL_HANDSHAKE_S"
+TOKEN_ENV = "M31CTL_REHEARSAL_TOKEN_S"
+
+
+def pace_tokens(step_s: float) -> None:
+    """Each engine step that ran the model (EngineCore.step, or step_with_batch_queue) at least
+    `step_s` long. In the engine core's busy loop, not in the worker: a worker that sleeps in its
+    step stalls vLLM's SIGTERM drain (seen here: the in-flight stream stopped at SIGTERM, and
+    the engine core was force-killed at --shutdown-timeout), while the engine core's own loop
+    goes on stepping while it drains."""
+    # lazy: vLLM loads this plugin while it starts; its modules only when a pace is set
+    from vllm.v1.engine.core import EngineCore
+
+    for name in ("step", "step_with_batch_queue"):
+        original = getattr(EngineCore, name, None)
+        if original is None or getattr(original, "_m31ctl_paced", False):
+            continue  # not in this vLLM, or registered already in this process
+        setattr(EngineCore, name, _paced(original, step_s))
+
+
+def _paced(original, step_s: float):  # type: ignore[no-untyped-def]
+    def paced_step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        started = time.monotonic()
+        out = original(self, *args, **kwargs)
+        if isinstance(out, tuple) and len(out) == 2 and out[1]:  # (outputs, model_executed)
+            time.sleep(max(0.0, step_s - (time.monotonic() - started)))
+        return out
+
+    paced_step._m31ctl_paced = True  # type: ignore[attr-defined]
+    return paced_step
 
 
 def register() -> None:
@@ -26,6 +58,9 @@ def register() -> None:
         from vllm.v1.engine import core
 
         core.HANDSHAKE_TIMEOUT_MINS = handshake / 60
+    step = float(os.environ.get(TOKEN_ENV) or 0)
+    if step > 0:
+        pace_tokens(step)
     delay = float(os.environ.get(DELAY_ENV) or 0)
     if delay <= 0:
         return
