@@ -154,3 +154,19 @@ def remove_labelled(client: Any, label: str, value: str) -> list[str]:
         f"{kind}s {' '.join(s for s, _ in found)}: {'; '.join(why for _, why in found)[-300:]}"
         for kind, found in failed.items()
     ]
+
+
+def tag_image(client: Any, image: str, tag: str) -> str | None:
+    """`docker tag IMAGE TAG` (a second name for the same image, no registry); None when done,
+    else the engine's reason."""
+    repository, _, name = tag.rpartition(":")
+    with refusals() as refused:
+        client.api.tag(image, repository, name)
+    return refused.reason
+
+
+def untag_image(client: Any, tag: str) -> str | None:
+    """`docker rmi TAG` of a second name: the name goes, the image stays under its first."""
+    with refusals() as refused:
+        client.api.remove_image(tag, noprune=True)
+    return refused.reason

@@ -85,6 +85,23 @@ class PodRun(NamedTuple):
     # (variable, "secret/key") of each secret variable: two variables that read one key (the
     # roles' VLLM_API_KEY and the router's OPENAI_API_KEY) get one value.
     secret_refs: tuple[tuple[str, str], ...] = ()
+    # lifecycle.preStop's exec command, run as written (the kubelet does not expand a hook's
+    # words: pkg/kubelet/lifecycle/handlers.go hands handler.Exec.Command to the runtime as is);
+    # () when the container has none.
+    pre_stop: tuple[str, ...] = ()
+    # The pod's terminationGracePeriodSeconds (Kubernetes' default 30 when unset): counted from
+    # the deletion, the preStop hook included (kuberuntime killContainer).
+    grace_s: int = 30
+
+
+class Strategy(NamedTuple):
+    """The serving Deployment's spec.strategy and progressDeadlineSeconds, as rendered (what the
+    Deployment controller rolls a changed template out by); kind "" where no Deployment serves."""
+
+    kind: str = ""  # Recreate | RollingUpdate
+    max_surge: int = 0
+    max_unavailable: int = 0
+    progress_deadline_s: int = 600  # Kubernetes' default
 
 
 class ServiceRun(NamedTuple):
@@ -118,6 +135,7 @@ class Manifest(NamedTuple):
     services: tuple[ServiceRun, ...] = ()
     api_pod: str = ""  # the pod clients reach: the one behind the API Service
     serving_port: int = 0  # the port api_pod serves its API on (its Service's target)
+    strategy: Strategy = Strategy()  # the Deployment whose pod api_pod is
 
     @property
     def forwarded(self) -> tuple[ServiceRun, ...]:
@@ -277,6 +295,7 @@ def _pod(
             ]
         )
         security = container.get("securityContext", {})
+        pre_stop = ((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}
         runs.append(
             PodRun(
                 pod=pod_name,
@@ -300,6 +319,8 @@ def _pod(
                 fields=tuple(fields),
                 secret_refs=tuple(refs),
                 labels=tuple(template.get("metadata", {}).get("labels", {}).items()),
+                pre_stop=tuple(str(word) for word in pre_stop.get("command", ())),
+                grace_s=int(spec.get("terminationGracePeriodSeconds", 30)),
             )
         )
     return runs
@@ -380,6 +401,23 @@ def service_runs(services: list[dict[str, Any]], pods: list[PodRun]) -> tuple[Se
     return tuple(out)
 
 
+def strategy_of(deployments: list[dict[str, Any]], pod: str) -> Strategy:
+    """The strategy of the Deployment whose pod is `pod` (deployment_pods names it <name>-0)."""
+    owner = next((d for d in deployments if f"{d['metadata']['name']}-{GROUP}" == pod), None)
+    if owner is None:
+        return Strategy()
+    spec = owner["spec"]
+    strategy = spec.get("strategy") or {"type": "RollingUpdate"}
+    rolling = strategy.get("rollingUpdate") or {}
+    return Strategy(
+        kind=str(strategy.get("type", "RollingUpdate")),
+        # Kubernetes' defaults are 25%, which one replica rounds to surge 1, unavailable 0.
+        max_surge=int(rolling.get("maxSurge", 1)),
+        max_unavailable=int(rolling.get("maxUnavailable", 0)),
+        progress_deadline_s=int(spec.get("progressDeadlineSeconds", 600)),
+    )
+
+
 def read_manifest(
     documents: list[dict[str, Any]], api_service: str = "", container_port: int = 0
 ) -> Manifest:
@@ -416,7 +454,8 @@ def read_manifest(
     kinds = tuple(str(d.get("kind")) for d in documents if d)
     ports = dict(next((p.ports for p in pods if p.pod == api_pod and not p.init), ()))
     serving_port = ports.get("http") or ports.get("api") or container_port
-    return Manifest(tuple(pods), claims, api_port, kinds, services, api_pod, serving_port)
+    strategy = strategy_of(_by_kind(documents, "Deployment"), api_pod)
+    return Manifest(tuple(pods), claims, api_port, kinds, services, api_pod, serving_port, strategy)
 
 
 def render_documents(deployment: Deployment, target: str) -> list[dict[str, Any]]:
