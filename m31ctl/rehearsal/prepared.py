@@ -13,11 +13,12 @@ from m31ctl.deployment import Deployment, Disaggregated, derive
 from m31ctl.errors import InputError
 from m31ctl.plan import Plan
 from m31ctl.rehearsal.pairing import ROUTER_HEALTH_FAILURES, ROUTER_HEALTH_SUCCESSES, PairClocks
-from m31ctl.rehearsal.pods import Manifest, PodRun, refuse_secret_expansion, rendered_manifest
+from m31ctl.rehearsal.pods import Manifest, PodRun, Strategy, refuse_secret_expansion, rendered_manifest
 from m31ctl.rehearsal.provision import shim_image, tiny_models
 from m31ctl.rehearsal.session import Options
 from m31ctl.rehearsal.twin import Twin, rehearsal_twin
 from m31ctl.render.k8s import API_SERVICE_SUFFIX
+from m31ctl.timeline import ENDPOINT_REMOVAL_S, SLOWEST_TOKEN_S
 
 TARGETS = ("k8s",)
 # The aggregated reference server's pod (and container) name in a P/D rehearsal.
@@ -42,6 +43,19 @@ class PairRun(NamedTuple):
     prefill_stop_s: float
 
 
+class RolloutRun(NamedTuple):
+    """What a rollout rehearsal (rollout_proof.py) reads of the twin: the rendered strategy, and the
+    clocks its waits and its judgement come from (the twin's timeline)."""
+
+    strategy: Strategy
+    start_s: int  # the timeline's start: recreate's stated downtime (render/k8s_copies.py ROLLOUTS)
+    pre_stop_s: int  # the rendered preStop wait (timeline.ENDPOINT_REMOVAL_S)
+    drain_s: int  # vLLM's drain on SIGTERM (serving.shutdown_timeout)
+    grace_s: int  # terminationGracePeriodSeconds (timeline.pod_grace_s)
+    token_s: float  # a token's pace (timeline.SLOWEST_TOKEN_S): the stream in flight is sized by it
+    max_model_len: int
+
+
 class Prepared(NamedTuple):
     twin: Twin
     manifest: Manifest
@@ -53,6 +67,7 @@ class Prepared(NamedTuple):
     ready_s: float
     completions: int  # sent at once through the serving pod: two a data-parallel rank
     pair: PairRun | None = None  # None: not a P/D plan
+    rollout: RolloutRun | None = None  # None: no rollout asked (Options.rollout)
 
     @property
     def addressed(self) -> bool:
@@ -129,6 +144,7 @@ def prepare(plan: Plan, options: Options) -> Prepared:
         shim_image(options.base_image),
         options.timeout_s,
         options.clock_scale,
+        SLOWEST_TOKEN_S if options.rollout else None,
     )
     deployment = derive(twin.plan)
     alone = None if twin.reference is None else derive(twin.reference)
@@ -153,4 +169,26 @@ def prepare(plan: Plan, options: Options) -> Prepared:
         pair=None
         if group is None or reference is None
         else _pair(group, manifest, reference, options.target),
+        rollout=_rollout(deployment, manifest) if options.rollout else None,
+    )
+
+
+def _rollout(deployment: Deployment, manifest: Manifest) -> RolloutRun:
+    """The rollout's strategy and clocks; refused (exit 2) where the serving pod is not one
+    Deployment's: a LeaderWorkerSet's group or a P/D pair rolls by rules this does not emulate."""
+    serving = manifest.serving
+    if deployment.disaggregated is not None or serving is None or serving.role != "server":
+        raise InputError(
+            "--rollout rehearses a Deployment's rollout: an aggregated plan on one node",
+            hint="drop --rollout, or rehearse the plan with parallelism.nodes=1 and disaggregation off",
+        )
+    timeline = deployment.timeline
+    return RolloutRun(
+        strategy=manifest.strategy,
+        start_s=timeline.start_s,
+        pre_stop_s=ENDPOINT_REMOVAL_S,
+        drain_s=timeline.drain_s,
+        grace_s=timeline.pod_grace_s,
+        token_s=SLOWEST_TOKEN_S,
+        max_model_len=deployment.plan.settings.serving.max_model_len,
     )

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from m31ctl.errors import M31Error
-from m31ctl.rehearsal import pairing
+from m31ctl.rehearsal import pairing, rollout_proof
 from m31ctl.rehearsal.kubelet import Kubelet, PodState, watch
 from m31ctl.rehearsal.prepared import PairRun, Prepared
 from m31ctl.rehearsal.result import Run, Served
@@ -29,7 +29,18 @@ def judge(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, prog
         run = serves(kubelet, prepared, run, options, progress)
     if run.why is None and prepared.pair is not None:
         run = prove_pair(kubelet, prepared.pair, prepared.served_name, run, options, progress)
+    if run.why is None and prepared.rollout is not None:
+        run = prove_rollout(kubelet, prepared, run, progress)
     return run
+
+
+def prove_rollout(kubelet: Kubelet, prepared: Prepared, run: Run, progress: Progress) -> Run:
+    """An image change rolled out by the rendered strategy under load, the old pod drained
+    (rollout_proof.py); the pods it started join the run."""
+    assert run.serving is not None
+    outcome, started = rollout_proof.roll_out(kubelet, prepared, run.serving, progress)
+    why = None if outcome.ok else f"the rollout: {outcome.failure}"
+    return run._replace(states=[*run.states, *started], why=why, rollout=outcome)
 
 
 def serves(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:

@@ -9,6 +9,7 @@ from m31ctl.rehearsal.kubelet import PodState
 from m31ctl.rehearsal.logs import root_cause
 from m31ctl.rehearsal.pairing import PairingOutcome
 from m31ctl.rehearsal.prepared import Prepared
+from m31ctl.rehearsal.rollout_proof import RolloutOutcome
 from m31ctl.rehearsal.twin import Change
 
 NOT_EMULATED = {
@@ -45,6 +46,7 @@ class Run(NamedTuple):
     pairing: PairingOutcome | None = None  # a P/D plan's proof (pairing.py)
     # The pod clients reach (the API Service's; a P/D plan's router), once the pods started.
     serving: PodState | None = None
+    rollout: RolloutOutcome | None = None  # --rollout's proof (rollout_proof.py)
 
 
 class ProbeOutcome(NamedTuple):
@@ -93,6 +95,8 @@ class RehearsalResult(NamedTuple):
     session: str = ""  # the label value on everything it made: io.m31ctl.rehearsal=<session>
     # A P/D plan's proof: parity with an aggregated server, KV transfer, prefill killed and back.
     pairing: PairingOutcome | None = None
+    # An image change rolled out by the rendered strategy, the old pod drained (Options.rollout).
+    rollout: RolloutOutcome | None = None
 
     def changes_by_reason(self) -> tuple[tuple[str, tuple[Change, ...]], ...]:
         """The changes grouped by their reason, in the order the reasons first come: a reason
@@ -110,6 +114,7 @@ class RehearsalResult(NamedTuple):
         data["probes"] = [p._asdict() for p in self.probes]
         data["probes_passed"] = sum(1 for p in self.probes if p.passed)
         data["pairing"] = self.pairing.to_json() if self.pairing else None
+        data["rollout"] = self.rollout.to_json() if self.rollout else None
         return data
 
 
@@ -174,4 +179,5 @@ def assemble(
         kept=kept,
         session=session,
         pairing=run.pairing,
+        rollout=run.rollout,
     )

@@ -34,6 +34,8 @@ class Options(NamedTuple):
     clock_scale: float | None = None
     # Start the leader this many seconds after its workers (a leader still pulling or downloading).
     leader_delay_s: float = 0.0
+    # Roll an image change out by the rendered strategy and prove the old pod's drain (rollout_proof.py).
+    rollout: bool = False
 
     @property
     def cache(self) -> Path:
