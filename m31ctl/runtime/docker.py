@@ -59,7 +59,8 @@ class DockerRuntime:
 
     def launch(self, deployment: Deployment, options: LaunchOptions) -> LaunchResult:
         with engine_api.engine_boundary("launching"):
-            client, cwd = engine_api.connect(), os.getcwd()
+            # a changed plan's container is stopped on this client (flow.converge)
+            client, cwd = engine_api.connect(timeout=engine_api.STOPPING_TIMEOUT_S), os.getcwd()
             if deployment.disaggregated is not None:
                 # Placed once (m31ctl/pair.py) and read by the group's launch; started here, its
                 # roles join this host's GPU groups by GID.
@@ -85,7 +86,8 @@ class DockerRuntime:
 
     def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
         with engine_api.engine_boundary("stopping a container"):
-            docker_servers.stop(engine_api.connect(), name, timeout, keep, report)
+            client = engine_api.connect(timeout=engine_api.STOPPING_TIMEOUT_S)
+            docker_servers.stop(client, name, timeout, keep, report)
 
     def bench_runner(self, deployment: Deployment, shared: Sequence[str] = ()) -> BenchRunner:
         spec = container_spec(deployment)

@@ -18,6 +18,12 @@ from m31ctl import interrupt
 from m31ctl.errors import DockerUnreachable, HostPreconditionError, M31Error, NotReadyError
 from m31ctl.labels import Label
 
+# A client that stops containers: docker-py waits for `POST /containers/ID/stop` for its client
+# timeout plus the stop's grace, so this is what the Engine has to kill and reap a container
+# once its grace is over. 10 s was not enough beside a busy neighbour (CI, stop 58: a vLLM
+# container's stop after its 35 s grace read "Read timed out. (read timeout=45.0)").
+STOPPING_TIMEOUT_S = 60.0
+
 
 def _sdk() -> Any:
     """The docker SDK, its errors and types loaded, imported on first use."""

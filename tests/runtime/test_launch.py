@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import last_json, run_cli
 from tests.ports import free_port
+from tests.slow_docker import SlowDocker
 from tests.support import cli_json
 
 pytestmark = pytest.mark.docker
@@ -140,8 +141,16 @@ def test_fresh_launch_status_logs_relaunch_change_stop(deployment, docker_client
     assert replaced.returncode == 0 and last_json(replaced.stdout)["action"] == "recreated"
     assert docker_client.containers.get(deployment.name).id != container.id
 
-    stopped = run_cli("stop", "--name", deployment.name, "--json")
-    assert stopped.returncode == 0 and cli_json.data(stopped.stdout) == {"stopped": [deployment.name]}
+    # A busy Engine answers the stop late (CI, stop 58: a container's stop outlived docker-py's
+    # read timeout, the client's 10 s plus the grace): held 12 s here, the stop still completes.
+    with SlowDocker(rb"POST /v[\d.]+/containers/\w+/stop", 12) as slow:
+        stopped = run_cli(
+            "stop", "--name", deployment.name, "--timeout", "1", "--json", env={"DOCKER_HOST": slow.url}
+        )
+    assert any(line.endswith("/stop") for line in slow.held), slow.held
+    assert stopped.returncode == 0 and cli_json.data(stopped.stdout) == {"stopped": [deployment.name]}, (
+        stopped.stderr
+    )
     assert deployment.name not in [c.name for c in docker_client.containers.list(all=True)]
 
 
