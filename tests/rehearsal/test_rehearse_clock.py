@@ -20,7 +20,7 @@ from m31ctl.rehearsal.twin import HANDSHAKE_ENV, LOAD_DELAY_ENV
 from m31ctl.timeline import VLLM_DEFAULT_ENGINE_READY_S, VLLM_HANDSHAKE_S
 from tests.conftest import ROOT
 from tests.support import cli_json
-from tests.support.rehearsal import DP_DENSE, RWX, leftovers, needs_image, set_flags
+from tests.support.rehearsal import DP_DENSE, RWX, leftovers, needs_image, remove_session, set_flags
 
 SCALE = 0.05
 TIMEOUT = 420
@@ -58,26 +58,6 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _cleanup(session: str) -> None:
-    """Remove what the rehearsal of `session` kept (--keep) and nothing else: another
-    rehearsal running on this host (a user's, another test run's) is not this test's to remove."""
-    if not session:
-        return
-    for kind, listing in (
-        ("rm", ["ps", "-aq"]),
-        ("network", ["network", "ls", "-q"]),
-        ("volume", ["volume", "ls", "-q"]),
-    ):
-        found = subprocess.run(
-            ["docker", *listing, "--filter", f"label=io.m31ctl.rehearsal={session}"],
-            capture_output=True,
-            text=True,
-        ).stdout.split()
-        if found:
-            remove = ["rm", "-f"] if kind == "rm" else [kind, "rm"]
-            subprocess.run(["docker", *remove, *found], capture_output=True, check=False)
-
-
 @needs_image
 @pytest.mark.docker
 @pytest.mark.vllm
@@ -111,8 +91,8 @@ def test_a_slow_load_and_a_late_leader_serve_at_the_scaled_clock():
         assert "Did not receive response from front-end" not in worker
         assert result["completions"] >= 4 and result["smoke"]["ok"]
     finally:
-        _cleanup(result.get("session", ""))
-    assert not leftovers()
+        kept = remove_session(result.get("session", ""))
+    assert not kept and not leftovers(), kept
 
 
 @needs_image
@@ -135,5 +115,5 @@ def test_the_same_load_under_vllms_default_limit_fails_in_vllms_words():
         assert "Timed out waiting for engine core processes to start" in result["error_line"]
         assert f"Waited {default}s (configured by VLLM_ENGINE_READY_TIMEOUT_S)" in result["error_line"]
     finally:
-        _cleanup(result.get("session", ""))
-    assert not leftovers()
+        kept = remove_session(result.get("session", ""))
+    assert not kept and not leftovers(), kept

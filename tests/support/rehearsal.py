@@ -6,6 +6,7 @@ what a rehearsal left behind."""
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 
@@ -36,3 +37,39 @@ def leftovers() -> list[str]:
         )
         found += done.stdout.split()
     return found
+
+
+# How long a kept session's removal may keep finding what it removed (a busy Engine answers
+# `docker rm -f` before the volume it held is free to go).
+REMOVE_BOUND_S = 120.0
+_LISTINGS = (
+    (["ps", "-aq"], ["rm", "-f"]),
+    (["network", "ls", "-q"], ["network", "rm"]),
+    (["volume", "ls", "-q"], ["volume", "rm"]),
+)
+
+
+def remove_session(session: str) -> list[str]:
+    """Remove what the rehearsal of `session` kept (--keep) and nothing else (another rehearsal on
+    this host is not a test's to remove): containers, then networks, then volumes, again while
+    something is left, within REMOVE_BOUND_S. What Docker said of anything still there at the
+    end (empty when all is gone), so a failure names its cause instead of leaking into the next
+    test's `leftovers()`."""
+    if not session:
+        return []
+    deadline = time.monotonic() + REMOVE_BOUND_S
+    while True:
+        said: list[str] = []
+        for listing, remove in _LISTINGS:
+            found = subprocess.run(
+                ["docker", *listing, "--filter", f"label=io.m31ctl.rehearsal={session}"],
+                capture_output=True, text=True, check=False,
+            ).stdout.split()  # fmt: skip
+            if found:
+                done = subprocess.run(
+                    ["docker", *remove, *found], capture_output=True, text=True, check=False
+                )
+                said += [f"{' '.join(remove)} {' '.join(found)}: {done.stderr.strip() or 'listed again'}"]
+        if not said or time.monotonic() > deadline:
+            return said
+        time.sleep(2)
