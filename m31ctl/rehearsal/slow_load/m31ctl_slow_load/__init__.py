@@ -21,6 +21,8 @@ import time
 DELAY_ENV = "M31CTL_REHEARSAL_LOAD_DELAY_S"
 HANDSHAKE_ENV = "M31CTL_REHEARSAL_HANDSHAKE_S"
 TOKEN_ENV = "M31CTL_REHEARSAL_TOKEN_S"
+# A paced worker's look at the shared-memory queue while it waits for the next step (idle_readers).
+READER_POLL_S = 0.001
 
 
 def pace_tokens(step_s: float) -> None:
@@ -37,6 +39,35 @@ def pace_tokens(step_s: float) -> None:
         if original is None or getattr(original, "_m31ctl_paced", False):
             continue  # not in this vLLM, or registered already in this process
         setattr(EngineCore, name, _paced(original, step_s))
+    idle_readers()
+
+
+def idle_readers() -> None:
+    """The paced step's wait spent idle in the worker, as a real step's is spent on the GPU.
+    vLLM's shared-memory queue (shm_broadcast.SpinCondition.wait) keeps a reader looping on
+    sched_yield for busy_loop_s (1 s) after every read; a step every 50 ms never lets the
+    worker leave that loop, so a paced engine's worker burnt a whole core doing nothing (seen
+    here: 97 % of core 0 for the whole load, and a second engine started beside it, bound to
+    the same core by VLLM_CPU_OMP_THREADS_BIND=auto, did not pass its startup probe in 13
+    min). Paced, the loop sleeps READER_POLL_S a turn instead of yielding: the same loop, at
+    about 1 % of a core. (Leaving the loop at once for vLLM's idle wait is no cure: tried
+    here, the writer's notification did not wake the reader, each step waited out the 5 s
+    recheck, SHM_READER_RECHECK_INTERVAL_MS, and the engine streamed 0.2 tokens a second.)"""
+    # lazy: vLLM loads this plugin while it starts; its modules only when a pace is set
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    original = SpinCondition.wait
+    if getattr(original, "_m31ctl_idle", False):
+        return  # registered already in this process
+
+    def gentle_wait(self, timeout_ms=None):  # type: ignore[no-untyped-def]
+        if time.monotonic() <= self.last_read + self.busy_loop_s:
+            time.sleep(READER_POLL_S)  # vLLM: sched_yield(), then back to the flag
+            return None
+        return original(self, timeout_ms)
+
+    gentle_wait._m31ctl_idle = True  # type: ignore[attr-defined]
+    SpinCondition.wait = gentle_wait
 
 
 def _paced(original, step_s: float):  # type: ignore[no-untyped-def]
