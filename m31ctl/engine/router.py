@@ -10,6 +10,8 @@ network, Service names in Kubernetes) and the metrics port (launch picks a free 
 
 from __future__ import annotations
 
+from functools import cache
+from pathlib import Path
 from typing import NamedTuple
 
 from m31ctl.deployment import Router
@@ -38,11 +40,19 @@ class RouterInvocation(NamedTuple):
 
 
 def router_invocation(
-    router: Router, upstreams: Upstreams, *, host: str, port: int, metrics_port: int, request_timeout_s: int
+    router: Router,
+    upstreams: Upstreams,
+    *,
+    host: str,
+    port: int,
+    metrics_port: int,
+    request_timeout_s: int,
+    metrics_host: str | None = None,
 ) -> RouterInvocation:
-    """The router's command line. `host`/`port`: where it listens (the container's port, or the
-    host's bind and port natively); `metrics_port`: its Prometheus exporter, always on, which
-    exits the router when the port is taken."""
+    """The router's command line. `host`/`port`: where it listens (loopback behind its front, the
+    container's port, or the host's bind and port natively); `metrics_port` (on `metrics_host`,
+    else `host`): its Prometheus exporter, always on, which exits the router when the port is
+    taken."""
     argv = (
         ROUTER_EXECUTABLE,
         "--host", host,
@@ -58,7 +68,40 @@ def router_invocation(
         "--health-check-timeout-secs", str(router.health_check_timeout_s),
         "--request-timeout-secs", str(request_timeout_s),
         "--retry-max-retries", str(ROUTER_ATTEMPTS),
-        "--prometheus-host", host,
+        "--prometheus-host", metrics_host or host,
         "--prometheus-port", str(metrics_port),
     )  # fmt: skip
     return RouterInvocation(router.image, argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# the front (engine/router_front.py): the router's public port, with the key
+
+# Where the router listens behind its front, on its network namespace's loopback: vllm-router's
+# own default --port (its --help), apart from the front's (the container port) and the metrics'.
+ROUTER_BEHIND_FRONT_PORT = 30000
+LOOPBACK = "127.0.0.1"
+
+
+@cache
+def front_program() -> str:
+    """The front's fixed text, run as `python3 -c`: this package's router_front.py, as shipped."""
+    return Path(__file__).with_name("router_front.py").read_text(encoding="utf-8")
+
+
+def front_invocation(
+    image: str, *, host: str, port: int, request_timeout_s: int, key_env: str | None
+) -> RouterInvocation:
+    """The front's command line: on `host`/`port` (where clients reach the router), forwarding
+    to the router on loopback; `key_env`: the variable its key is read from (None: a plan
+    without an API key, whose API it admits unauthenticated; worker management never)."""
+    argv = (
+        "python3", "-c", front_program(),
+        "--host", host,
+        "--port", str(port),
+        "--upstream-host", LOOPBACK,
+        "--upstream-port", str(ROUTER_BEHIND_FRONT_PORT),
+        "--timeout-s", str(request_timeout_s),
+        *(("--key-env", key_env) if key_env else ()),
+    )  # fmt: skip
+    return RouterInvocation(image, argv)
