@@ -33,9 +33,17 @@ from m31ctl.docker_run import (
     publish_spec,
 )
 from m31ctl.engine.adapter import build_invocation
-from m31ctl.engine.router import RouterInvocation, Upstreams, router_invocation
+from m31ctl.engine.router import (
+    LOOPBACK,
+    ROUTER_BEHIND_FRONT_PORT,
+    RouterInvocation,
+    Upstreams,
+    front_invocation,
+    router_invocation,
+)
 from m31ctl.errors import HostPreconditionError
 from m31ctl.plan.disaggregation import pair_wider_than_host
+from m31ctl.redact import API_KEY_ENV
 
 # The pair's Docker network: Compose's network key (the project's `<project>_pd`), else the host's
 # `NAME-pd`. Its subnet lies outside Docker's default address pools (172.17.0.0/12 and
@@ -142,24 +150,44 @@ class DockerPair(NamedTuple):
     # launch's, so every one runs it with the same image, command line, labels (the group's
     # plan's, which the pair's network carries too), clocks and log rotation.
     router_spec: ContainerSpec
+    # The router's front (engine/router_front.py) where the target runs one (Compose): the
+    # container that holds the network namespace, the pair's network and the published ports;
+    # the router then listens on its loopback. None: the router publishes its own port.
+    front: ContainerSpec | None = None
+
+    @property
+    def front_name(self) -> str:
+        return f"{self.router_spec.name}-front"
 
     @property
     def router_attachment(self) -> Attachment:
         return Attachment(self.network, None, ROUTER_ALIAS)
 
 
-def docker_pair(deployment: Deployment, target: str, *, on_this_host: bool = False) -> DockerPair:
+def docker_pair(
+    deployment: Deployment, target: str, *, on_this_host: bool = False, fronted: bool = False
+) -> DockerPair:
     """The pair on its own Docker network, refused where it does not fit one host (`target`:
     what runs it there; `on_this_host`: launch, whose roles join this host's GPU groups by GID
-    rather than the rendered files' group names)."""
+    rather than the rendered files' group names; `fronted`: the router behind its front)."""
     group = on_one_host(deployment, target)
     network = network_name(deployment)
     prefill, decode = (
         _pair_role(role, index, network, on_this_host) for index, role in enumerate(group.roles)
     )
-    router = pair_router_invocation(group)
+    router = rendered_router_invocation(group, pair_upstreams(group), fronted=fronted)
     router_spec = _router_spec(deployment, group, prefill.spec, router)
-    return DockerPair(deployment, group, network, (prefill, decode), router, router_spec)
+    pair = DockerPair(deployment, group, network, (prefill, decode), router, router_spec)
+    if not fronted:
+        return pair
+    front = rendered_front_invocation(deployment, group)
+    front_spec = router_spec._replace(
+        name=pair.front_name,
+        image=front.image,
+        args=front.argv[1:],
+        secret_env=(API_KEY_ENV,) if deployment.secrets.api_key else (),
+    )
+    return pair._replace(front=front_spec)
 
 
 def network_name(deployment: Deployment) -> str:
@@ -180,20 +208,37 @@ def pair_upstreams(group: Disaggregated) -> Upstreams:
 
 
 def pair_router_invocation(group: Disaggregated) -> RouterInvocation:
-    """The router on the pair's network, on every address of its container."""
-    return rendered_router_invocation(group, pair_upstreams(group))
+    """The router on the pair's network, on every address of its container (no front)."""
+    return rendered_router_invocation(group, pair_upstreams(group), fronted=False)
 
 
-def rendered_router_invocation(group: Disaggregated, upstreams: Upstreams) -> RouterInvocation:
-    """The router as a rendered file runs it (a container or a pod of its own): on every address,
-    the container port, the rendered metrics port; `upstreams`: how that target reaches the roles."""
+def rendered_router_invocation(
+    group: Disaggregated, upstreams: Upstreams, *, fronted: bool
+) -> RouterInvocation:
+    """The router as a rendered file runs it (a container or a pod of its own), its exporter on
+    every address at the rendered metrics port; its API behind its front on loopback
+    (`fronted`), else on every address at the container port. `upstreams`: how that target
+    reaches the roles."""
     return router_invocation(
         group.router,
         upstreams,
-        host=ROUTER_LISTEN,
-        port=CONTAINER_PORT,
+        host=LOOPBACK if fronted else ROUTER_LISTEN,
+        port=ROUTER_BEHIND_FRONT_PORT if fronted else CONTAINER_PORT,
         metrics_port=RENDERED_ROUTER_METRICS_PORT,
         request_timeout_s=group.router_timeline.request_timeout_s,
+        metrics_host=ROUTER_LISTEN,
+    )
+
+
+def rendered_front_invocation(deployment: Deployment, group: Disaggregated) -> RouterInvocation:
+    """The router's front as a container runs it (engine/router_front.py): on every address at
+    the container port, with the roles' key where the plan has one, from the router's image."""
+    return front_invocation(
+        group.router.image,
+        host=ROUTER_LISTEN,
+        port=CONTAINER_PORT,
+        request_timeout_s=group.router_timeline.request_timeout_s,
+        key_env=API_KEY_ENV if deployment.secrets.api_key else None,
     )
 
 

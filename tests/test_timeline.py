@@ -166,10 +166,15 @@ def test_every_clock_of_a_pd_render_is_its_roles_and_routers_timeline(key):
     services = yaml.safe_load(_render(d, "compose"))["services"]
     for role in group.roles:
         _compose_pd_role_clocks(services, role)
-    assert _seconds(services["router"]["healthcheck"]["start_period"]) == router.start_s
+    # The router's healthcheck is its front's, which answers /health once the router does (issue 49).
+    assert _seconds(services["front"]["healthcheck"]["start_period"]) == router.start_s
     assert _seconds(services["router"]["stop_grace_period"]) == router.stop_s
+    assert _seconds(services["front"]["stop_grace_period"]) == router.stop_s
     healthy = {"condition": "service_healthy"}
-    assert services["router"]["depends_on"] == {role.kv_transfer.role.value: healthy for role in group.roles}  # type: ignore[union-attr]
+    assert services["router"]["depends_on"] == {
+        "front": {"condition": "service_started"},
+        **{role.kv_transfer.role.value: healthy for role in group.roles},  # type: ignore[union-attr]
+    }
 
     workloads = {
         doc["metadata"]["name"]: doc

@@ -19,7 +19,7 @@ from m31ctl.container import ContainerSpec, render_spec
 from m31ctl.deployment import CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT, Deployment, Disaggregated
 from m31ctl.docker_run import publish_address, publish_spec
 from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, kv_transfer_env
-from m31ctl.engine.router import RouterInvocation, Upstreams
+from m31ctl.engine.router import LOOPBACK, ROUTER_BEHIND_FRONT_PORT
 from m31ctl.errors import InputError
 from m31ctl.pair import (
     PAIR_NETWORK,
@@ -27,27 +27,22 @@ from m31ctl.pair import (
     ROUTER_API_KEY_ENV,
     DockerPair,
     docker_pair,
-    group_labels,
-    rendered_router_invocation,
     role_key,
 )
 from m31ctl.redact import API_KEY_ENV
 from m31ctl.render.artifact import Artifact
-from m31ctl.render.common import header, health_command, in_comment
+from m31ctl.render.common import header, health_command_on, in_comment
 from m31ctl.render.escape import compose_escape, yaml_file
 from m31ctl.render.k8s import (
     API_SERVICE_SUFFIX,
     PART_OF_LABEL,
-    ROUTER_API_PORT,
-    ROUTER_METRICS_PORT,
-    SECRET_SUFFIX,
     Group,
     k8s_comments,
     k8s_documents,
     k8s_secrets,
-    kubelet_literal,
 )
 from m31ctl.render.k8s_copies import hf_cache_claim, roles_share_claim
+from m31ctl.render.k8s_router import k8s_router
 from m31ctl.render.targets import (
     COMPOSE_API_KEY_SECRET,
     api_key_entrypoint,
@@ -60,29 +55,8 @@ from m31ctl.render.targets import (
     writable_sources,
 )
 
-# The router pod's share of a node: a Rust proxy, no GPU.
-ROUTER_CPU = "1"
-ROUTER_MEMORY = "1Gi"
-
-# The router pod's init container: both roles answer /health (their download and load can take
-# an hour), so the router, which gives up on workers after its own startup timeout, starts last.
-WAIT_FOR_ROLES_SCRIPT = """\
-import signal, sys, time, urllib.request
-budget, urls = int(sys.argv[1]), sys.argv[2:]
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-deadline = time.monotonic() + budget
-for url in urls:
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=5)
-            break
-        except OSError:
-            if time.monotonic() >= deadline:
-                print(f"m31ctl: {url} did not answer within {budget} s", file=sys.stderr, flush=True)
-                sys.exit(124)
-            time.sleep(5)
-print("m31ctl: both roles answer /health", flush=True)
-"""
+# The Compose service of the router's front, whose network namespace the router shares.
+FRONT_SERVICE = "front"
 
 
 def refuse_pd(target: str, rendered: tuple[str, ...]) -> None:
@@ -105,17 +79,27 @@ def download_spec(role: Deployment, spec: ContainerSpec) -> ContainerSpec:
     return spec._replace(env=tuple((k, v) for k, v in spec.env if k not in transfer_only))
 
 
-def _compose_router(pair: DockerPair) -> dict[str, Any]:
-    """vllm-router's service: its container as the pair derives it for every Docker target and
-    launch (DockerPair.router_spec), on the pair's network once both roles are healthy."""
-    spec = pair.router_spec
-    executable = pair.router.argv[:1]  # its entrypoint, as launch's: the invocation's first word
+def _compose_logging(spec: ContainerSpec) -> dict[str, Any]:
+    return {
+        "driver": "json-file",
+        "options": {"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)},
+    }
+
+
+def _compose_front(pair: DockerPair) -> dict[str, Any]:
+    """The router's front (engine/router_front.py): the service whose network namespace the
+    router joins, so it holds the pair's network and publishes the router's API (its own port)
+    and metrics (the router's exporter) on runtime.bind; healthy once /health, which it forwards
+    to the router without a key, answers. With an API key it reads the key as the roles do."""
+    spec = pair.front
+    assert spec is not None
+    executable = ("python3",)
     entrypoint = list(executable)
     secrets: dict[str, Any] = {}
-    if spec.secret_env:  # the roles' key, which it forwards to them, read from the roles' file
-        entrypoint = api_key_entrypoint(ROUTER_API_KEY_ENV, executable)
+    if spec.secret_env:
+        entrypoint = api_key_entrypoint(API_KEY_ENV, executable)
         secrets = {"secrets": [COMPOSE_API_KEY_SECRET]}
-    service: dict[str, Any] = {
+    return {
         "image": spec.image,
         "container_name": spec.name,
         "entrypoint": entrypoint,
@@ -128,23 +112,48 @@ def _compose_router(pair: DockerPair) -> dict[str, Any]:
         ],
         "environment": [],
         "networks": [PAIR_NETWORK],
-        # Compose 1.29+ and v2: the router starts once both roles' healthchecks pass.
-        "depends_on": {role.key: {"condition": "service_healthy"} for role in pair.roles},
-        "logging": {
-            "driver": "json-file",
-            "options": {"max-size": spec.log_max_size, "max-file": str(spec.log_max_files)},
-        },
+        "logging": _compose_logging(spec),
         "restart": spec.restart,
         "stop_grace_period": f"{spec.stop_timeout}s",
         "healthcheck": {
-            "test": ["CMD", *health_command(spec, "/health")],
+            "test": ["CMD", *health_command_on(spec.container_port, "/health")],
             "interval": "30s",
             "timeout": "10s",
             "retries": 3,
             "start_period": f"{spec.startup_timeout}s",
         },
     }
-    return service
+
+
+def _compose_router(pair: DockerPair) -> dict[str, Any]:
+    """vllm-router's service: its container as the pair derives it for every Docker target and
+    launch (DockerPair.router_spec), in its front's network namespace (listening on its
+    loopback) once both roles are healthy."""
+    spec = pair.router_spec
+    executable = pair.router.argv[:1]  # its entrypoint, as launch's: the invocation's first word
+    entrypoint = list(executable)
+    secrets: dict[str, Any] = {}
+    if spec.secret_env:  # the roles' key, which it forwards to them, read from the roles' file
+        entrypoint = api_key_entrypoint(ROUTER_API_KEY_ENV, executable)
+        secrets = {"secrets": [COMPOSE_API_KEY_SECRET]}
+    return {
+        "image": spec.image,
+        "container_name": spec.name,
+        "entrypoint": entrypoint,
+        **secrets,
+        "command": list(spec.args),
+        "labels": spec.label_dict,
+        "environment": [],
+        "network_mode": f"service:{FRONT_SERVICE}",
+        # Compose 1.29+ and v2: the router starts once both roles' healthchecks pass.
+        "depends_on": {
+            FRONT_SERVICE: {"condition": "service_started"},
+            **{role.key: {"condition": "service_healthy"} for role in pair.roles},
+        },
+        "logging": _compose_logging(spec),
+        "restart": spec.restart,
+        "stop_grace_period": f"{spec.stop_timeout}s",
+    }
 
 
 def group_download_spec(pair: DockerPair) -> ContainerSpec:
@@ -157,7 +166,7 @@ def group_download_spec(pair: DockerPair) -> ContainerSpec:
 
 
 def compose_pd_document(deployment: Deployment) -> dict[str, Any]:
-    pair = docker_pair(deployment, "compose")
+    pair = docker_pair(deployment, "compose", fronted=True)
     services: dict[str, Any] = {}
     download = compose_download(pair.roles[0].engine, group_download_spec(pair))
     if download is not None:
@@ -169,6 +178,7 @@ def compose_pd_document(deployment: Deployment) -> dict[str, Any]:
         if download is not None:
             service["depends_on"] = {"download": {"condition": "service_completed_successfully"}}
         services[role.key] = service
+    services[FRONT_SERVICE] = _compose_front(pair)
     services["router"] = _compose_router(pair)
     networks = {PAIR_NETWORK: {"ipam": {"config": [{"subnet": PAIR_SUBNET}]}}}
     raw: dict[str, Any] = {"services": services, "networks": networks}
@@ -190,17 +200,15 @@ def render_compose_pd(deployment: Deployment) -> list[Artifact]:
         for role in group.roles
     )
     notes = [
-        f"Prefill/decode: services prefill and decode (vLLM, NIXL KV transfer) and router (vllm-router) on "
+        f"Prefill/decode: services prefill and decode (vLLM, NIXL KV transfer) and router (vllm-router, "
+        f"in the network namespace of service {FRONT_SERVICE}, its front) on "
         f"{in_comment(router.network.local_url, '<runtime.bind>:<runtime.port>')}; the router starts once both "
         f"roles are healthy, and its metrics are on port {RENDERED_ROUTER_METRICS_PORT}.",
         f"Network: the roles advertise their fixed addresses on network {PAIR_NETWORK} ({PAIR_SUBNET}) "
         "for NIXL's side channel (ZMQ binds an address, not a service name); `docker compose up` "
         "refuses the file if another network of this host holds that subnet.",
         f"Clocks (m31ctl/timeline.py): {clocks} (healthcheck start_period and stop_grace_period).",
-        f"The router forwards the roles' key ({ROUTER_API_KEY_ENV}, exported from the same file at its "
-        "start) to them and checks no key itself: keep runtime.bind on an address only trusted clients reach."
-        if deployment.secrets.api_key
-        else "The router checks no API key: keep runtime.bind on an address only trusted clients reach.",
+        front_note(deployment.secrets.api_key is not None),
     ]
     comments = [
         *header(deployment, "compose").splitlines(),
@@ -212,140 +220,28 @@ def render_compose_pd(deployment: Deployment) -> list[Artifact]:
     return [Artifact("compose.yaml", yaml_file(comments, [document], explicit_start=False))]
 
 
+def front_note(keyed: bool) -> str:
+    """What the router's front guards (render/k8s_router.py, engine/router_front.py)."""
+    key = (
+        f"requires Authorization: Bearer with the roles' key ({API_KEY_ENV}; the router forwards it to "
+        f"them as {ROUTER_API_KEY_ENV})"
+        if keyed
+        else "admits without a key (the plan sets no runtime.api_key)"
+    )
+    return (
+        f"The router's front: vllm-router checks no key and serves worker management (/add_worker, "
+        f"/workers), so it listens on loopback ({LOOPBACK}:{ROUTER_BEHIND_FRONT_PORT}) only, and the front "
+        f"(m31ctl's engine/router_front.py, python3 of the router's image) takes its port: /health without "
+        f"a key, the OpenAI API under /v1/, which it {key}, and 404 for every other path."
+    )
+
+
 def _wrapped(note: str) -> list[str]:
     return textwrap.wrap(note, width=98, break_on_hyphens=False)
 
 
 # ---------------------------------------------------------------------------------------------
 # Kubernetes
-
-
-def role_service(role: Deployment) -> str:
-    """The role's Service (the k8s target's API Service of that engine)."""
-    return role.name + API_SERVICE_SUFFIX
-
-
-def _router_labels(deployment: Deployment, group: Disaggregated) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": group.router.name,
-        "app.kubernetes.io/managed-by": "m31ctl",
-        PART_OF_LABEL: deployment.name,
-    }
-
-
-def k8s_router_invocation(group: Disaggregated) -> RouterInvocation:
-    upstreams = Upstreams(*(f"http://{role_service(role)}:{role.network.port}" for role in group.roles))
-    return rendered_router_invocation(group, upstreams)
-
-
-def _router_pod(deployment: Deployment, group: Disaggregated) -> dict[str, Any]:
-    """The router's pod: an init container waiting for both roles' /health, then vllm-router."""
-    invocation = k8s_router_invocation(group)
-    clocks = group.router_timeline
-    secret = deployment.name + SECRET_SUFFIX
-    _, required = k8s_secrets(group.prefill)
-    env: list[dict[str, Any]] = []
-    if API_KEY_ENV in required:
-        ref = {"name": secret, "key": API_KEY_ENV, "optional": False}
-        env.append({"name": ROUTER_API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}})
-    health = {
-        "httpGet": {"path": "/health", "port": ROUTER_API_PORT},
-        "periodSeconds": 10,
-        "timeoutSeconds": 5,
-    }
-    resources = {"cpu": ROUTER_CPU, "memory": ROUTER_MEMORY}
-    container = {
-        "name": "router",
-        "image": invocation.image,
-        "command": list(invocation.argv),
-        "env": env,
-        "ports": [
-            {"name": ROUTER_API_PORT, "containerPort": CONTAINER_PORT, "protocol": "TCP"},
-            {"name": ROUTER_METRICS_PORT, "containerPort": RENDERED_ROUTER_METRICS_PORT, "protocol": "TCP"},
-        ],
-        "resources": {"limits": dict(resources), "requests": dict(resources)},
-        "readinessProbe": health,
-        "livenessProbe": {**health, "periodSeconds": 30, "failureThreshold": 3},
-    }
-    wait = {
-        "name": "wait-for-roles",
-        "image": invocation.image,
-        "command": [
-            "python3",
-            "-c",
-            WAIT_FOR_ROLES_SCRIPT,
-            str(clocks.roles_wait_s),
-            *(f"http://{role_service(role)}:{role.network.port}/health" for role in group.roles),
-        ],
-        "env": [],
-    }
-    return {
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": clocks.stop_s,
-        "initContainers": [kubelet_literal(wait)],
-        "containers": [kubelet_literal(container)],
-    }
-
-
-def _k8s_router(deployment: Deployment, group: Disaggregated) -> list[dict[str, Any]]:
-    router = group.router
-    labels = _router_labels(deployment, group)
-    annotations = dict(group_labels(deployment))
-    selector = {"app.kubernetes.io/name": router.name}
-    workload = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": router.name, "labels": labels, "annotations": annotations},
-        "spec": {
-            "replicas": 1,
-            # The init container waits for the roles' download and load.
-            "progressDeadlineSeconds": group.router_timeline.progress_deadline_s,
-            "selector": {"matchLabels": selector},
-            "template": {
-                "metadata": {"labels": labels, "annotations": annotations},
-                "spec": _router_pod(deployment, group),
-            },
-        },
-    }
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        # The aggregated server's API Service name: clients address a P/D plan as they would it.
-        "metadata": {"name": deployment.name + API_SERVICE_SUFFIX, "labels": labels},
-        "spec": {
-            "type": "ClusterIP",
-            "selector": selector,
-            "ports": [
-                {
-                    "name": "http",
-                    "port": router.network.port,
-                    "targetPort": ROUTER_API_PORT,
-                    "protocol": "TCP",
-                }
-            ],
-        },
-    }
-    return [workload, service, _router_policy(deployment, router.name, labels)]
-
-
-def _router_policy(deployment: Deployment, name: str, labels: dict[str, str]) -> dict[str, Any]:
-    """Only the plan's API clients reach the router (the aggregated server's NetworkPolicy rule),
-    on its API port and its metrics port: an engine's /metrics is on its API port, so whoever
-    reaches an aggregated server reaches its metrics; the router's exporter listens apart
-    (--prometheus-port). The monitoring target's scraper is admitted by k8s-monitoring.yaml."""
-    k8s = deployment.plan.settings.kubernetes
-    ports = [{"protocol": "TCP", "port": port} for port in (CONTAINER_PORT, RENDERED_ROUTER_METRICS_PORT)]
-    ingress = [{"from": [dict(p) for p in k8s.api_clients], "ports": ports}] if k8s.api_clients else []
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "podSelector": {"matchLabels": {"app.kubernetes.io/name": name}},
-            "policyTypes": ["Ingress"],
-            "ingress": ingress,
-        },
-    }
 
 
 def k8s_pd_documents(deployment: Deployment) -> list[dict[str, Any]]:
@@ -359,7 +255,7 @@ def k8s_pd_documents(deployment: Deployment) -> list[dict[str, Any]]:
         documents.append(hf_cache_claim(group.prefill, member.claim_name, member.labels, shared=True))
     for role in group.roles:
         documents += [_near_the_peer(doc, group) for doc in k8s_documents(role, member)]
-    return documents + _k8s_router(deployment, group)
+    return documents + k8s_router(deployment, group)
 
 
 def k8s_group(deployment: Deployment) -> Group:
@@ -424,13 +320,12 @@ def render_k8s_pd(deployment: Deployment) -> list[Artifact]:
         f"Network: the roles admit the pods labelled {PART_OF_LABEL}={deployment.name} (the peer and the "
         "router) on every port, as NIXL's side channel and UCX's TCP transport need; the router admits "
         f"kubernetes.api_clients to port {CONTAINER_PORT} and to its metrics on port {RENDERED_ROUTER_METRICS_PORT}, as an "
-        "engine's /metrics on its API port (the monitoring target admits its scraper to both). The router checks no API key itself"
-        + (
-            f" (it forwards {API_KEY_ENV} to the roles)"
-            if API_KEY_ENV in k8s_secrets(group.prefill)[1]
-            else ""
+        "engine's /metrics on its API port (the monitoring target admits its scraper to both). "
+        + front_note(API_KEY_ENV in k8s_secrets(group.prefill)[1]).replace(
+            "The router's front:", "The router's pod:"
         )
-        + ": its NetworkPolicy is the guard. "
+        + " The pod's readiness is the front's /health (the router's, forwarded), the router's liveness its "
+        "exporter's /metrics (the kubelet cannot reach its loopback). "
         + (_claim_note(deployment, member) if not group.prefill.model.local else "")
         + (
             "Placement: the roles prefer one node (podAffinity on kubernetes.io/hostname), where the KV "

@@ -13,6 +13,7 @@ docs/decisions.md ("P/D: script and systemd targets") cites the sources.
 from __future__ import annotations
 
 import shlex
+import textwrap
 from typing import Any
 
 from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT, Deployment
@@ -51,6 +52,21 @@ from m31ctl.render.targets import (
     systemd_unit,
     writable_sources,
 )
+
+# What the header says of the router this target runs without its front (render/pd.py front_note).
+UNFRONTED = (
+    "Not fronted (issue 49): vllm-router checks no API key and serves worker management "
+    "(/add_worker, /workers) on its own port. The compose and k8s targets put m31ctl's key-checking "
+    'front before it (docs/decisions.md, "The router\'s front"); this target does not yet, so keep '
+    "runtime.bind on an address only trusted clients reach."
+)
+
+
+def pd_host_header(deployment: Deployment, target: str) -> str:
+    """The target's header, and that its router is not fronted."""
+    lines = textwrap.wrap(UNFRONTED, width=98, break_on_hyphens=False)
+    return "\n".join([header(deployment, target), *(f"# {line}" for line in lines)])
+
 
 # The script's exit code when the pair's network exists with another subnet (as for a container
 # that exists already: something of this host is in the way).
@@ -114,7 +130,7 @@ def render_script_pd(deployment: Deployment) -> list[Artifact]:
     router = router_run_argv(pair, "detached")
     content = render_template(
         "script-pd.sh.j2",
-        header_comment=header(deployment, "script"),
+        header_comment=pd_host_header(deployment, "script"),
         env_file=ENV_FILE,
         env_format=ENV_FILE_FORMAT,
         env_check=env_file_check('"$ENV_FILE"', "$ENV_FILE", 2),
@@ -192,7 +208,7 @@ def _router_unit(pair: DockerPair) -> Artifact:
     unit = f"{spec.name}.service"
     content = render_template(
         "systemd-router.service.j2",
-        header_comment=header(deployment, "systemd"),
+        header_comment=pd_host_header(deployment, "systemd"),
         unit_name=unit,
         description=f"{SERVED} prefill/decode router (vllm-router)",
         plan_hash=deployment.plan.hash,

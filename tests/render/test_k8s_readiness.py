@@ -112,7 +112,9 @@ def test_every_engine_is_ready_only_while_it_generates_and_lives_on_health(layou
     others = [c for name, c in _containers(documents).items() if not name.startswith("vllm#")]
     for other in others:  # the LWS worker has no probes; the P/D router keeps its own
         assert TOKEN_PROBE_PROGRAM not in str(other.get("readinessProbe", ""))
-    assert [o["name"] for o in others] == {"one node": [], "lws": ["vllm-worker"], "pd": ["router"]}[layout]
+    assert [o["name"] for o in others] == {"one node": [], "lws": ["vllm-worker"], "pd": ["front", "router"]}[
+        layout
+    ]
 
 
 def test_the_header_states_the_readiness_period_and_cost() -> None:

@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -21,13 +22,14 @@ import yaml
 
 from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT
 from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, build_invocation
-from m31ctl.engine.router import Upstreams, router_invocation
+from m31ctl.engine.router import ROUTER_BEHIND_FRONT_PORT, Upstreams, front_invocation, router_invocation
 from m31ctl.errors import InputError
 from m31ctl.pair import PAIR_SUBNET, ROUTER_LISTEN
+from m31ctl.redact import API_KEY_ENV
 from m31ctl.render import PD_RENDERERS, get_target
 from m31ctl.render.kubelet_expansion import expand, mapping_for
 from m31ctl.render.pd import refuse_pd
-from m31ctl.render.targets import TARGETS
+from m31ctl.render.targets import API_KEY_FILE_VAR, TARGETS
 from tests.conftest import PINNED_COMMIT, run_cli
 from tests.support.rehearsal import needs_image
 from tests.support.render import HOSTILE, PLANS, REFERENCE, pd_deployment, render, tool
@@ -127,26 +129,32 @@ def test_compose_runs_each_role_as_planned_and_the_router_after_them(key, tmp_pa
         assert raw[name]["healthcheck"]["start_period"] == f"{role.timeline.ready_s}s"
         assert raw[name]["stop_grace_period"] == f"{role.timeline.stop_s}s"
     assert len(set(addresses)) == 2
-    router = services["router"]
+    router, front = services["router"], services["front"]
+    bind = group.router.network.bind
     expected = router_invocation(
         group.router,
         Upstreams("http://prefill:8000", "http://decode:8000"),
-        host=ROUTER_LISTEN,
-        port=8000,
+        host="127.0.0.1",  # behind its front, on the namespace's loopback (issue 49)
+        port=ROUTER_BEHIND_FRONT_PORT,
         metrics_port=RENDERED_ROUTER_METRICS_PORT,
         request_timeout_s=group.router_timeline.request_timeout_s,
+        metrics_host=ROUTER_LISTEN,
     )
     assert [*router["entrypoint"], *router["command"]] == list(expected.argv)
+    assert router["network_mode"] == "service:front" and "ports" not in router
     assert router["depends_on"] == {
+        "front": {"condition": "service_started"},
         "prefill": {"condition": "service_healthy"},
         "decode": {"condition": "service_healthy"},
     }
-    bind = group.router.network.bind
-    metrics = RENDERED_ROUTER_METRICS_PORT
-    assert raw["router"]["ports"] == [
-        f"{bind}:{group.router.network.port}:8000",
-        f"{bind}:{metrics}:{metrics}",
-    ]
+    # The front holds the pair's network and the published ports, and runs the shipped program.
+    expected_front = front_invocation(
+        group.router.image, host=ROUTER_LISTEN, port=8000, request_timeout_s=group.router_timeline.request_timeout_s,
+        key_env=None,
+    )  # fmt: skip
+    assert [*raw["front"]["entrypoint"], *raw["front"]["command"]] == list(expected_front.argv)
+    assert front["image"] == group.router.image and front["networks"] == {"pd": None}
+    assert raw["front"]["ports"] == [f"{bind}:{group.router.network.port}:8000", f"{bind}:29000:29000"]
     downloads = [name for name in services if "download" in name]
     if deployment.model.local:
         assert downloads == []
@@ -236,16 +244,25 @@ def test_k8s_validates_and_wires_the_router_to_the_roles_services(key, tmp_path)
         assert service["spec"]["selector"] == {"app.kubernetes.io/name": role.name}
         upstreams.append(f"http://{role.name}-api:{service['spec']['ports'][0]['port']}")
     router = documents[8]["spec"]["template"]["spec"]
-    command = [expand(a, mapping_for({})) for a in router["containers"][0]["command"]]
+    front_container, router_container = router["containers"]
+    command = [expand(a, mapping_for({})) for a in router_container["command"]]
     expected = router_invocation(
         group.router,
         Upstreams(*upstreams),
-        host=ROUTER_LISTEN,
-        port=8000,
+        host="127.0.0.1",  # behind its front, on the pod's loopback (issue 49)
+        port=ROUTER_BEHIND_FRONT_PORT,
         metrics_port=RENDERED_ROUTER_METRICS_PORT,
         request_timeout_s=group.router_timeline.request_timeout_s,
+        metrics_host=ROUTER_LISTEN,
     )
     assert command == list(expected.argv)
+    expected_front = front_invocation(
+        group.router.image, host=ROUTER_LISTEN, port=8000, request_timeout_s=group.router_timeline.request_timeout_s,
+        key_env=API_KEY_ENV,
+    )  # fmt: skip
+    assert [expand(a, mapping_for({})) for a in front_container["command"]] == list(expected_front.argv)
+    assert front_container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "api"}
+    assert "readinessProbe" not in router_container  # the pod is ready by the front's /health
     wait = router["initContainers"][0]["command"]
     assert wait[-2:] == [f"{u}/health" for u in upstreams]
     # Clients reach the router under the aggregated API Service's name.
@@ -268,13 +285,10 @@ def test_k8s_router_forwards_the_groups_api_key():
     (artifact,) = render("pd-b300x8", "k8s")
     documents = list(yaml.safe_load_all(artifact.content))
     secret = "m31ctl-minimax-m31-flash-secrets"
-    router_env = documents[8]["spec"]["template"]["spec"]["containers"][0]["env"]
-    assert router_env == [
-        {
-            "name": "OPENAI_API_KEY",
-            "valueFrom": {"secretKeyRef": {"name": secret, "key": "VLLM_API_KEY", "optional": False}},
-        }
-    ]
+    front, router = documents[8]["spec"]["template"]["spec"]["containers"]
+    ref = {"secretKeyRef": {"name": secret, "key": "VLLM_API_KEY", "optional": False}}
+    assert router["env"] == [{"name": "OPENAI_API_KEY", "valueFrom": ref}]  # what it sends the roles
+    assert front["env"] == [{"name": "VLLM_API_KEY", "valueFrom": ref}]  # what it checks (issue 49)
     for workload in (documents[1], documents[5]):
         refs = [
             e["valueFrom"]["secretKeyRef"]["name"]
@@ -364,9 +378,11 @@ def _port_free(port: int) -> bool:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_the_rendered_pair_serves_with_the_kv_over_nixl_between_containers(tmp_path, tiny_model):
-    """docker-compose runs the CPU pd variant's file as rendered: the router answers once both
-    roles are healthy, and the decode container's prompt tokens came from prefill's KV over NIXL
-    (vLLM's own counters), not recomputed."""
+    """docker-compose runs the CPU pd variant's file as rendered, with an API key: the router
+    answers once both roles are healthy, and the decode container's prompt tokens came from
+    prefill's KV over NIXL (vLLM's own counters), not recomputed. Its front (issue 49) refuses a
+    completion without the key (401) and worker registration with it (404), leaving the router's
+    worker list as it was, and streams a completion with the key event by event."""
     if not _port_free(RENDERED_ROUTER_METRICS_PORT):
         pytest.skip(
             f"port {RENDERED_ROUTER_METRICS_PORT} (the router's metrics, fixed in rendered files) is taken"
@@ -377,22 +393,37 @@ def test_the_rendered_pair_serves_with_the_kv_over_nixl_between_containers(tmp_p
     base = 20000 + int(uuid.uuid4().hex[:3], 16) % 1000 * 3
     port, prefill_port, decode_port = base, base + 1, base + 2
     compose = tmp_path / "compose.yaml"
+    key_file = tmp_path / "api-key"
+    environ = {**os.environ, API_KEY_FILE_VAR: str(key_file)}  # every docker-compose call reads it
     try:
         rendered = run_cli(
             "render", "--target", "compose", *CPU_PD,
             "--set", f"model.path={model}", "--set", f"runtime.hf_cache={tmp_path / 'hf'}",
             "--set", f"runtime.container_name={name}", "--set", f"runtime.port={port}",
             "--set", f"disaggregation.prefill.port={prefill_port}",
-            "--set", f"disaggregation.decode.port={decode_port}",
+            "--set", f"disaggregation.decode.port={decode_port}", "--set", "runtime.api_key=true",
         )  # fmt: skip
         assert rendered.returncode == 0, rendered.stderr
         compose.write_text(rendered.stdout)
         (tmp_path / "hf").mkdir()
+        key_file.write_text(API_KEY)
+        key_file.chmod(0o600)
+        override = _cpu_image_serve_override(rendered.stdout, tmp_path)
         up = subprocess.run(
-            ["docker-compose", "-p", project, "-f", str(compose), "up", "-d"],
+            ["docker-compose", "-p", project, "-f", str(compose), "-f", str(override), "up", "-d"],
             capture_output=True, text=True, timeout=START_BOUND_S, check=False,
+            env=environ,
         )  # fmt: skip
-        assert up.returncode == 0, up.stderr[-2000:]
+        if up.returncode != 0:
+            states = subprocess.run(
+                ["docker", "ps", "-a", "--filter", f"label=com.docker.compose.project={project}", "--format",
+                 "{{.Names}} {{.Status}}"], capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            logs = subprocess.run(
+                ["docker-compose", "-p", project, "-f", str(compose), "logs", "--no-color", "--tail", "30"],
+                capture_output=True, text=True, timeout=120, check=False, env=environ,
+            )  # fmt: skip
+            pytest.fail(f"{up.stderr[-1500:]}\n{states.stdout}\n{logs.stdout[-6000:]}")
         deadline = time.monotonic() + START_BOUND_S
         while not _answers(f"http://127.0.0.1:{port}/health"):
             assert time.monotonic() < deadline, "the router never answered /health"
@@ -403,13 +434,21 @@ def test_the_rendered_pair_serves_with_the_kv_over_nixl_between_containers(tmp_p
             "max_tokens": 8,
             "temperature": 0,
         }
+        _the_front_refuses_without_the_key_and_keeps_the_workers(port, f"{name}-router", body)
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
         )
-        with urllib.request.urlopen(request, timeout=300) as answer:
-            completion = json.loads(answer.read())
+        try:
+            with urllib.request.urlopen(request, timeout=300) as answer:
+                completion = json.loads(answer.read())
+        except urllib.error.HTTPError as refused:  # what the router said, and each container's last lines
+            logs = subprocess.run(
+                ["docker-compose", "-p", project, "-f", str(compose), "logs", "--no-color", "--tail", "40"],
+                capture_output=True, text=True, timeout=120, check=False, env=environ,
+            )  # fmt: skip
+            pytest.fail(f"HTTP {refused.code}: {refused.read()[:500]!r}\n{logs.stdout[-6000:]}")
         assert completion["usage"]["completion_tokens"] == 8
         metrics = (
             urllib.request.urlopen(f"http://127.0.0.1:{decode_port}/metrics", timeout=10).read().decode()
@@ -433,11 +472,99 @@ def test_the_rendered_pair_serves_with_the_kv_over_nixl_between_containers(tmp_p
             f"http://127.0.0.1:{RENDERED_ROUTER_METRICS_PORT}/metrics", timeout=10
         ).read()
         assert b"vllm_router" in router_metrics  # the monitoring target's third scrape answers
+        _the_front_streams_with_the_key(port, body)
     finally:
         subprocess.run(
             ["docker-compose", "-p", project, "-f", str(compose), "down", "-v", "--remove-orphans", "-t", "30"],
-            capture_output=True, timeout=300, check=False,
+            capture_output=True, timeout=300, check=False, env=environ,
         )  # fmt: skip
+
+
+API_KEY = "m31ctl-pd-test-key"
+
+
+def _cpu_image_serve_override(rendered: str, tmp_path: Path) -> Path:
+    """A Compose override that ends each role's key-exporting start in m31ctl's CPU image's own
+    entrypoint (`vllm-serve`): the rendered start execs `vllm serve`, the vLLM images' entrypoint
+    (engine/adapter.py SERVE_COMMAND), which this image's vLLM, installed without its package
+    metadata, cannot run ("No package metadata was found for vllm"). Everything else, the
+    router's front and the router included, runs as rendered."""
+    services = yaml.safe_load(rendered)["services"]
+    override = {}
+    for role in ("prefill", "decode"):
+        entrypoint = services[role]["entrypoint"]
+        assert entrypoint[-2:] == ["vllm", "serve"], entrypoint
+        override[role] = {"entrypoint": [*entrypoint[:-2], "vllm-serve"]}
+    path = tmp_path / "cpu-image.override.yaml"
+    path.write_text(yaml.safe_dump({"services": override}))
+    return path
+
+
+def _status(
+    url: str, method: str = "POST", headers: dict[str, str] | None = None, body: object = None
+) -> int:
+    data = json.dumps(body).encode() if body is not None else b""
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as refused:
+        return int(refused.code)
+
+
+def _router_workers(router: str) -> object:
+    """The router's own worker list, asked on its loopback inside its network namespace (the one
+    place it listens), as an operator's `docker exec` would."""
+    ask = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:30000/list_workers', timeout=10).read().decode())"
+    done = subprocess.run(
+        ["docker", "exec", router, "python3", "-c", ask],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-1000:]
+    return json.loads(done.stdout)
+
+
+def _the_front_refuses_without_the_key_and_keeps_the_workers(
+    port: int, router: str, body: dict[str, object]
+) -> None:
+    """Without the key a completion is 401; worker management (/add_worker, POST /workers,
+    /list_workers, /remove_worker) is 404 with the key or without, and the exporter's port serves
+    metrics alone: the router's own list is what it was."""
+    workers = _router_workers(router)
+    assert "prefill:8000" in json.dumps(workers) and "decode:8000" in json.dumps(workers), workers
+    base = f"http://127.0.0.1:{port}"
+    assert _status(f"{base}/v1/completions", body=body) == 401
+    assert _status(f"{base}/v1/completions", headers={"Authorization": "Bearer wrong"}, body=body) == 401
+    assert _status(f"{base}/v1/models", method="GET") == 401
+    keyed = {"Authorization": f"Bearer {API_KEY}"}
+    for headers in ({}, keyed):
+        assert _status(f"{base}/add_worker?url=http://10.231.36.99:8000", headers=headers) == 404
+        assert _status(f"{base}/workers", headers=headers, body={"url": "http://10.231.36.99:8000"}) == 404
+        assert _status(f"{base}/list_workers", method="GET", headers=headers) == 404
+        # What 0.1.17's P/D router does act on unauthenticated: it drops the role from its list.
+        assert _status(f"{base}/remove_worker?url=http://decode:8000", headers=headers) == 404
+    metrics = f"http://127.0.0.1:{RENDERED_ROUTER_METRICS_PORT}"
+    _status(f"{metrics}/remove_worker?url=http://decode:8000")  # the exporter serves metrics alone
+    assert _router_workers(router) == workers
+
+
+def _the_front_streams_with_the_key(port: int, body: dict[str, object]) -> None:
+    """A streamed completion through the front: SSE events one by one, then [DONE]."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        assert answer.headers.get("Content-Type", "").startswith("text/event-stream")
+        events = [line for line in answer.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3, events
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
 
 
 # --- issue 49: the router's metrics admitted, one checkpoint download per group ---------------
@@ -456,7 +583,9 @@ def test_k8s_router_admits_its_api_clients_to_its_metrics_as_to_its_api():
     (router,) = [
         d for d in documents if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-router")
     ]
-    ports = _port_numbers(router["spec"]["template"]["spec"]["containers"][0])
+    ports = {
+        k: v for c in router["spec"]["template"]["spec"]["containers"] for k, v in _port_numbers(c).items()
+    }
     assert ports == {"api": 8000, "metrics": RENDERED_ROUTER_METRICS_PORT}
     (policy,) = [
         d for d in documents if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-router")
