@@ -27,7 +27,7 @@ from m31ctl.rehearsal import docker_verbs
 from m31ctl.rehearsal.endpoints import Endpoints, ServiceAddress
 from m31ctl.rehearsal.kubelet import TICK_S, Kubelet, PodState, watch
 from m31ctl.rehearsal.load import InFlight, LoadRequest, SteadyLoad, Streamed
-from m31ctl.rehearsal.pods import PodRun
+from m31ctl.rehearsal.pods import PodRun, Strategy
 from m31ctl.rehearsal.prepared import Prepared, RolloutRun
 from m31ctl.rehearsal.session import Progress
 from m31ctl.rehearsal.termination import Termination, delete_pod
@@ -300,3 +300,41 @@ def summary_lines(outcome: RolloutOutcome) -> list[str]:
     if outcome.failure:
         lines.append(f"  failure: {outcome.failure}")
     return lines
+
+
+def record(outcome: RolloutOutcome, spec: RolloutRun) -> dict[str, Any]:
+    """A real run's outcome and the clocks it was judged by, every field as measured (to_json
+    leaves the clocks' moments out): what from_record reads back to judge it again (a capture)."""
+
+    def drain(d: Drain | None) -> dict[str, Any] | None:
+        if d is None:
+            return None
+        stream = d.stream._asdict() if d.stream else None
+        return {
+            "termination": d.termination._asdict(),
+            "stream": stream,
+            "in_flight_at_sigterm": d.in_flight_at_sigterm,
+        }
+
+    data = {**outcome._asdict(), "drain": drain(outcome.drain), "cut": drain(outcome.cut)}
+    return {"spec": {**spec._asdict(), "strategy": spec.strategy._asdict()}, "outcome": data}
+
+
+def from_record(data: dict[str, Any]) -> tuple[RolloutOutcome, RolloutRun]:
+    """record's value read back: the outcome and the clocks, as the run had them."""
+
+    def drain(d: dict[str, Any] | None) -> Drain | None:
+        if d is None:
+            return None
+        t = d["termination"]
+        termination = Termination(**{**t, "pre_stop": tuple(t["pre_stop"])})
+        stream = Streamed(**d["stream"]) if d["stream"] else None
+        return Drain(termination, stream, bool(d["in_flight_at_sigterm"]))
+
+    spec = data["spec"]
+    run = RolloutRun(**{**spec, "strategy": Strategy(**spec["strategy"])})
+    o = data["outcome"]
+    outcome = RolloutOutcome(
+        **{**o, "failures": tuple(o["failures"]), "drain": drain(o["drain"]), "cut": drain(o["cut"])}
+    )
+    return outcome, run
