@@ -286,6 +286,14 @@ def rehearse(
     leader_delay: Annotated[
         float, typer.Option("--leader-delay", help="Start the leader S seconds after its workers.")
     ] = 0.0,
+    rollout: Annotated[
+        bool,
+        typer.Option(
+            "--rollout",
+            help="Then roll an image change out by the rendered strategy under load, and drain the "
+            "old pod with a stream on it (an aggregated plan on one node; about 4 minutes more).",
+        ),
+    ] = False,
     no_validate: NoValidateOpt = False,
     json: JsonOpt = False,
 ) -> int:
@@ -305,5 +313,7 @@ def rehearse(
     if leader_delay < 0:
         raise InputError(f"--leader-delay {leader_delay:g} is negative")
     plan = deployment(plan_options.request(), not no_validate).plan
-    options = Options(target, keep, timeout, image, clock_scale=clock_scale, leader_delay_s=leader_delay)
+    options = Options(
+        target, keep, timeout, image, clock_scale=clock_scale, leader_delay_s=leader_delay, rollout=rollout
+    )
     return run_rehearse(plan, options, json)

@@ -13,6 +13,7 @@ from m31ctl.errors import ExitCode
 from m31ctl.labels import Label
 from m31ctl.rehearsal.pairing import PairingOutcome
 from m31ctl.rehearsal.result import RehearsalResult
+from m31ctl.rehearsal.rollout_proof import summary_lines
 from m31ctl.rehearsal.runner import rehearse
 from m31ctl.rehearsal.session import Options
 
@@ -54,6 +55,8 @@ def summary(result: RehearsalResult) -> str:
     ]
     if result.pairing is not None:
         lines += pairing_lines(result.pairing)
+    if result.rollout is not None:
+        lines += summary_lines(result.rollout)
     if result.served:
         lines.append(f"{result.completions} completions and smoke answered through {result.endpoint}")
     else:

@@ -6,6 +6,7 @@ The same on real vLLM: test_rehearse_rollout.py."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import urllib.request
@@ -21,11 +22,15 @@ from m31ctl.rehearsal import termination
 from m31ctl.rehearsal.endpoints import Endpoints, ServiceAddress
 from m31ctl.rehearsal.kubelet import Kubelet
 from m31ctl.rehearsal.prepared import prepare
-from m31ctl.rehearsal.rollout_proof import stream_tokens
+from m31ctl.rehearsal.result import RehearsalResult
+from m31ctl.rehearsal.rollout_proof import RolloutOutcome, from_record, stream_tokens
 from m31ctl.rehearsal.session import Options
 from m31ctl.rehearsal.twin import TOKEN_ENV
 from m31ctl.timeline import ENDPOINT_REMOVAL_S
+from tests.conftest import ROOT, run_cli
 from tests.support.rehearsal import DP_DENSE, RWX
+
+CAPTURES = ROOT / "tests" / "fixtures" / "rehearsal"
 
 
 class _Clock:
@@ -163,6 +168,33 @@ def test_a_rollout_of_a_layout_that_is_not_one_deployment_is_refused():
     plan = resolve(PlanRequest(hardware=simulated("b300x4"), sets=(*DP_DENSE, *RWX)))  # fmt: skip
     with pytest.raises(InputError, match="--rollout"):
         prepare(plan, Options(rollout=True))
+
+
+def test_rehearse_rollout_of_a_p_d_plan_is_one_line_and_exit_2():
+    """`m31ctl rehearse --rollout` reaches Options.rollout: a P/D pair rolls by rules it does not
+    emulate, refused before any container starts."""
+    refused = run_cli("rehearse", "--hardware", "cpu", "--variant", "pd", "--rollout")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert (
+        "--rollout rehearses a Deployment's rollout" in refused.stderr and "Traceback" not in refused.stderr
+    )
+
+
+def _result_with(outcome: RolloutOutcome) -> RehearsalResult:
+    return RehearsalResult(
+        served=True, plan_hash="p", twin_hash="t", layout="TP1", changes=(), nodes=(), probes=(),
+        endpoint="http://127.0.0.1:1", completions=2, smoke=None, failure=None, failing_node=None,
+        error_line=None, cause=None, not_emulated=(), timings_s={"total_s": 1.0}, cleaned=True, leftovers=(),
+        kept=False, rollout=outcome,
+    )  # fmt: skip
+
+
+def test_the_text_report_prints_the_rollouts_proof():
+    from m31ctl.cli.rehearsing import summary
+
+    outcome = from_record(json.loads((CAPTURES / "rollout-surge" / "outcome.json").read_text()))[0]
+    text = summary(_result_with(outcome))
+    assert "rollout (RollingUpdate): proven" in text and "0 of 303 requests failed" in text
 
 
 class _Hello(BaseHTTPRequestHandler):
