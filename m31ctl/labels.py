@@ -23,8 +23,8 @@ class Label:
     # label=io.m31ctl.throwaway` finds any that a killed m31ctl (SIGKILL) left.
     THROWAWAY = "io.m31ctl.throwaway"
     # A P/D group run by the docker runtime (runtime/docker_group.py), as the native records'
-    # `group` and `parts`: each role container and the pair's network carry the group's name
-    # (GROUP); the router's container, under the group's name, lists its roles' containers (PARTS).
+    # `group` and `parts`: each part's container and the pair's network carry the group's name
+    # (GROUP); the group's endpoint (its router's front), under the group's name, lists its parts (PARTS).
     GROUP = "io.m31ctl.group"
     PARTS = "io.m31ctl.parts"
     # Everything a rehearsal makes carries its session (the label's value), so its cleanup finds

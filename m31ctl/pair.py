@@ -156,10 +156,6 @@ class DockerPair(NamedTuple):
     front: ContainerSpec | None = None
 
     @property
-    def front_name(self) -> str:
-        return f"{self.router_spec.name}-front"
-
-    @property
     def router_attachment(self) -> Attachment:
         return Attachment(self.network, None, ROUTER_ALIAS)
 
@@ -182,7 +178,8 @@ def docker_pair(
         return pair
     front = rendered_front_invocation(deployment, group)
     front_spec = router_spec._replace(
-        name=pair.front_name,
+        # launch's is the group's one endpoint, under its name (the router is a part of it)
+        name=deployment.name if on_this_host else f"{router_spec.name}-front",
         image=front.image,
         args=front.argv[1:],
         secret_env=(API_KEY_ENV,) if deployment.secrets.api_key else (),
@@ -324,11 +321,31 @@ def router_run_argv(pair: DockerPair, mode: Mode) -> RunArgv:
         argv += ["--label", f"{key}={value}"]
     argv += log_args(spec.log_max_size, spec.log_max_files)
     argv += ["--stop-timeout", str(spec.stop_timeout)]
-    argv += network_args(pair.router_attachment)
-    argv += ["--publish", publish_spec(spec)]
-    argv += [
-        "--publish",
-        publish_address(spec.bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT),
-    ]
+    if pair.front is not None:  # in its front's namespace, which publishes the ports
+        argv += ["--network", f"container:{pair.front.name}"]
+    else:
+        argv += network_args(pair.router_attachment)
+        argv += _published_args(spec)
     argv += ["--entrypoint", pair.router.argv[0]]
+    return RunArgv(argv, [spec.image, *spec.args])
+
+
+def _published_args(spec: ContainerSpec) -> list[str]:
+    metrics = publish_address(spec.bind, RENDERED_ROUTER_METRICS_PORT, RENDERED_ROUTER_METRICS_PORT)
+    return ["--publish", publish_spec(spec), "--publish", metrics]
+
+
+def front_run_argv(pair: DockerPair, mode: Mode) -> RunArgv:
+    """The router's front's `docker run` (a fronted pair): the namespace's owner, on the pair's
+    network under the router's alias, publishing the API and the router's metrics on runtime.bind."""
+    spec = pair.front
+    assert spec is not None
+    argv = ["run", *lifecycle_args(mode, spec.restart), "--name", spec.name]
+    for key, value in spec.labels:
+        argv += ["--label", f"{key}={value}"]
+    argv += log_args(spec.log_max_size, spec.log_max_files)
+    argv += ["--stop-timeout", str(spec.stop_timeout)]
+    argv += network_args(pair.router_attachment)
+    argv += _published_args(spec)
+    argv += ["--entrypoint", "python3"]
     return RunArgv(argv, [spec.image, *spec.args])

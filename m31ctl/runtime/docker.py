@@ -48,7 +48,9 @@ class DockerRuntime:
 
     def dry_run(self, deployment: Deployment) -> DryRun:
         if deployment.disaggregated is not None:
-            return docker_group.dry_run_group(docker_pair(deployment, "launch", on_this_host=True))
+            return docker_group.dry_run_group(
+                docker_pair(deployment, "launch", on_this_host=True, fronted=True)
+            )
         spec = container_spec(deployment)
         return DryRun(
             "container",
@@ -64,7 +66,7 @@ class DockerRuntime:
             if deployment.disaggregated is not None:
                 # Placed once (m31ctl/pair.py) and read by the group's launch; started here, its
                 # roles join this host's GPU groups by GID.
-                pair = docker_pair(deployment, "launch", on_this_host=True)
+                pair = docker_pair(deployment, "launch", on_this_host=True, fronted=True)
                 return docker_group.launch_group(
                     pair, options, client, lambda part, o: ContainerLaunch(part, o, client, cwd)
                 )

@@ -65,18 +65,23 @@ def create_container(
     attachment: Attachment | None = None,
     entrypoint: Sequence[str] = (),
     published: Sequence[tuple[int, int | None]] = (),
+    network_of: str | None = None,
 ) -> Any:
     """Create (not start) the container through the Engine API, labelled with `labels` (default:
     the spec's). Secret values come from our environment into the API request, never into any
     process's argv. `attachment`: on that network (at its fixed address, under its alias)
     instead of Docker's default bridge; `entrypoint`: instead of the image's; `published`: more
-    ports, (container port, host port or None for one Docker picks), on the spec's bind."""
+    ports, (container port, host port or None for one Docker picks), on the spec's bind;
+    `network_of`: in that container's network namespace instead (no port of its own: the
+    namespace's owner publishes them)."""
     env = dict(spec.env)
     env.update({name: environ[name] for name in spec.secret_env if environ.get(name)})
     # Set by launch for a checkpoint it pulled first: the engine must not ask the hub again.
     env.update({name: environ[name] for name in LAUNCH_ENV if environ.get(name)})
     ports: dict[int, tuple[str, int | None]] = {spec.container_port: (spec.bind, spec.host_port)}
     ports.update({inside: (spec.bind, outside) for inside, outside in published})
+    if network_of is not None:
+        ports = {}
     host: dict[str, Any] = {
         **_host_settings(spec),
         "port_bindings": ports,
@@ -88,7 +93,9 @@ def create_container(
         "restart_policy": {"Name": spec.restart},
     }
     create: dict[str, Any] = {}
-    if attachment is not None:
+    if network_of is not None:
+        host["network_mode"] = f"container:{network_of}"
+    elif attachment is not None:
         host["network_mode"] = attachment.network
         endpoint = client.api.create_endpoint_config(
             aliases=[attachment.alias], ipv4_address=attachment.address

@@ -4,16 +4,18 @@ The containers are the ones the rendered targets run, as m31ctl/pair.py places t
 host (DockerPair, derived once by the caller and read here): each role is its engine's container
 on the pair's own network (`NAME-pd`, PAIR_SUBNET) at the fixed address it advertises for NIXL's
 side channel (ZMQ binds that address, so it must be one the container holds), reached by its
-peers under its role's alias; vllm-router runs the pair's command line on that network and
-publishes the plan's API port.
+peers under its role's alias; the router's front (engine/router_front.py, issue 49) holds the
+network namespace on that network and publishes the plan's API port, and vllm-router runs the
+pair's command line in that namespace, on its loopback (it checks no key: the front does).
 
 Launch follows native_group.py's shape: each role is converged exactly as an aggregated
 container is (runtime/flow.py with docker_launch.py's primitives; its own labels, plan record
-and readiness wait), prefill then decode, and only once both answer is the router converged,
-under the group's name, waiting on the group's RouterTimeline. Labels stand in for the native
-records' `group` and `parts` (labels.py GROUP on each role and the network, PARTS on the router),
-which status, logs and stop read back (runtime/docker_servers.py); a part that dies while the
-group starts stops the group.
+and readiness wait), prefill then decode, and only once both answer are the front (under the
+group's name, not waited for: it answers once the router does) and the router (NAME-router)
+converged, the router waited for through the front on the group's RouterTimeline. Labels stand
+in for the native records' `group` and `parts` (labels.py GROUP on each part and the network,
+PARTS on the front), which status, logs and stop read back (runtime/docker_servers.py); a part
+that dies while the group starts stops the group.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT
 from m31ctl.docker_run import docker_run_argv
 from m31ctl.errors import ConflictError, HostPreconditionError, M31Error
 from m31ctl.labels import OWNER, Label
-from m31ctl.pair import PAIR_SUBNET, ROUTER_API_KEY_ENV, DockerPair, router_run_argv
+from m31ctl.pair import PAIR_SUBNET, ROUTER_API_KEY_ENV, DockerPair, front_run_argv, router_run_argv
+from m31ctl.redact import API_KEY_ENV
 from m31ctl.runtime import engine_api
 from m31ctl.runtime.docker_launch import ContainerRun
 from m31ctl.runtime.docker_servers import RUNTIME, group_of, ours, parts_of
@@ -45,23 +48,41 @@ def role_parts(pair: DockerPair) -> list[ContainerRun]:
     ]
 
 
-def router_part(pair: DockerPair) -> ContainerRun:
-    """vllm-router as the pair runs it, under the group's name (its one endpoint, as the native
-    group's router record is) and listing its parts; its metrics on
+def front_part(pair: DockerPair) -> ContainerRun:
+    """The router's front (engine/router_front.py) under the group's name, its one endpoint (as
+    the native group's router record is), listing its parts: the network namespace's owner, on
+    the pair's network under the router's alias, publishing the API and the router's metrics on
     disaggregation.router.metrics_port (0: a port Docker picks). The roles' API key reaches it
-    as vllm-router reads it (ROUTER_API_KEY_ENV), through the Engine API."""
+    as the roles read it (API_KEY_ENV), through the Engine API."""
     deployment, group = pair.deployment, pair.group
-    spec = pair.router_spec._replace(name=deployment.name)
+    assert pair.front is not None, "a fronted pair (docker_pair(fronted=True))"
     key = deployment.secrets.api_key
-    labels = {**spec.label_dict, Label.PARTS: ",".join(role.name for role in group.roles)}
+    parts = (pair.router_spec.name, *(role.name for role in group.roles))  # stop's order after the front
     return ContainerRun(
         deployment,
-        spec,
-        labels,
+        pair.front,
+        {**pair.front.label_dict, Label.PARTS: ",".join(parts)},
         pair.router_attachment,
-        entrypoint=pair.router.argv[:1],
+        entrypoint=("python3",),
         published=((RENDERED_ROUTER_METRICS_PORT, group.router.metrics_port or None),),
+        secrets_from=((API_KEY_ENV, key),) if key else (),
+    )
+
+
+def router_part(pair: DockerPair) -> ContainerRun:
+    """vllm-router as the pair runs it, in its front's network namespace (listening on its
+    loopback), a part of the group under its rendered name. The roles' API key reaches it as
+    vllm-router reads it (ROUTER_API_KEY_ENV), through the Engine API."""
+    deployment = pair.deployment
+    assert pair.front is not None, "a fronted pair (docker_pair(fronted=True))"
+    key = deployment.secrets.api_key
+    return ContainerRun(
+        deployment,
+        pair.router_spec,
+        {**pair.router_spec.label_dict, Label.GROUP: deployment.name},
+        entrypoint=pair.router.argv[:1],
         secrets_from=((ROUTER_API_KEY_ENV, key),) if key else (),
+        network_of=pair.front.name,
     )
 
 
@@ -135,19 +156,25 @@ def launch_group(
     part that fails once this launch created something stops every part of the group before the
     error goes on, naming the group and what was stopped."""
     deployment = pair.deployment
-    roles, router = role_parts(pair), router_part(pair)
+    roles, front, router = role_parts(pair), front_part(pair), router_part(pair)
     ensure_network(client, pair)
     role_options = dataclasses.replace(options, detach=False)
+    # The front is started, not waited for: it answers /health once the router, started next in
+    # its namespace, does; the router's wait (through the front's port) is the group's.
+    front_options = dataclasses.replace(options, detach=True)
     router_options = options
     if options.timeout is None:
         router_options = dataclasses.replace(options, timeout=float(pair.group.router_timeline.start_s))
     launches: list[PartLaunch] = []
     try:
-        for part in (*roles, router):
-            part_options = router_options if part is router else role_options
+        for part, part_options in (
+            *((role, role_options) for role in roles),
+            (front, front_options),
+            (router, router_options),
+        ):
             launches.append(backend_for(part, part_options))
             result = converge(RUNTIME, launches[-1], part.deployment, part_options)
-        return result  # the router's, converged last: the group's one endpoint
+        return result  # the router's, through its front: the group's one endpoint
     except M31Error as exc:
         if not any(launch.created for launch in launches):
             raise  # refused before this launch created anything: what ran before is untouched
@@ -166,7 +193,7 @@ def halt(client: Any, pair: DockerPair, report: Reporter) -> list[str]:
     kept with its log; the names stopped."""
     deployment, group = pair.deployment, pair.group
     stopped = []
-    for name in (deployment.name, *(role.name for role in group.roles)):
+    for name in (deployment.name, pair.router_spec.name, *(role.name for role in group.roles)):
         container = engine_api.find_container(client, name)
         if container is None or not ours(container):
             continue
@@ -183,17 +210,19 @@ def halt(client: Any, pair: DockerPair, report: Reporter) -> list[str]:
 
 
 def dry_run_group(pair: DockerPair) -> DryRun:
-    """The three `docker run` command lines and the pair's network. The router runs under the
-    group's name (the rendered script names its container NAME-router)."""
+    """The four `docker run` command lines and the pair's network. The router's front runs under
+    the group's name, the router as NAME-router in the front's network namespace."""
     router = router_run_argv(pair, "detached")
     router_argv = [*router.options, *router.command]
-    router_argv[router_argv.index("--name") + 1] = pair.deployment.name
+    front = front_run_argv(pair, "detached")
+    front_argv = [*front.options, *front.command]
     detail: dict[str, Any] = {
         "network": {"name": pair.network, "subnet": PAIR_SUBNET},
         **{
             role.key: ["docker", *docker_run_argv(role.spec, "detached", None, role.attachment)]
             for role in pair.roles
         },
+        "front": ["docker", *front_argv],
         "router": ["docker", *router_argv],
     }
-    return DryRun("container", ("docker", *router_argv), detail, argv_key="docker_run")
+    return DryRun("container", ("docker", *front_argv), detail, argv_key="docker_run")

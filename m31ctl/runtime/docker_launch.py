@@ -47,6 +47,7 @@ class ContainerRun(NamedTuple):
     # The container's secret variables from launch's environment, (in the container, in ours);
     # None: the spec's secret_env by the same names (an engine's).
     secrets_from: tuple[tuple[str, str], ...] | None = None
+    network_of: str | None = None  # in that container's network namespace (a P/D router behind its front)
 
     def environ(self, environ: Mapping[str, str]) -> dict[str, str]:
         """What of launch's environment the container may read (create_container takes the
@@ -140,6 +141,8 @@ class ContainerLaunch:
         self.client = client
         self.served = part.deployment.plan.settings.model.served_name
         self.created = False  # whether this launch created its container
+        # Its API port is the namespace owner's where it joins another's (flow checks it is free).
+        self.publishes = part.network_of is None
 
     def claim(self) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()  # the engine's create-by-name is atomic: the loser joins
@@ -204,6 +207,7 @@ def _create_and_start(client: Any, part: ContainerRun, environ: Mapping[str, str
             attachment=part.attachment,
             entrypoint=part.entrypoint,
             published=part.published,
+            network_of=part.network_of,
         )
     except Exception as exc:
         if engine_api.is_conflict(exc):

@@ -1,11 +1,12 @@
 """The servers that stand on the Docker Engine, as `status`, `logs` and `stop` read and end them.
 
 Only containers labelled as ours are ever listed, read or changed, and the labels say the rest:
-a P/D group's router (under the group's name) lists its roles' containers (Label.PARTS), each
-role and the pair's network carry the group's name (Label.GROUP), as the native records' `parts`
-and `group` do. So `status` shows the group and then each part (a part not running: `degraded:
-PART down`), `logs` prints every part's, and `stop` stops the router first (no new requests reach
-the roles), then the roles, and removes every part and the network.
+a P/D group's endpoint (under the group's name: the router's front, issue 49) lists its parts'
+containers (Label.PARTS: the router, then the roles), each part and the pair's network carry the
+group's name (Label.GROUP), as the native records' `parts` and `group` do. So `status` shows the
+group and then each part (a part not running: `degraded: PART down`), `logs` prints every part's,
+and `stop` stops the endpoint first (no new requests reach the roles), then its parts in order,
+and removes every part and the network.
 """
 
 from __future__ import annotations

@@ -139,7 +139,10 @@ def _act(launch: _Launch, backend: Backend[S]) -> LaunchResult | _Chosen[S]:
         options.report(f"removing {backend.describe(found.server)} ({decision.reason})")
         backend.remove(found.server)
     try:
-        ensure_port_free(deployment.network.bind, deployment.network.port)
+        # A part in another container's network namespace (a P/D router behind its front, which
+        # holds the port) publishes none of its own: a backend says so with `publishes = False`.
+        if getattr(backend, "publishes", True):
+            ensure_port_free(deployment.network.bind, deployment.network.port)
         interrupt.check()  # a stop asked for until here: nothing pulled, nothing created
         backend.prepare()
         interrupt.check()

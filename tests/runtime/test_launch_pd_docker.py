@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import urllib.error
 import urllib.request
 import uuid
 from typing import Any, ClassVar
@@ -27,7 +28,9 @@ from m31ctl.pair import (
     ROUTER_API_KEY_ENV,
     docker_pair,
     network_name,
-    pair_router_invocation,
+    pair_upstreams,
+    rendered_front_invocation,
+    rendered_router_invocation,
     role_address,
 )
 from m31ctl.plan import PlanRequest, resolve
@@ -35,7 +38,7 @@ from m31ctl.redact import API_KEY_ENV
 from m31ctl.runtime import docker_group, docker_servers
 from m31ctl.runtime.converge import ExistingServer
 from m31ctl.runtime.docker_create import create_container
-from m31ctl.runtime.docker_launch import ContainerRun
+from m31ctl.runtime.docker_launch import ContainerLaunch, ContainerRun
 from m31ctl.runtime.flow import Found
 from m31ctl.runtime.protocol import LaunchOptions, ServerStatus
 from m31ctl.runtime.readiness import ProcessState
@@ -74,26 +77,38 @@ def test_each_role_runs_on_the_pairs_network_at_the_address_it_advertises():
     assert "kv_producer" in " ".join(roles[0].spec.args) and "kv_consumer" in " ".join(roles[1].spec.args)
 
 
-def test_the_router_is_the_groups_one_name_with_the_rendered_command_and_the_groups_clocks():
+def test_the_front_is_the_groups_one_name_and_the_router_runs_the_rendered_command_behind_it():
     d = _group()
     group = d.disaggregated
     assert group is not None
-    router = docker_group.router_part(docker_pair(d, "launch", on_this_host=True))
-    invocation = pair_router_invocation(group)
-    assert router.spec.name == d.name and router.deployment is d
+    pair = docker_pair(d, "launch", on_this_host=True, fronted=True)
+    front, router = docker_group.front_part(pair), docker_group.router_part(pair)
+    # vllm-router checks no key (issue 49): on its loopback, in the front's network namespace.
+    invocation = rendered_router_invocation(group, pair_upstreams(group), fronted=True)
+    assert router.spec.name == group.router.name and router.deployment is d
     assert (*router.entrypoint, *router.spec.args) == invocation.argv
+    assert invocation.argv[1:3] == ("--host", "127.0.0.1")
     assert router.spec.image == invocation.image
-    assert router.attachment is not None and router.attachment.network == network_name(d)
-    assert router.labels[Label.PARTS] == ",".join(role.name for role in group.roles)
+    assert router.network_of == d.name and router.attachment is None and router.published == ()
+    assert router.labels[Label.GROUP] == d.name
+    # The front: the group's name, the pair's network, the published ports, the parts it lists.
+    assert front.spec.name == d.name and front.deployment is d
+    assert (*front.entrypoint, *front.spec.args) == rendered_front_invocation(d, group).argv
+    assert front.attachment is not None and front.attachment.network == network_name(d)
+    assert front.labels[Label.PARTS] == ",".join((group.router.name, *(role.name for role in group.roles)))
     clocks = group.router_timeline
-    assert (router.spec.stop_timeout, router.spec.startup_timeout) == (clocks.stop_s, clocks.start_s)
-    assert (router.spec.bind, router.spec.host_port, router.spec.container_port) == (
-        group.router.network.bind,
-        group.router.network.port,
-        CONTAINER_PORT,
-    )
+    for part in (front, router):
+        assert (part.spec.stop_timeout, part.spec.startup_timeout) == (clocks.stop_s, clocks.start_s)
+        assert (part.spec.bind, part.spec.host_port, part.spec.container_port) == (
+            group.router.network.bind,
+            group.router.network.port,
+            CONTAINER_PORT,
+        )
     # metrics_port 0: Docker picks the host port (two groups never clash on a fixed one).
-    assert router.published == ((RENDERED_ROUTER_METRICS_PORT, None),)
+    assert front.published == ((RENDERED_ROUTER_METRICS_PORT, None),)
+    # The API port is the front's: the router's launch does not wait for it to be free.
+    options = LaunchOptions(report=lambda _: None, confirm=lambda _: False)
+    assert [ContainerLaunch(p, options, None, "/x").publishes for p in (front, router)] == [True, False]
 
 
 class _Api:
@@ -135,6 +150,7 @@ def _created(part: ContainerRun, environ: dict[str, str]) -> dict[str, Any]:
         attachment=part.attachment,
         entrypoint=part.entrypoint,
         published=part.published,
+        network_of=part.network_of,
     )
     return client.api.created
 
@@ -142,9 +158,9 @@ def _created(part: ContainerRun, environ: dict[str, str]) -> dict[str, Any]:
 def test_the_api_key_reaches_roles_and_router_only_through_the_container_environment():
     d = _group("runtime.api_key=true")
     environ = {API_KEY_ENV: SECRET, "HF_TOKEN": "hf_x", "UNRELATED": "1"}
-    pair = docker_pair(d, "launch", on_this_host=True)
+    pair = docker_pair(d, "launch", on_this_host=True, fronted=True)
     roles = docker_group.role_parts(pair)
-    router = docker_group.router_part(pair)
+    front, router = docker_group.front_part(pair), docker_group.router_part(pair)
     for index, part in enumerate(roles):
         made = _created(part, environ)
         assert made["environment"][API_KEY_ENV] == SECRET and "UNRELATED" not in made["environment"]
@@ -155,16 +171,23 @@ def test_the_api_key_reaches_roles_and_router_only_through_the_container_environ
     # vllm-router forwards OPENAI_API_KEY to the roles as their bearer token; nothing else of ours.
     assert made["environment"] == {ROUTER_API_KEY_ENV: SECRET}
     assert made["entrypoint"] == ["vllm-router"]
+    assert made["host_config"]["network_mode"] == f"container:{d.name}"  # its front's namespace
+    assert made["host_config"]["port_bindings"] == {} and made["ports"] == []
+    made = _created(front, environ)
+    # The front checks the roles' key, read by name from its environment (issue 49).
+    assert made["environment"] == {API_KEY_ENV: SECRET}
+    assert made["entrypoint"] == ["python3"] and made["command"][-2:] == ["--key-env", API_KEY_ENV]
     ports = made["host_config"]["port_bindings"]
-    assert ports[CONTAINER_PORT] == (router.spec.bind, router.spec.host_port)
-    assert ports[RENDERED_ROUTER_METRICS_PORT] == (router.spec.bind, None)
-    for part in (*roles, router):
+    assert ports[CONTAINER_PORT] == (front.spec.bind, front.spec.host_port)
+    assert ports[RENDERED_ROUTER_METRICS_PORT] == (front.spec.bind, None)
+    assert made["host_config"]["network_mode"] == network_name(d)
+    for part in (*roles, front, router):
         made = _created(part, environ)
         visible = json.dumps([made["command"], made.get("entrypoint"), made["labels"], made["name"]])
         assert SECRET not in visible
 
 
-def test_dry_run_shows_the_three_containers_and_the_network():
+def test_dry_run_shows_the_four_containers_and_the_network():
     shown = run_cli(
         "launch", "--hardware", "cpu", "--variant", "pd", "--runtime", "docker", "--dry-run", "--json"
     )
@@ -173,8 +196,12 @@ def test_dry_run_shows_the_three_containers_and_the_network():
     assert detail["network"]["subnet"] == PAIR_SUBNET
     assert ["--ip", role_address(0)] == detail["prefill"][detail["prefill"].index("--ip") :][:2]
     assert ["--ip", role_address(1)] == detail["decode"][detail["decode"].index("--ip") :][:2]
-    router = detail["router"]
-    assert router == detail["docker_run"] and router[router.index("--name") + 1] == "m31ctl-rehearsal"
+    front, router = detail["front"], detail["router"]
+    assert front == detail["docker_run"] and front[front.index("--name") + 1] == "m31ctl-rehearsal"
+    assert front[front.index("--network") :][:2] == ["--network", "m31ctl-rehearsal-pd"]
+    assert "--publish" in front and "--publish" not in router
+    assert router[router.index("--name") + 1] == "m31ctl-rehearsal-router"
+    assert router[router.index("--network") :][:2] == ["--network", "container:m31ctl-rehearsal"]
     assert "--vllm-pd-disaggregation" in router
 
 
@@ -312,7 +339,7 @@ def test_a_role_that_dies_while_the_group_starts_is_named_and_the_group_is_stopp
     serving = iter([True, False])  # prefill serves this plan already; decode is created and dies
     with pytest.raises(ServerDied) as died:
         docker_group.launch_group(
-            docker_pair(d, "launch", on_this_host=True),
+            docker_pair(d, "launch", on_this_host=True, fronted=True),
             options,
             engine,
             lambda part, o: _FakeLaunch(part, o, seen, next(serving)),
@@ -324,7 +351,7 @@ def test_a_role_that_dies_while_the_group_starts_is_named_and_the_group_is_stopp
     # Even detached, each role is waited for: the router is never started before both answer.
     assert [f.part.spec.name for f in seen] == [f"{d.name}-prefill", f"{d.name}-decode"]
     assert all(not f.options.detach for f in seen)
-    assert set(engine.stopped) == {d.name, f"{d.name}-prefill", f"{d.name}-decode"}
+    assert set(engine.stopped) == {d.name, f"{d.name}-router", f"{d.name}-prefill", f"{d.name}-decode"}
 
 
 def test_without_timeout_the_router_waits_on_the_groups_router_clock():
@@ -333,11 +360,14 @@ def test_without_timeout_the_router_waits_on_the_groups_router_clock():
     assert group is not None
     seen: list[_FakeLaunch] = []
     options = LaunchOptions(report=lambda _: None, confirm=lambda _: False)
-    pair = docker_pair(d, "launch", on_this_host=True)
+    pair = docker_pair(d, "launch", on_this_host=True, fronted=True)
     result = docker_group.launch_group(pair, options, _Engine(), lambda p, o: _FakeLaunch(p, o, seen, True))
     assert result.server == d.name and result.action == "unchanged"
-    assert [f.part.spec.name for f in seen] == [f"{d.name}-prefill", f"{d.name}-decode", d.name]
-    assert [f.options.timeout for f in seen] == [None, None, group.router_timeline.start_s]
+    names = [f"{d.name}-prefill", f"{d.name}-decode", d.name, group.router.name]  # the front, then the router
+    assert [f.part.spec.name for f in seen] == names
+    assert [f.options.timeout for f in seen] == [None, None, None, group.router_timeline.start_s]
+    # The front is started, not waited for: it answers once the router behind it does.
+    assert [f.options.detach for f in seen] == [False, False, True, False]
 
 
 # --- for real --------------------------------------------------------------------------------
@@ -367,10 +397,21 @@ def _external_prompt_tokens(url: str) -> float:
     )
 
 
+def _refused_without_the_key(endpoint: str, body: dict[str, Any]) -> None:
+    """The router's front (issue 49): a completion without the key is 401, worker management
+    404 with it."""
+    for path, key in (("/v1/completions", None), ("/v1/completions", "wrong"), ("/remove_worker", SECRET)):
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        request = urllib.request.Request(f"{endpoint}{path}", data=json.dumps(body).encode(), headers=headers)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == (404 if path == "/remove_worker" else 401), path
+
+
 def _leftovers(client: Any, name: str) -> list[str]:
     from m31ctl.runtime import engine_api
 
-    parts = [name, f"{name}-prefill", f"{name}-decode"]
+    parts = _parts(name)
     found = [p for p in parts if engine_api.find_container(client, p) is not None]
     found += engine_api.labelled(client, Label.GROUP, name)
     found += [n.name for n in client.networks.list(names=[f"{name}-pd"])]
@@ -428,7 +469,8 @@ def test_pd_group_in_docker_serves_through_the_router_and_stops_as_one(
 
 
 def _parts(name: str) -> list[str]:
-    return [name, f"{name}-prefill", f"{name}-decode"]
+    """The group's containers as status lists them: the front (the group), the router, the roles."""
+    return [name, f"{name}-router", f"{name}-prefill", f"{name}-decode"]
 
 
 def _pair_subnet_taken(client: Any) -> bool:
@@ -447,6 +489,7 @@ def _serves_as_one(client: Any, name: str, endpoint: str, decode_url: str, env: 
     rows = [r for r in cli_json.data(shown.stdout)["servers"] if r["name"] in _parts(name)]
     assert [(r["name"], r["state"], r["group"]) for r in rows] == [
         (name, "running", None),
+        (f"{name}-router", "running", name),
         (f"{name}-prefill", "running", name),
         (f"{name}-decode", "running", name),
     ]
@@ -456,14 +499,18 @@ def _serves_as_one(client: Any, name: str, endpoint: str, decode_url: str, env: 
         config = attrs["Config"]
         assert SECRET not in json.dumps([config["Cmd"], config["Entrypoint"], config["Labels"]])
         environ = dict(e.split("=", 1) for e in config["Env"])
-        if part == name:
+        if part == name:  # the front checks the key (issue 49)
+            assert environ[API_KEY_ENV] == SECRET and ROUTER_API_KEY_ENV not in environ
+        elif part == f"{name}-router":  # which the router sends the roles
             assert environ[ROUTER_API_KEY_ENV] == SECRET
+            assert attrs["HostConfig"]["NetworkMode"] == f"container:{client.containers.get(name).id}"
         else:
             assert environ[API_KEY_ENV] == SECRET
             networks = attrs["NetworkSettings"]["Networks"].values()
             assert environ[SIDE_CHANNEL_HOST_ENV] == next(n["IPAddress"] for n in networks if n["IPAddress"])
     before = _external_prompt_tokens(decode_url)
     body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    _refused_without_the_key(endpoint, body)
     answer = _post(f"{endpoint}/v1/completions", body, SECRET)
     assert answer["usage"]["completion_tokens"] == 8, answer
     assert _external_prompt_tokens(decode_url) > before, "decode computed the prompt: no KV came over NIXL"
