@@ -26,6 +26,7 @@ from m31ctl.rehearsal import docker_verbs
 from m31ctl.rehearsal.docker_verbs import Ran, decoded, run_exit_code
 from m31ctl.rehearsal.logs import read_log
 from m31ctl.rehearsal.pods import NAMESPACE, PodRun, Probe, Volume
+from m31ctl.rehearsal.sandbox import container_name, in_sandbox, sandbox_args, sandbox_name, sidecar_name
 from m31ctl.rehearsal.session import Options, Progress
 from m31ctl.runtime import engine_api
 from m31ctl.runtime.engine_api import refusals
@@ -36,11 +37,6 @@ TICK_S = 1.0
 # How often the logs are read for a fatal traceback while waiting (a failed node may not exit).
 FATAL_EVERY_S = 10.0
 KILL_POLL_S = 0.5
-
-
-def container_name(session: str, pod: PodRun) -> str:
-    suffix = f"-init-{pod.container}" if pod.init else ""
-    return f"m31ctl-rh-{session}-{pod.pod}{suffix}"[:120]
 
 
 def _mount(volume: Volume, session: str) -> dict[str, Any]:
@@ -56,36 +52,6 @@ def _mount(volume: Volume, session: str) -> dict[str, Any]:
 
 def claim_volume(session: str, claim: str) -> str:
     return f"m31ctl-rh-{session}-{claim}"
-
-
-def sandbox_name(session: str, pod: PodRun) -> str:
-    return f"{container_name(session, pod)[:112]}-sandbox"
-
-
-def sandbox_args(pod: PodRun, session: str, network: str, address: str = "") -> dict[str, Any]:
-    """The pod's sandbox (Kubernetes' pause container): it holds the pod's network namespace, so
-    the pod's address, hostname and DNS names outlive a kill of its container, as a kubelet's pod
-    keeps its IP while its container restarts. It runs nothing but a sleep."""
-    return {
-        "name": sandbox_name(session, pod),
-        "image": pod.image,
-        "labels": {Label.REHEARSAL: session},
-        "hostname": pod.hostname[:63],
-        "entrypoint": ["sleep"],
-        "command": ["infinity"],
-        "host": {},
-        "network": network,
-        "aliases": list(pod.aliases),
-        "address": address or None,
-    }
-
-
-def in_sandbox(create: dict[str, Any], sandbox: str) -> dict[str, Any]:
-    """A pod's container run in its sandbox's network namespace: the address, hostname and names
-    are the sandbox's (Docker refuses a hostname of its own in another container's namespace)."""
-    moved = {k: v for k, v in create.items() if k not in ("network", "aliases", "address", "hostname")}
-    moved["host"] = {**create["host"], "network_mode": f"container:{sandbox}"}
-    return moved
 
 
 # The downward API's fields the rehearsal fills (Kubernetes: pods/fieldRef); the pod's address
@@ -269,17 +235,26 @@ class Kubelet:
         # refuses it at once.
         self.sandboxed = sandboxed
 
-    def start(self, pod: PodRun) -> PodState:
-        address = "" if pod.init else self.addresses.get(pod.pod, "")
+    def _create(self, pod: PodRun, address: str) -> dict[str, Any]:
         create = run_args(pod, self.session, self.network, address)
         create["environment"] += [
             f"{name}={self.secrets[name]}" for name, _ in pod.secrets if name in self.secrets
         ]
+        return create
+
+    def start(self, pod: PodRun) -> PodState:
+        address = "" if pod.init else self.addresses.get(pod.pod, "")
+        create = self._create(pod, address)
         sandbox = ""
-        if pod.pod in self.sandboxed and not pod.init:
+        if (pod.pod in self.sandboxed or pod.sidecars) and not pod.init:  # a pod of several: one namespace
             sandbox = sandbox_name(self.session, pod)
             made = run_detached(self.client, **sandbox_args(pod, self.session, self.network, address))
             done = made if not made.ok else run_detached(self.client, **in_sandbox(create, sandbox))
+            for sidecar in pod.sidecars if done.ok else ():
+                beside = {**self._create(sidecar, address), "name": sidecar_name(self.session, pod, sidecar)}
+                done = run_detached(self.client, **in_sandbox(beside, sandbox))
+                if not done.ok:
+                    break
         else:
             done = run_detached(self.client, **create)
         state = PodState(pod, container_name(self.session, pod), self.clock(), sandbox=sandbox)
@@ -355,6 +330,11 @@ class Kubelet:
         state.ip = ip or state.ip
         if status in ("exited", "dead", ""):
             state.status, state.exit_code = "exited", code
+        for sidecar in state.pod.sidecars if state.status == "running" else ():
+            status, code, _ = container_state(self.client, sidecar_name(self.session, state.pod, sidecar))
+            if status in ("exited", "dead", ""):  # the pod's other container ended: it is not running
+                state.status, state.exit_code = "exited", code
+                state.start_error = f"its container {sidecar.container} exited with {code}"
 
     def probe_once(self, state: PodState) -> None:
         """Run each probe that is due, in the kubelet's order: startup first, then the others."""

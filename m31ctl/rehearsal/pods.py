@@ -92,6 +92,9 @@ class PodRun(NamedTuple):
     # The pod's terminationGracePeriodSeconds (Kubernetes' default 30 when unset): counted from
     # the deletion, the preStop hook included (kuberuntime killContainer).
     grace_s: int = 30
+    # The pod's other containers (spec.containers[1:]), run in its network namespace beside this
+    # one, the first (a P/D router pod's router behind its front); () for a one-container pod.
+    sidecars: tuple[PodRun, ...] = ()
 
 
 class Strategy(NamedTuple):
@@ -141,6 +144,11 @@ class Manifest(NamedTuple):
     def forwarded(self) -> tuple[ServiceRun, ...]:
         """The Services that map a port: each gets a forwarder at its names."""
         return tuple(s for s in self.services if s.maps_ports)
+
+    @property
+    def containers(self) -> tuple[PodRun, ...]:
+        """Every container of every pod: each PodRun and the others of its pod (its sidecars)."""
+        return tuple(c for p in self.pods for c in (p, *p.sidecars))
 
     @property
     def serving(self) -> PodRun | None:
@@ -276,54 +284,54 @@ def _pod(
     injected: list[tuple[str, str]],
     links: list[tuple[str, str]],
 ) -> list[PodRun]:
-    """The init containers (in order) and the one serving container of a pod template."""
+    """The init containers (in order), then the pod's first container with the others beside it
+    (PodRun.sidecars), as the kubelet starts every container of a pod in one sandbox."""
     spec = template["spec"]
-    runs = []
-    for init, container in [(True, c) for c in spec.get("initContainers", [])] + [
-        (False, spec["containers"][0])
-    ]:
-        env, secrets, fields, refs = container_env(container, injected, links)
-        ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports", []) if "name" in p}
 
-        probes = (
-            []
-            if init
-            else [
-                p
-                for kind in ("startup", "liveness", "readiness")
-                for p in _probe(kind, container.get(f"{kind}Probe"), ports, env)
-            ]
-        )
-        security = container.get("securityContext", {})
-        pre_stop = ((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}
-        runs.append(
-            PodRun(
-                pod=pod_name,
-                container=container["name"],
-                role=role,
-                worker_index=index,
-                image=container["image"],
-                command=_resolved(container.get("command"), env, secrets),
-                args=_resolved(container.get("args"), env, secrets),
-                env=tuple(env.items()),
-                secrets=tuple(secrets),
-                volumes=_volumes(spec, container),
-                ports=tuple(ports.items()),
-                probes=tuple(probes),
-                hostname=pod_name,
-                aliases=(),
-                cap_add=tuple(security.get("capabilities", {}).get("add", [])),
-                unconfined=security.get("seccompProfile", {}).get("type") == "Unconfined",
-                ipc_host=bool(spec.get("hostIPC", False)),
-                init=init,
-                fields=tuple(fields),
-                secret_refs=tuple(refs),
-                labels=tuple(template.get("metadata", {}).get("labels", {}).items()),
-                pre_stop=tuple(str(word) for word in pre_stop.get("command", ())),
-                grace_s=int(spec.get("terminationGracePeriodSeconds", 30)),
-            )
-        )
-    return runs
+    def run(container: dict[str, Any], init: bool) -> PodRun:
+        return _container_run(pod_name, role, index, template, container, init, injected, links)
+
+    first, *others = spec["containers"]
+    inits = [run(c, True) for c in spec.get("initContainers", [])]
+    return [*inits, run(first, False)._replace(sidecars=tuple(run(c, False) for c in others))]
+
+
+def _container_run(
+    pod_name: str, role: str, index: int, template: dict[str, Any], container: dict[str, Any], init: bool,
+    injected: list[tuple[str, str]], links: list[tuple[str, str]],
+) -> PodRun:  # fmt: skip
+    spec = template["spec"]
+    env, secrets, fields, refs = container_env(container, injected, links)
+    ports = {p["name"]: int(p["containerPort"]) for p in container.get("ports", []) if "name" in p}
+    kinds = () if init else ("startup", "liveness", "readiness")  # an init container has no probes
+    probes = [p for kind in kinds for p in _probe(kind, container.get(f"{kind}Probe"), ports, env)]
+    security = container.get("securityContext", {})
+    pre_stop = ((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}
+    return PodRun(
+        pod=pod_name,
+        container=container["name"],
+        role=role,
+        worker_index=index,
+        image=container["image"],
+        command=_resolved(container.get("command"), env, secrets),
+        args=_resolved(container.get("args"), env, secrets),
+        env=tuple(env.items()),
+        secrets=tuple(secrets),
+        volumes=_volumes(spec, container),
+        ports=tuple(ports.items()),
+        probes=tuple(probes),
+        hostname=pod_name,
+        aliases=(),
+        cap_add=tuple(security.get("capabilities", {}).get("add", [])),
+        unconfined=security.get("seccompProfile", {}).get("type") == "Unconfined",
+        ipc_host=bool(spec.get("hostIPC", False)),
+        init=init,
+        fields=tuple(fields),
+        secret_refs=tuple(refs),
+        labels=tuple(template.get("metadata", {}).get("labels", {}).items()),
+        pre_stop=tuple(str(word) for word in pre_stop.get("command", ())),
+        grace_s=int(spec.get("terminationGracePeriodSeconds", 30)),
+    )
 
 
 def _resolved(
@@ -479,7 +487,7 @@ def rendered_manifest(deployment: Deployment, target: str) -> Manifest:
 def refuse_secret_expansion(manifest: Manifest) -> None:
     """A command or args word the kubelet would expand into a secret's value (argv is visible
     in ps and in the node's logs): refused before anything starts."""
-    for pod in manifest.pods:
+    for pod in manifest.containers:
         words = [*(pod.command or ()), *(pod.args or ())]
         leaked = [name for name, _ in pod.secrets if any(secret_mark(name) in w for w in words)]
         if leaked:

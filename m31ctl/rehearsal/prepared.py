@@ -73,7 +73,7 @@ class Prepared(NamedTuple):
     def addressed(self) -> bool:
         """The pods need fixed addresses: one reads its own (status.podIP: a P/D role's NIXL
         side channel binds it), or a Service maps ports (its forwarder needs the target's)."""
-        return any(p.fields for p in self.manifest.pods) or bool(self.manifest.forwarded)
+        return any(p.fields for p in self.manifest.containers) or bool(self.manifest.forwarded)
 
     @property
     def restarted_in_place(self) -> frozenset[str]:

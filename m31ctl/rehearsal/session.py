@@ -50,7 +50,7 @@ def new_session() -> str:
 def required_secrets(manifest: Manifest) -> list[str]:
     """The secrets a pod cannot start without (secretKeyRef without optional: the kubelet holds
     the pod in CreateContainerConfigError until the Secret has them)."""
-    return sorted({name for pod in manifest.pods for name, optional in pod.secrets if not optional})
+    return sorted({name for pod in manifest.containers for name, optional in pod.secrets if not optional})
 
 
 @contextmanager
@@ -59,7 +59,7 @@ def secret_values(manifest: Manifest) -> Iterator[dict[str, str]]:
     rehearsal. VLLM_API_KEY is also set in this process while it runs, so smoke sends it.
     Optional secrets (HF_TOKEN: the tiny model is local) are not passed."""
     required = required_secrets(manifest)
-    refs = {name: ref for pod in manifest.pods for name, ref in pod.secret_refs if name in required}
+    refs = {name: ref for pod in manifest.containers for name, ref in pod.secret_refs if name in required}
     by_ref: dict[str, str] = {}
     for name in required:  # one value per Secret key, whichever variable reads it
         exported = os.environ.get(name)

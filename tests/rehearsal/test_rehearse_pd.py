@@ -272,3 +272,50 @@ def test_the_manifest_names_the_serving_pod_and_the_port_it_serves_on(tmp_path):
                "spec": {"template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}}}  # fmt: skip
     manifest = read_manifest([unnamed], container_port=8123)
     assert manifest.serving is not None and (manifest.api_pod, manifest.serving_port) == ("web-0", 8123)
+
+
+def test_the_router_pod_runs_its_front_and_the_router_in_one_sandbox(tmp_path):
+    """A pod of two containers (the router's front on the pod's port, vllm-router on its
+    loopback): the first is the pod's PodRun, the other runs beside it in the pod's network
+    namespace, and the router's secret (OPENAI_API_KEY, the roles' key) is one the session
+    supplies. Before, only containers[0] ran: the front answered 502 with no router behind it,
+    and the router's key was never asked for (the roles answered 401)."""
+    from m31ctl.rehearsal.kubelet import Kubelet
+    from m31ctl.rehearsal.sandbox import sandbox_name, sidecar_name
+    from m31ctl.rehearsal.session import required_secrets
+
+    manifest = _prepared(tmp_path).manifest
+    router = manifest.serving
+    assert router is not None and router.container == "front"
+    assert [c.container for c in router.sidecars] == ["router"]
+    assert "OPENAI_API_KEY" in required_secrets(manifest) and "VLLM_API_KEY" in required_secrets(manifest)
+
+    class _Api:
+        def __init__(self) -> None:
+            self.made: list[tuple[str, str]] = []
+
+        def create_host_config(self, **host):  # type: ignore[no-untyped-def]
+            return host
+
+        def create_endpoint_config(self, **kw):  # type: ignore[no-untyped-def]
+            return kw
+
+        def create_networking_config(self, nets):  # type: ignore[no-untyped-def]
+            return nets
+
+        def create_container(self, name, host_config, **_):  # type: ignore[no-untyped-def]
+            self.made.append((name, host_config.get("network_mode", "")))
+            return {"Id": name}
+
+        def start(self, _id):  # type: ignore[no-untyped-def]
+            pass
+
+    api = _Api()
+    kubelet = Kubelet(type("Client", (), {"api": api})(), "s", "net", secrets={"OPENAI_API_KEY": "k"})
+    state = kubelet.start(router)
+    sandbox = sandbox_name("s", router)
+    assert state.sandbox == sandbox and api.made == [
+        (sandbox, "net"),
+        (state.name, f"container:{sandbox}"),
+        (sidecar_name("s", router, router.sidecars[0]), f"container:{sandbox}"),
+    ]
