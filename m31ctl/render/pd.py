@@ -93,12 +93,7 @@ def _compose_front(pair: DockerPair) -> dict[str, Any]:
     to the router without a key, answers. With an API key it reads the key as the roles do."""
     spec = pair.front
     assert spec is not None
-    executable = ("python3",)
-    entrypoint = list(executable)
-    secrets: dict[str, Any] = {}
-    if spec.secret_env:
-        entrypoint = api_key_entrypoint(API_KEY_ENV, executable)
-        secrets = {"secrets": [COMPOSE_API_KEY_SECRET]}
+    entrypoint, secrets = _keyed_entrypoint(spec, API_KEY_ENV, ("python3",))
     return {
         "image": spec.image,
         "container_name": spec.name,
@@ -125,17 +120,24 @@ def _compose_front(pair: DockerPair) -> dict[str, Any]:
     }
 
 
+def _keyed_entrypoint(
+    spec: ContainerSpec, env: str, executable: tuple[str, ...]
+) -> tuple[list[str], dict[str, Any]]:
+    """A service's entrypoint and its Compose secrets: with a key, `executable` started with the
+    key read from the secret file into `env` (api_key_entrypoint), never in the file itself."""
+    if not spec.secret_env:
+        return list(executable), {}
+    return api_key_entrypoint(env, executable), {"secrets": [COMPOSE_API_KEY_SECRET]}
+
+
 def _compose_router(pair: DockerPair) -> dict[str, Any]:
     """vllm-router's service: its container as the pair derives it for every Docker target and
     launch (DockerPair.router_spec), in its front's network namespace (listening on its
     loopback) once both roles are healthy."""
     spec = pair.router_spec
-    executable = pair.router.argv[:1]  # its entrypoint, as launch's: the invocation's first word
-    entrypoint = list(executable)
-    secrets: dict[str, Any] = {}
-    if spec.secret_env:  # the roles' key, which it forwards to them, read from the roles' file
-        entrypoint = api_key_entrypoint(ROUTER_API_KEY_ENV, executable)
-        secrets = {"secrets": [COMPOSE_API_KEY_SECRET]}
+    # its entrypoint, as launch's: the invocation's first word; the roles' key, which it
+    # forwards to them, read from the roles' file
+    entrypoint, secrets = _keyed_entrypoint(spec, ROUTER_API_KEY_ENV, tuple(pair.router.argv[:1]))
     return {
         "image": spec.image,
         "container_name": spec.name,
