@@ -106,6 +106,37 @@ def _group_gone(pgid: int, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+# The environment each launched engine ran with (/proc/PID/environ), set beside the raw side's:
+# a difference is the first suspect when the engine's own start differs between the sides.
+ENGINE_ENVIRONS: list[dict[str, str]] = []
+
+
+def _engine_environ() -> dict[str, str] | None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "m31ctl", "status", "--runtime", "native", "--json"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    try:
+        (server,) = json.loads(shown.stdout)["data"]["servers"]
+        raw = Path(f"/proc/{server['pid']}/environ").read_bytes()
+    except (ValueError, KeyError, OSError):
+        return None
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def env_difference(raw: dict[str, str], launched: dict[str, str]) -> dict[str, object]:
+    """Names set on one side only, and names whose values differ (values cut to 120 characters)."""
+    return {
+        "only_launched": {k: v[:120] for k, v in sorted(launched.items()) if k not in raw},
+        "only_raw": {k: v[:120] for k, v in sorted(raw.items()) if k not in launched},
+        "differ": {
+            k: [raw[k][:120], launched[k][:120]]
+            for k in sorted(raw)
+            if k in launched and raw[k] != launched[k]
+        },
+    }
+
+
 def m31ctl_start(
     plan_args: list[str], timeout: float, log: Path, profile: Path | None = None
 ) -> tuple[float, str, float | None]:
@@ -119,10 +150,13 @@ def m31ctl_start(
     seconds = time.monotonic() - started
     with open(log, "a") as out:
         out.write(done.stderr)
+    environ = _engine_environ() if done.returncode == 0 else None
     subprocess.run(
         [sys.executable, "-m", "m31ctl", "stop", "--runtime", "native"], cwd=ROOT, capture_output=True
     )
     time.sleep(SETTLE_S)
+    if environ is not None:
+        ENGINE_ENVIRONS.append(environ)
     if done.returncode != 0:
         raise SystemExit(f"m31ctl launch exited {done.returncode}: {done.stderr[-600:]}")
     skipped = "deep checks passed at" in done.stderr
@@ -186,6 +220,8 @@ def main() -> None:
         ),
         "argv": argv,
     }
+    if ENGINE_ENVIRONS:
+        summary["env"] = env_difference(env, ENGINE_ENVIRONS[-1])
     emit(summary)
     if ns.profile:
         m31ctl_start(launch_args, ns.timeout, ns.logs / "m31ctl.log", profile=ns.profile)
