@@ -1,19 +1,23 @@
-"""What a rehearsal proves once the serving pod is ready: that it serves (completions at once
-through it, then served/smoke.py's checks), that no node dies at its first requests, and, for a
-P/D plan, the pair's proof (pairing.py) driven on the pods: the roles' addresses, prefill killed
-and started again in place, the aggregated reference server started beside the pair. Each proof
-reads what prepare derived (Prepared), never the plan; what is done to a container is the
-kubelet's."""
+"""What a rehearsal proves once the serving pod is ready, one row of PROOFS a proof, judged in
+the table's order while the previous ones held: that it serves (completions at once through it,
+then served/smoke.py's checks) and that no node dies at its first requests; for a P/D plan, the
+pair's proof (pairing.py) driven on the pods: the roles' addresses, prefill killed and started
+again in place, the aggregated reference server started beside the pair; with --rollout, an
+image change rolled out under load (rollout_proof.py). Each proof has one signature, reads what
+prepare derived (Prepared), never the plan, and says by its row when it applies; what is done to
+a container is the kubelet's."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 from m31ctl.errors import M31Error
 from m31ctl.rehearsal import pairing, rollout_proof
 from m31ctl.rehearsal.kubelet import Kubelet, PodState, watch
-from m31ctl.rehearsal.prepared import PairRun, Prepared
+from m31ctl.rehearsal.prepared import Prepared
 from m31ctl.rehearsal.result import Run, Served
 from m31ctl.rehearsal.session import Options, Progress
 from m31ctl.served import http_answers, smoke
@@ -23,21 +27,28 @@ SETTLE_S = 3.0
 PROMPT = "The rehearsal says"
 
 
+class Proof(NamedTuple):
+    """One row of PROOFS: when it applies to what prepare derived, and the proof over the running
+    pods, which returns the run with its outcome (a field of result.Run) and, when it failed, why."""
+
+    applies: Callable[[Prepared], bool]
+    proves: Callable[[Kubelet, Prepared, Run, Options, Progress], Run]
+
+
 def judge(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:
-    """Each proof while the previous one held: the serving pod serves, then a P/D plan's pair."""
-    if run.why is None:
-        run = serves(kubelet, prepared, run, options, progress)
-    if run.why is None and prepared.pair is not None:
-        run = prove_pair(kubelet, prepared.pair, prepared.served_name, run, options, progress)
-    if run.why is None and prepared.rollout is not None:
-        run = prove_rollout(kubelet, prepared, run, progress)
+    """Each proof of PROOFS that applies, in the table's order, while the previous ones held."""
+    for proof in PROOFS:
+        if run.why is None and proof.applies(prepared):
+            run = proof.proves(kubelet, prepared, run, options, progress)
     return run
 
 
-def prove_rollout(kubelet: Kubelet, prepared: Prepared, run: Run, progress: Progress) -> Run:
+def prove_rollout(
+    kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress
+) -> Run:
     """An image change rolled out by the rendered strategy under load, the old pod drained
     (rollout_proof.py); the pods it started join the run."""
-    assert run.serving is not None
+    assert run.serving is not None and prepared.rollout is not None
     outcome, started = rollout_proof.roll_out(kubelet, prepared, run.serving, progress)
     why = None if outcome.ok else f"the rollout: {outcome.failure}"
     return run._replace(states=[*run.states, *started], why=why, rollout=outcome)
@@ -88,11 +99,10 @@ def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served
     return Served(endpoint, prepared.completions, answered, found)
 
 
-def prove_pair(
-    kubelet: Kubelet, pair: PairRun, model: str, run: Run, options: Options, progress: Progress
-) -> Run:
+def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:
     """The pair's proof (pairing.prove) on the pods; the aggregated reference joins its run."""
-    assert run.served is not None
+    pair = prepared.pair
+    assert run.served is not None and pair is not None
     pods = {s.pod.pod: s for s in run.states if not s.pod.init}
     prefill, decode = pods[pair.prefill], pods[pair.decode]
     started: list[PodState] = []
@@ -116,7 +126,7 @@ def prove_pair(
         kill_prefill=lambda: kubelet.kill_until_ended(prefill, pair.prefill_stop_s),
         start_prefill=lambda: kubelet.start_in_place(prefill),
         start_reference=start_reference,
-        model=model,
+        model=prepared.served_name,
         clocks=pair.clocks,
     )
     progress("proving the pair: parity with an aggregated server, KV transfer, prefill killed and back")
@@ -125,3 +135,12 @@ def prove_pair(
         kubelet.refresh(role)
     why = None if outcome.ok else f"the pair: {outcome.failure}"
     return run._replace(states=[*run.states, *started], why=why, pairing=outcome)
+
+
+# The proofs, in the order they are judged: a proof after another needs what that one held (the
+# pair's and the rollout's run on a pod that serves). A new proof is one row here.
+PROOFS: tuple[Proof, ...] = (
+    Proof(lambda _prepared: True, serves),
+    Proof(lambda prepared: prepared.pair is not None, prove_pair),
+    Proof(lambda prepared: prepared.rollout is not None, prove_rollout),
+)

@@ -5,9 +5,10 @@ Four steps, one call each into the module that owns it: prepare (prepared.py: th
 derived and rendered by the normal code, read back as pods, and what the later steps need of it,
 read once), run the pods (cluster.py: the network, the Services' forwarders, the volumes, then
 the emulated kubelet, kubelet.py, which starts the pods and watches until the serving pod is
-ready), judge (proofs.py: through the serving pod, then a P/D plan's pair, pairing.py), and the
-result (result.py). Around them: the derived image and the tiny model (provision.py), the
-session's secrets, signals and cleanup (session.py). Docker is reached over the program's one
+ready), judge (proofs.py: its table of proofs in order, through the serving pod, then a P/D
+plan's pair, pairing.py, then a rollout, rollout_proof.py), and the result (result.py). Around
+them: the derived image and the tiny model (provision.py), the session's secrets, signals and
+cleanup (session.py). Docker is reached over the program's one
 client, m31ctl/runtime/engine_api.py: the kubelet's own verbs for a pod's container, the
 rehearsal's others in docker_verbs.py.
 """
