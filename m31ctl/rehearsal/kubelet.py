@@ -1,21 +1,21 @@
 """The kubelet's part of a rehearsal: the pods started in the LWS controller's order and watched
 until the serving pod is ready. Each pod becomes a container on a private Docker network,
 started with the pod's own command and args (as expanded), and its probes run as the kubelet
-runs them: HTTP GET to the pod's IP and the probe's port, exec inside the container with the
-probe's timeout; the startup probe gates liveness and readiness. Periods are shortened to at
+runs them (the actions, HTTP GET or exec with the probe's timeout, are prober.py's); the
+startup probe gates liveness and readiness. Periods are shortened to at
 most PROBE_PERIOD_S (a rehearsal has no minutes to spare); paths, ports, commands, timeouts and
-the order are as rendered. The kubelet owns what is done to a pod's container (run detached, in
-its sandbox, exec, kill, start again in place) and its look at it (status, exit code, address)
-over the program's one client (engine_api), whose refusals() say why the Engine refused; what
-the rest of the rehearsal asks of Docker (image, volumes, a container run to its end, logs,
+the order are as rendered. A pod whose container is killed and started again in place, or that
+has more than one (a P/D router pod: the front on its port, the router on its loopback), runs
+in a sandbox: Kubernetes' pause container, holding the pod's network namespace (address,
+hostname, DNS names). The kubelet owns what is done to a pod's container (run detached, in its
+sandbox, exec, kill, start again in place) and its look at it (status, exit code, address) over
+the program's one client (engine_api), whose refusals() say why the Engine refused; what the
+rest of the rehearsal asks of Docker (image, volumes, a container run to its end, logs,
 cleanup) is docker_verbs.py's."""
 
 from __future__ import annotations
 
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,12 +23,11 @@ from typing import Any
 from m31ctl import interrupt
 from m31ctl.labels import Label
 from m31ctl.rehearsal import docker_verbs
-from m31ctl.rehearsal.docker_verbs import Ran, decoded, run_exit_code
-from m31ctl.rehearsal.logs import read_log
+from m31ctl.rehearsal.docker_verbs import Ran, run_exit_code
+from m31ctl.rehearsal.logs import fatal_line
 from m31ctl.rehearsal.pods import NAMESPACE, PodRun, Probe, Volume
-from m31ctl.rehearsal.sandbox import container_name, in_sandbox, sandbox_args, sandbox_name, sidecar_name
+from m31ctl.rehearsal.prober import exec_probe, http_probe
 from m31ctl.rehearsal.session import Options, Progress
-from m31ctl.runtime import engine_api
 from m31ctl.runtime.engine_api import refusals
 from m31ctl.units import quantity_bytes
 
@@ -52,6 +51,45 @@ def _mount(volume: Volume, session: str) -> dict[str, Any]:
 
 def claim_volume(session: str, claim: str) -> str:
     return f"m31ctl-rh-{session}-{claim}"
+
+
+def container_name(session: str, pod: PodRun) -> str:
+    suffix = f"-init-{pod.container}" if pod.init else ""
+    return f"m31ctl-rh-{session}-{pod.pod}{suffix}"[:120]
+
+
+def sidecar_name(session: str, pod: PodRun, sidecar: PodRun) -> str:
+    """The container of `sidecar`, one of `pod`'s other containers (PodRun.sidecars)."""
+    return f"{container_name(session, pod)[:100]}-{sidecar.container}"[:120]
+
+
+def sandbox_name(session: str, pod: PodRun) -> str:
+    return f"{container_name(session, pod)[:112]}-sandbox"
+
+
+def sandbox_args(pod: PodRun, session: str, network: str, address: str = "") -> dict[str, Any]:
+    """The pod's sandbox: its address, hostname and DNS names outlive a kill of its container, as
+    a kubelet's pod keeps its IP while its container restarts. It runs nothing but a sleep."""
+    return {
+        "name": sandbox_name(session, pod),
+        "image": pod.image,
+        "labels": {Label.REHEARSAL: session},
+        "hostname": pod.hostname[:63],
+        "entrypoint": ["sleep"],
+        "command": ["infinity"],
+        "host": {},
+        "network": network,
+        "aliases": list(pod.aliases),
+        "address": address or None,
+    }
+
+
+def in_sandbox(create: dict[str, Any], sandbox: str) -> dict[str, Any]:
+    """A pod's container run in its sandbox's network namespace: the address, hostname and names
+    are the sandbox's (Docker refuses a hostname of its own in another container's namespace)."""
+    moved = {k: v for k, v in create.items() if k not in ("network", "aliases", "address", "hostname")}
+    moved["host"] = {**create["host"], "network_mode": f"container:{sandbox}"}
+    return moved
 
 
 # The downward API's fields the rehearsal fills (Kubernetes: pods/fieldRef); the pod's address
@@ -137,18 +175,6 @@ def container_state(client: Any, container: str) -> tuple[str, int, str]:
     return str(state.get("Status", "")), int(state.get("ExitCode", -1)), ip
 
 
-def http_probe(ip: str, probe: Probe, timeout: float) -> tuple[bool, str]:
-    """HTTP GET as the kubelet sends it: 200-399 passes; no credentials (a probe carries none)."""
-    url = f"http://{ip}:{probe.port}{probe.path}"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as answer:
-            return 200 <= answer.status < 400, f"HTTP {answer.status}"
-    except urllib.error.HTTPError as exc:
-        return False, f"HTTP {exc.code}"
-    except (OSError, ValueError) as exc:
-        return False, str(exc)[:200]
-
-
 def run_detached(
     client: Any,
     *,
@@ -172,38 +198,6 @@ def run_detached(
     if refused.reason is not None:
         return Ran(run_exit_code(refused.reason), "", refused.reason)
     return Ran(0, str(created["Id"]), "")
-
-
-def exec_in(client: Any, container: str, argv: Sequence[str], timeout: float) -> Ran:
-    """`docker exec` with a timeout: the command's exit code and output; Ran(124, ...) when it
-    did not end within `timeout` (the command runs on in the container, as it did when the
-    timed-out CLI was killed). The Engine API's exec has no timeout of its own: it runs in a
-    daemon thread and is waited for with interrupt.join, which Ctrl-C ends at once."""
-    box: list[Ran] = []
-
-    def run() -> None:
-        try:
-            with refusals() as refused:
-                made = client.api.exec_create(container, list(argv))
-                out, err = client.api.exec_start(made["Id"], demux=True)
-                code = client.api.exec_inspect(made["Id"]).get("ExitCode")
-                box.append(Ran(int(code if code is not None else -1), decoded(out), decoded(err)))
-            if refused.reason is not None:  # not running, or gone: the CLI's exit 1 with the engine's words
-                box.append(Ran(1, "", refused.reason))
-        except Exception as exc:  # the engine's connection: a failed probe, not a crash
-            box.append(Ran(1, "", engine_api.reason(exc)))
-
-    thread = threading.Thread(target=run, name="m31ctl exec", daemon=True)
-    thread.start()
-    interrupt.join(thread, timeout)
-    if not box:
-        return Ran(124, "", f"docker exec timed out after {timeout:g} s")
-    return box[0]
-
-
-def exec_probe(client: Any, container: str, probe: Probe) -> tuple[bool, str]:
-    done = exec_in(client, container, probe.command, timeout=probe.timeout_s)
-    return done.ok, f"exit {done.code}" + (f": {done.err.strip()[-200:]}" if done.err.strip() else "")
 
 
 class Kubelet:
@@ -429,15 +423,6 @@ def start_and_watch(
     return states, watch(kubelet, states, serving, deadline, progress), serving
 
 
-def fatal_in_log(kubelet: Kubelet, state: PodState) -> str | None:
-    """A node whose vLLM printed a fatal traceback but whose container lives on (a failing API
-    server child leaves the parent `vllm serve` waiting): its final exception line."""
-    text = kubelet.log(state, tail=400)
-    if "Traceback (most recent call last)" not in text:
-        return None
-    return read_log(text).error_line
-
-
 def watch(
     kubelet: Kubelet, states: list[PodState], leader: PodState, deadline: float, progress: Progress
 ) -> str | None:
@@ -466,7 +451,7 @@ def watch(
         if kubelet.clock() > next_scan:
             next_scan = kubelet.clock() + FATAL_EVERY_S
             for state in states:
-                line = fatal_in_log(kubelet, state) if state.status == "running" else None
+                line = fatal_line(kubelet.log(state, tail=400)) if state.status == "running" else None
                 if line:
                     return f"{state.pod.pod} ({state.pod.role}): vLLM failed: {line}"
         if kubelet.clock() > deadline:

@@ -185,6 +185,14 @@ def read_log(text: str) -> NodeLog:
     return NodeLog(tuple(ranks), ready_at, found_line, likely_cause(found_line) if found_line else None)
 
 
+def fatal_line(text: str) -> str | None:
+    """A node whose vLLM printed a fatal traceback but whose container lives on (a failing API
+    server child leaves the parent `vllm serve` waiting): its final exception line."""
+    if "Traceback (most recent call last)" not in text:
+        return None
+    return read_log(text).error_line
+
+
 def failure_cause(line: str | None, log_text: str, exit_code: int | None) -> str | None:
     """The cause for a failed node: from its error line, else from the whole log, else from how
     the container ended (137: killed, 139: segfault, 132: illegal instruction)."""

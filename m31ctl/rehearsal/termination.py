@@ -13,8 +13,9 @@ from typing import NamedTuple
 
 from m31ctl import interrupt
 from m31ctl.rehearsal.endpoints import Endpoints
-from m31ctl.rehearsal.kubelet import KILL_POLL_S, Kubelet, PodState, exec_in
+from m31ctl.rehearsal.kubelet import KILL_POLL_S, Kubelet, PodState
 from m31ctl.rehearsal.pods import PodRun
+from m31ctl.rehearsal.prober import exec_in
 from m31ctl.runtime.engine_api import refusals
 
 # kuberuntime_container.go minimumGracePeriodInSeconds: "always give containers a minimal

@@ -15,7 +15,8 @@ import pytest
 
 from m31ctl.labels import Label
 from m31ctl.rehearsal import docker_verbs
-from m31ctl.rehearsal.kubelet import container_state, exec_in, run_detached
+from m31ctl.rehearsal.kubelet import container_state, run_detached
+from m31ctl.rehearsal.prober import exec_in
 from m31ctl.runtime import engine_api
 
 pytestmark = pytest.mark.docker
