@@ -1,5 +1,5 @@
-"""The rehearsal's one-host cluster: a private Docker network (with a subnet of its own when pods
-need fixed addresses), each pod's address, a forwarder for each Service that maps ports
+"""The rehearsal's one-host cluster: the Secrets its pods read (a value for each required key),
+a private Docker network (with a subnet of its own when pods need fixed addresses), each pod's address, a forwarder for each Service that maps ports
 (kube-proxy's part), the claims' volumes, the pods handed to the emulated kubelet (kubelet.py: it
 starts them in the LWS controller's order and watches until the serving pod is ready), and each
 node as it ended, from its own log (logs.py)."""
@@ -7,13 +7,18 @@ node as it ended, from its own log (logs.py)."""
 from __future__ import annotations
 
 import ipaddress
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from m31ctl.labels import Label
+from m31ctl.redact import API_KEY_ENV
 from m31ctl.rehearsal import docker_verbs
 from m31ctl.rehearsal.kubelet import Kubelet, PodState, claim_volume, start_and_watch
 from m31ctl.rehearsal.logs import failure_cause, read_log
-from m31ctl.rehearsal.pods import PodRun, ServiceRun, Volume
+from m31ctl.rehearsal.pods import Manifest, PodRun, ServiceRun, Volume
 from m31ctl.rehearsal.prepared import Prepared
 from m31ctl.rehearsal.provision import PACKAGE_DIR, PYTHON
 from m31ctl.rehearsal.result import NodeOutcome, Run
@@ -23,6 +28,35 @@ from m31ctl.runtime import engine_api
 # Fixed addresses on the rehearsal network start at this host of its subnet (Docker takes .1).
 FIRST_POD_HOST = 10
 FORWARDER_MOUNT = "/m31ctl-rehearsal"
+
+
+def required_secrets(manifest: Manifest) -> list[str]:
+    """The secrets a pod cannot start without (secretKeyRef without optional: the kubelet holds
+    the pod in CreateContainerConfigError until the Secret has them)."""
+    return sorted({name for pod in manifest.containers for name, optional in pod.secrets if not optional})
+
+
+@contextmanager
+def secret_values(manifest: Manifest) -> Iterator[dict[str, str]]:
+    """Values for the required secrets: the user's exported one, else a fresh one for this
+    rehearsal. VLLM_API_KEY is also set in this process while it runs, so smoke sends it.
+    Optional secrets (HF_TOKEN: the tiny model is local) are not passed."""
+    required = required_secrets(manifest)
+    refs = {name: ref for pod in manifest.containers for name, ref in pod.secret_refs if name in required}
+    by_ref: dict[str, str] = {}
+    for name in required:  # one value per Secret key, whichever variable reads it
+        exported = os.environ.get(name)
+        if exported:
+            by_ref.setdefault(refs.get(name, name), exported)
+    values = {name: by_ref.setdefault(refs.get(name, name), secrets.token_urlsafe(24)) for name in required}
+    saved = os.environ.get(API_KEY_ENV)
+    if API_KEY_ENV in values:
+        os.environ[API_KEY_ENV] = values[API_KEY_ENV]
+    try:
+        yield values
+    finally:
+        if saved is None:
+            os.environ.pop(API_KEY_ENV, None)
 
 
 def run_pods(

@@ -3,12 +3,12 @@ build, on a private Docker network; then remove everything it made, even on Ctrl
 
 Four steps, one call each into the module that owns it: prepare (prepared.py: the plan's twin
 derived and rendered by the normal code, read back as pods, and what the later steps need of it,
-read once), run the pods (cluster.py: the network, the Services' forwarders, the volumes, then
-the emulated kubelet, kubelet.py, which starts the pods and watches until the serving pod is
-ready), judge (proofs.py: its table of proofs in order, through the serving pod, then a P/D
-plan's pair, pairing.py, then a rollout, rollout_proof.py), and the result (result.py). Around
-them: the derived image and the tiny model (provision.py), the session's secrets, signals and
-cleanup (session.py). Docker is reached over the program's one
+read once), run the pods (cluster.py: the Secrets' values, the network, the Services'
+forwarders, the volumes, then the emulated kubelet, kubelet.py, which starts the pods and
+watches until the serving pod is ready), judge (proofs.py: its table of proofs in order, through
+the serving pod, then a P/D plan's pair, pairing.py, then a rollout, rollout_proof.py), and the
+result (result.py). Around them: the derived image and the tiny model (provision.py), the
+session's id, signals and cleanup (session.py). Docker is reached over the program's one
 client, m31ctl/runtime/engine_api.py: the kubelet's own verbs for a pod's container, the
 rehearsal's others in docker_verbs.py.
 """
@@ -28,7 +28,6 @@ from m31ctl.rehearsal.session import (
     Progress,
     clean_up,
     new_session,
-    secret_values,
     sigterm_interrupts,
 )
 from m31ctl.runtime import engine_api
@@ -48,8 +47,9 @@ def rehearse(
     result says whether it served. Everything made is removed unless options.keep, also when
     this raises (Ctrl-C included). Engine errors end it through engine_api's one boundary (lost
     engine: 3; refused request: 6). The steps in order, each a call into the module that owns it:
-    the plan prepared, the image, then under one session's label the model, the pods run until
-    the serving one is ready, the proofs judged, the cleanup, the result."""
+    the plan prepared, the image, then under one session's label the model, the cluster's
+    Secrets, the pods run until the serving one is ready, the proofs judged, the cleanup, the
+    result."""
     started = time.monotonic()
     prepared = prepare(plan, options)
     with engine_api.engine_boundary("rehearsing"):
@@ -64,7 +64,7 @@ def rehearse(
                 ensure_model(client, image, prepared.model_dir, prepared.twin.moe, session)
                 timings["model_s"] = round(time.monotonic() - model_started, 1)
                 progress(f"rehearsing {prepared.layout}")
-                with secret_values(prepared.manifest) as keys:
+                with cluster.secret_values(prepared.manifest) as keys:
                     kubelet, run = cluster.run_pods(client, prepared, session, keys, options, progress)
                     run = proofs.judge(kubelet, prepared, run, options, progress)
                 nodes = cluster.node_outcomes(kubelet, run.states, run.why is not None)

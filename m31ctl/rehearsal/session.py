@@ -1,10 +1,8 @@
-"""One rehearsal's session: its options, its id (the label value on everything it makes), the
-secrets its pods are given, how Ctrl-C and SIGTERM reach it, and the cleanup of what it made."""
+"""One rehearsal's session: its options, its id (the label value on everything it makes), how
+Ctrl-C and SIGTERM reach it, and the cleanup of what it made."""
 
 from __future__ import annotations
 
-import os
-import secrets
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,9 +11,7 @@ from typing import Any, NamedTuple
 
 from m31ctl import interrupt
 from m31ctl.labels import Label
-from m31ctl.redact import API_KEY_ENV
 from m31ctl.rehearsal import docker_verbs
-from m31ctl.rehearsal.pods import Manifest
 from m31ctl.rehearsal.provision import BASE_IMAGE
 from m31ctl.resources import cache_root
 from m31ctl.runtime import engine_api
@@ -45,35 +41,6 @@ class Options(NamedTuple):
 
 def new_session() -> str:
     return uuid.uuid4().hex[:8]
-
-
-def required_secrets(manifest: Manifest) -> list[str]:
-    """The secrets a pod cannot start without (secretKeyRef without optional: the kubelet holds
-    the pod in CreateContainerConfigError until the Secret has them)."""
-    return sorted({name for pod in manifest.containers for name, optional in pod.secrets if not optional})
-
-
-@contextmanager
-def secret_values(manifest: Manifest) -> Iterator[dict[str, str]]:
-    """Values for the required secrets: the user's exported one, else a fresh one for this
-    rehearsal. VLLM_API_KEY is also set in this process while it runs, so smoke sends it.
-    Optional secrets (HF_TOKEN: the tiny model is local) are not passed."""
-    required = required_secrets(manifest)
-    refs = {name: ref for pod in manifest.containers for name, ref in pod.secret_refs if name in required}
-    by_ref: dict[str, str] = {}
-    for name in required:  # one value per Secret key, whichever variable reads it
-        exported = os.environ.get(name)
-        if exported:
-            by_ref.setdefault(refs.get(name, name), exported)
-    values = {name: by_ref.setdefault(refs.get(name, name), secrets.token_urlsafe(24)) for name in required}
-    saved = os.environ.get(API_KEY_ENV)
-    if API_KEY_ENV in values:
-        os.environ[API_KEY_ENV] = values[API_KEY_ENV]
-    try:
-        yield values
-    finally:
-        if saved is None:
-            os.environ.pop(API_KEY_ENV, None)
 
 
 @contextmanager

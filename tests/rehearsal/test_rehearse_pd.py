@@ -280,8 +280,8 @@ def test_the_router_pod_runs_its_front_and_the_router_in_one_sandbox(tmp_path):
     namespace, and the router's secret (OPENAI_API_KEY, the roles' key) is one the session
     supplies. Before, only containers[0] ran: the front answered 502 with no router behind it,
     and the router's key was never asked for (the roles answered 401)."""
+    from m31ctl.rehearsal.cluster import required_secrets
     from m31ctl.rehearsal.kubelet import Kubelet, sandbox_name, sidecar_name
-    from m31ctl.rehearsal.session import required_secrets
 
     manifest = _prepared(tmp_path).manifest
     router = manifest.serving
