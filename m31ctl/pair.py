@@ -10,7 +10,8 @@ own with a fixed subnet: each role sits at a fixed address, which it advertises 
 NIXL's side channel (ZMQ binds an address, not a name, so it must be one the container holds),
 and is reached under its role's name; vllm-router reaches the roles by those names and listens
 on every address of its container. Natively (the native runtime) the roles answer on this
-host's loopback ports and the router on the plan's bind and port.
+host's loopback ports, the router on a loopback port of its own and its front (issue 49) on the
+plan's bind and port.
 
 A pair that does not fit one host is refused here, in one message (PairWiderThanHost, exit 6):
 Kubernetes (render/pd.py) places each role on nodes of its own.
@@ -99,19 +100,42 @@ def role_key(role: Deployment) -> str:
 
 
 def loopback_router_invocation(
-    group: Disaggregated, metrics_port: int = RENDERED_ROUTER_METRICS_PORT
+    group: Disaggregated,
+    metrics_port: int = RENDERED_ROUTER_METRICS_PORT,
+    *,
+    behind_front: int | None = None,
 ) -> RouterInvocation:
-    """The router of the pair run natively: the roles on their loopback ports, the router on the
-    plan's bind and port."""
+    """The router of the pair run natively: the roles on their loopback ports; the router on
+    loopback at port `behind_front` behind its front (launch: loopback_front_invocation takes
+    the plan's bind and port), its exporter on the plan's bind; None: the router on the plan's
+    bind and port itself (the plan's view of its command line)."""
     upstreams = Upstreams(group.prefill.network.local_url, group.decode.network.local_url)
     network = group.router.network
     return router_invocation(
         group.router,
         upstreams,
-        host=network.bind,
-        port=network.port,
+        host=network.bind if behind_front is None else LOOPBACK,
+        port=network.port if behind_front is None else behind_front,
         metrics_port=metrics_port,
         request_timeout_s=group.router_timeline.request_timeout_s,
+        metrics_host=network.bind,
+    )
+
+
+def loopback_front_invocation(deployment: Deployment, router_port: int) -> RouterInvocation:
+    """The router's front of the pair run natively (engine/router_front.py): on the plan's bind
+    and port, forwarding to the router on loopback at `router_port`, with the roles' key read
+    from the variable they read it from where the plan has one (the process inherits it)."""
+    group = deployment.disaggregated
+    assert group is not None, "a P/D group's deployment"
+    network = group.router.network
+    return front_invocation(
+        group.router.image,
+        host=network.bind,
+        port=network.port,
+        request_timeout_s=group.router_timeline.request_timeout_s,
+        key_env=deployment.secrets.api_key,
+        upstream_port=router_port,
     )
 
 
@@ -150,9 +174,10 @@ class DockerPair(NamedTuple):
     # launch's, so every one runs it with the same image, command line, labels (the group's
     # plan's, which the pair's network carries too), clocks and log rotation.
     router_spec: ContainerSpec
-    # The router's front (engine/router_front.py) where the target runs one (Compose): the
-    # container that holds the network namespace, the pair's network and the published ports;
-    # the router then listens on its loopback. None: the router publishes its own port.
+    # The router's front (engine/router_front.py, issue 49) where it is asked for (fronted: every
+    # Docker target and launch): the container that holds the network namespace, the pair's
+    # network and the published ports; the router then listens on its loopback. None: the
+    # router publishes its own port.
     front: ContainerSpec | None = None
 
     @property

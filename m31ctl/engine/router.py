@@ -90,17 +90,24 @@ def front_program() -> str:
 
 
 def front_invocation(
-    image: str, *, host: str, port: int, request_timeout_s: int, key_env: str | None
+    image: str,
+    *,
+    host: str,
+    port: int,
+    request_timeout_s: int,
+    key_env: str | None,
+    upstream_port: int = ROUTER_BEHIND_FRONT_PORT,
 ) -> RouterInvocation:
     """The front's command line: on `host`/`port` (where clients reach the router), forwarding
-    to the router on loopback; `key_env`: the variable its key is read from (None: a plan
-    without an API key, whose API it admits unauthenticated; worker management never)."""
+    to the router on loopback at `upstream_port` (a free one natively, where groups share the
+    host's loopback); `key_env`: the variable its key is read from (None: a plan without an API
+    key, whose API it admits unauthenticated; worker management never)."""
     argv = (
         "python3", "-c", front_program(),
         "--host", host,
         "--port", str(port),
         "--upstream-host", LOOPBACK,
-        "--upstream-port", str(ROUTER_BEHIND_FRONT_PORT),
+        "--upstream-port", str(upstream_port),
         "--timeout-s", str(request_timeout_s),
         *(("--key-env", key_env) if key_env else ()),
     )  # fmt: skip

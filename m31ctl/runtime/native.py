@@ -142,7 +142,7 @@ def _existing(server: NativeServer, served: str, api_key: str | None) -> Existin
 class ProcessLaunch:
     """The native runtime's launch primitives for one process (runtime/flow.py runs the flow): an
     engine, or a P/D role of `group`. A launch of another process (the P/D router) subclasses it
-    and overrides what differs: argv, own_env, record_extra, settle, remove."""
+    and overrides what differs: argv, own_env, listens, record_extra, settle, remove."""
 
     def __init__(self, deployment: Deployment, options: LaunchOptions, group: str | None = None) -> None:
         self.deployment = deployment
@@ -232,8 +232,8 @@ class ProcessLaunch:
             recipe=plan.recipe.recipe,
             variant=plan.variant,
             profile=plan.profile,
-            bind=d.network.bind,
-            port=d.network.port,
+            bind=self.listens()[0],
+            port=self.listens()[1],
             log=log,
             argv=tuple(argv),
             started_at=time.time(),
@@ -246,6 +246,10 @@ class ProcessLaunch:
         )
         save(server)
         return server
+
+    def listens(self) -> tuple[str, int]:
+        """Where the process answers (its record's bind and port): the plan's."""
+        return self.deployment.network.bind, self.deployment.network.port
 
     def settle(self, child: subprocess.Popen[bytes]) -> None:
         """Before the record is written: wait until what it records of the process is final."""

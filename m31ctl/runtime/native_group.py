@@ -3,10 +3,13 @@
 Launch converges each role engine exactly as an aggregated native engine is converged (its own
 record, log, environment and readiness wait: runtime/native.py's launch primitives), prefill
 then decode, and only once both answer starts vllm-router in front of them (the pair's command
-line natively, m31ctl/pair.py: the roles on their loopback ports) and waits for the served model to answer through it. The router's record is the
-group's: it carries the group's name, plan, endpoint, and the names of the role records
-(`parts`); each role's record names its group. So `status` shows the group and each part,
-`stop` stops the router (no new requests reach the roles) and then the roles, and a part that
+line natively, m31ctl/pair.py: the roles on their loopback ports, the router on a free loopback
+port of its own) and then its front (engine/router_front.py, issue 49: vllm-router checks no key
+and serves worker management), which takes the plan's bind and port, and waits for the served
+model to answer through both. The front's record is the group's: it carries the group's name,
+plan, endpoint, and the names of the other parts' records (`parts`: NAME-router, then the roles);
+each part's record names its group. So `status` shows the group and each part, `stop` stops the
+front, the router (no new requests reach the roles) and then the roles, and a part that
 dies while the group starts stops every part of the group before the error goes on: nothing of
 a half-started group keeps running.
 """
@@ -26,9 +29,9 @@ from typing import Any
 
 from m31ctl import interrupt
 from m31ctl.deployment import Deployment, Disaggregated
-from m31ctl.engine.router import ROUTER_EXECUTABLE
+from m31ctl.engine.router import LOOPBACK, ROUTER_EXECUTABLE
 from m31ctl.errors import HostPreconditionError, M31Error
-from m31ctl.pair import loopback_router_invocation, on_one_host
+from m31ctl.pair import ROUTER_API_KEY_ENV, loopback_front_invocation, loopback_router_invocation, on_one_host
 from m31ctl.runtime.flow import converge
 from m31ctl.runtime.native import (
     NativeRuntime,
@@ -75,25 +78,33 @@ def _group(deployment: Deployment) -> Disaggregated:
 
 
 class _RouterLaunch(ProcessLaunch):
-    """The router as a supervised process under the group's name: the same primitives as an
-    engine's, with the router's command line and no engine environment."""
+    """vllm-router as a supervised process, a part of the group under its own name (NAME-router):
+    the same primitives as an engine's, with the router's command line on loopback at `port`
+    behind its front, and the roles' key, where the plan has one, as vllm-router reads it."""
+
+    # On loopback: the group's port is its front's (flow.py checks that one for the front).
+    publishes = False
 
     def __init__(
-        self, deployment: Deployment, options: LaunchOptions, executable: str, metrics_port: int
+        self, deployment: Deployment, options: LaunchOptions, executable: str, metrics_port: int, port: int
     ) -> None:
-        super().__init__(deployment, options)
+        super().__init__(deployment, options, group=deployment.name)
+        self.name = _group(deployment).router.name
         self.executable = executable
         self.metrics_port = metrics_port
+        self.port = port
 
     def argv(self) -> list[str]:
-        invocation = loopback_router_invocation(_group(self.deployment), self.metrics_port)
+        invocation = loopback_router_invocation(
+            _group(self.deployment), self.metrics_port, behind_front=self.port
+        )
         return [self.executable, *invocation.argv[1:]]
 
     def own_env(self) -> Mapping[str, str]:
-        return {}
+        return router_key_env(self.deployment, self.options.environ)
 
-    def record_extra(self) -> dict[str, Any]:
-        return {"parts": tuple(role.name for role in _group(self.deployment).roles)}
+    def listens(self) -> tuple[str, int]:
+        return LOOPBACK, self.port
 
     def settle(self, child: subprocess.Popen[bytes]) -> None:
         _await_retitle(child)
@@ -101,6 +112,47 @@ class _RouterLaunch(ProcessLaunch):
     def remove(self, server: NativeServer) -> None:
         # A router of another plan: only it goes; the roles were converged on this plan already.
         stop_server(server, server.stop_timeout, self.options.report)
+
+
+def router_key_env(deployment: Deployment, environ: Mapping[str, str]) -> dict[str, str]:
+    """The roles' key as vllm-router sends it to them (ROUTER_API_KEY_ENV), from the variable
+    they read it from: in the router's environment alone, never in its argv or record."""
+    name = deployment.secrets.api_key
+    return {ROUTER_API_KEY_ENV: environ[name]} if name and environ.get(name) else {}
+
+
+class _FrontLaunch(ProcessLaunch):
+    """The router's front (engine/router_front.py, issue 49) under the group's name, its one
+    endpoint on the plan's bind and port, forwarding to the router on loopback at `router_port`.
+    Its record is the group's: the plan, the endpoint and the parts (router first, as stop
+    goes). Run by the roles' Python (the router's environment); the key, where the plan has one,
+    it reads by name from the environment it inherits, as the roles do."""
+
+    def __init__(self, deployment: Deployment, options: LaunchOptions, python: str, router_port: int) -> None:
+        super().__init__(deployment, options)
+        self.python = python
+        self.router_port = router_port
+
+    def argv(self) -> list[str]:
+        return [self.python, *loopback_front_invocation(self.deployment, self.router_port).argv[1:]]
+
+    def own_env(self) -> Mapping[str, str]:
+        return {}
+
+    def record_extra(self) -> dict[str, Any]:
+        group = _group(self.deployment)
+        return {"parts": (group.router.name, *(role.name for role in group.roles))}
+
+    def remove(self, server: NativeServer) -> None:
+        stop_server(server, server.stop_timeout, self.options.report)
+
+
+def _forwards_to(front: NativeServer, port: int) -> bool:
+    """Whether the group's recorded front forwards to the router at loopback `port` (a front of
+    an earlier router, or a router recorded under the group's name before it had a front, does not)."""
+    argv = list(front.argv)
+    flag = "--upstream-port"
+    return flag in argv[:-1] and argv[argv.index(flag) + 1] == str(port)
 
 
 def _await_retitle(child: subprocess.Popen[bytes]) -> None:
@@ -140,32 +192,42 @@ def launch_group(deployment: Deployment, options: LaunchOptions) -> LaunchResult
         )
     router = group.router
     metrics_port = router.metrics_port or _free_port(router.network.bind)
+    # The router's own port, behind its front on loopback: free now, as groups share loopback.
+    router_port = _free_port(LOOPBACK)
     # The router needs both roles answering: each role is waited for even when launch is detached.
     role_options = dataclasses.replace(options, detach=False)
     launches: list[ProcessLaunch] = []
+    parts = [router.name, *(role.name for role in group.roles)]
     try:
         for role in group.roles:
             launches.append(ProcessLaunch(role, role_options, group=deployment.name))
             converge(RUNTIME, launches[-1], role, role_options)
-        launches.append(_RouterLaunch(deployment, options, executable, metrics_port))
-        result = converge(RUNTIME, launches[-1], deployment, options)
-        if result.ready:
+        launches.append(_RouterLaunch(deployment, options, executable, metrics_port, router_port))
+        routed = converge(RUNTIME, launches[-1], deployment, options)
+        if routed.ready:
             _refresh_identity(launches[-1])
-        return result
+        running = load(router.name)  # this launch's router, or the one that runs the plan already
+        assert running is not None, "the router converged"
+        front = load(deployment.name)
+        if front is not None and not _forwards_to(front, running.port):
+            stop_server(front, front.stop_timeout, options.report)
+        launches.append(_FrontLaunch(deployment, options, python, running.port))
+        return converge(RUNTIME, launches[-1], deployment, options)
     except M31Error as exc:
         if not any(launch.child is not None for launch in launches):
             raise  # refused before anything of this launch started: what ran before is untouched
-        stopped = _stop_parts(deployment.name, [role.name for role in group.roles], options.report)
+        stopped = _stop_parts(deployment.name, parts, options.report)
         exc.message = f"P/D group {deployment.name}: {exc.message}; stopped the group" + (
             f" ({', '.join(stopped)})" if stopped else ""
         )
         raise
 
 
-def _stop_parts(name: str, roles: Sequence[str], report: Reporter) -> list[str]:
-    """Stop the router and the roles recorded for group `name`, router first; the names stopped."""
+def _stop_parts(name: str, parts: Sequence[str], report: Reporter) -> list[str]:
+    """Stop the front and the parts recorded for group `name` (router, then roles), front first;
+    the names stopped."""
     stopped = []
-    for part in (name, *roles):
+    for part in (name, *parts):
         server = load(part)
         if server is None:
             continue
@@ -178,8 +240,8 @@ def _stop_parts(name: str, roles: Sequence[str], report: Reporter) -> list[str]:
 
 
 def stop_group(server: NativeServer, timeout: int | None, report: Reporter) -> None:
-    """The router first (no new requests reach the roles), then each role, each drained for
-    `timeout` (else its own stop timeout). A part that cannot be stopped is raised after the
+    """The front first (no new requests reach the router), then each part, the router before the
+    roles (no new requests reach them), each drained for `timeout` (else its own stop timeout). A part that cannot be stopped is raised after the
     others were tried."""
     stop_server(server, timeout if timeout is not None else server.stop_timeout, report)
     refused: list[M31Error] = []
@@ -221,7 +283,7 @@ def statuses(records: Sequence[NativeServer]) -> list[ServerStatus]:
 
 
 def write_logs(server: NativeServer, tail: int, write: Callable[[str], None]) -> None:
-    """Each part's last lines under a header naming it, roles first, the router last."""
+    """Each part's last lines under a header naming it, the router and the roles first, the front last."""
     for part in (*server.parts, server.name):
         record = server if part == server.name else load(part)
         if record is None:
@@ -232,18 +294,20 @@ def write_logs(server: NativeServer, tail: int, write: Callable[[str], None]) ->
 
 
 def dry_run_group(deployment: Deployment) -> DryRun:
-    """The three command lines: each role's (as an engine's) and the router's (its metrics port
-    0 where launch picks a free one)."""
+    """The four command lines: each role's (as an engine's), the router's on loopback and its
+    front's on the plan's port (the router's port and metrics port 0 where launch picks free ones)."""
     group = on_one_host(deployment, "launch")
     python = deployment.plan.settings.runtime.native_python or sys.executable
     executable = router_executable(python) or ROUTER_EXECUTABLE
-    router_argv = [executable, *loopback_router_invocation(group, group.router.metrics_port).argv[1:]]
+    router = loopback_router_invocation(group, group.router.metrics_port, behind_front=0)
+    front_argv = [python, *loopback_front_invocation(deployment, 0).argv[1:]]
     detail = {
         "prefill": command(group.prefill),
         "decode": command(group.decode),
-        "router": router_argv,
+        "router": [executable, *router.argv[1:]],
+        "front": front_argv,
     }
-    return DryRun("process", tuple(router_argv), detail)
+    return DryRun("process", tuple(front_argv), detail)
 
 
 class NativeGroupRuntime(NativeRuntime):

@@ -86,6 +86,16 @@ def _completion(base: str) -> dict:
     return dict(answer.json())
 
 
+def _worker_management_refused(endpoint: str, router_url: str) -> None:
+    """The router's front (issue 49): worker management through the group's endpoint is 404
+    (this plan sets no runtime.api_key, so /v1/ is open: the keyed 401 is the docker launch
+    test's); vllm-router itself listens on loopback only."""
+    assert urllib.parse.urlsplit(router_url).hostname == "127.0.0.1", router_url
+    for path in ("/add_worker?url=http://127.0.0.1:9", "/workers", "/remove_worker?url=http://127.0.0.1:9"):
+        answer = request(f"{endpoint}{path}", {} if path != "/workers" else None)
+        assert answer.status == 404, (path, answer.status, answer.body[:200])
+
+
 def _first_request_crosses(base: str, decode_log: Path) -> None:
     """The pair's first request makes decode's NIXL handshake with prefill, whose reply vLLM 0.32
     waits 5 s for (nixl/base_worker.py `_nixl_handshake`: RCVTIMEO 5000, no setting of its own).
@@ -107,7 +117,8 @@ def _first_request_crosses(base: str, decode_log: Path) -> None:
 def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_model, tmp_path):
     env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
     name = f"m31ctl-pd-{uuid.uuid4().hex[:6]}"
-    parts = [name, f"{name}-prefill", f"{name}-decode"]
+    # The group's record is its router's front (issue 49), then the router, then the roles.
+    parts = [name, f"{name}-router", f"{name}-prefill", f"{name}-decode"]
     args = _launch_args(name, tiny_model, vllm_py)
     pids: list[int] = []
     try:
@@ -121,10 +132,11 @@ def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_mode
         rows = _status(env)
         assert [r["name"] for r in rows] == parts, rows
         assert all(r["state"] == "running" for r in rows), rows
-        assert [r["group"] for r in rows] == [None, name, name]
+        assert [r["group"] for r in rows] == [None, name, name, name]
         assert rows[0]["endpoint"] == endpoint
         pids = [r["pid"] for r in rows]
-        decode_url = rows[2]["endpoint"]
+        decode_url = rows[3]["endpoint"]
+        _worker_management_refused(endpoint, rows[1]["endpoint"])
 
         _first_request_crosses(endpoint, tmp_path / "state" / "native" / f"{name}-decode.log")
         before = kv_transfer.facts(metrics_text(decode_url))

@@ -51,6 +51,22 @@ def test_a_runtime_without_groups_refuses_a_pd_plan_in_one_line_before_any_check
         assert named and named <= set(PD_RENDERERS), named
 
 
+def test_native_dry_run_shows_the_front_on_the_port_and_the_router_on_loopback():
+    """issue 49: the group's command line is the front's, on the plan's port, forwarding to the
+    router on loopback (port 0: launch picks a free one); the router no longer takes the port."""
+    shown = run_cli(
+        "launch", "--hardware", "cpu", "--variant", "pd", "--runtime", "native", "--dry-run", "--json",
+        "--set", "runtime.api_key=true", "--port", "8123",
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    detail = cli_json.data(shown.stdout)
+    front, router = detail["front"], detail["router"]
+    assert detail["command"] == front and front[1] == "-c" and "m31ctl's router front" in front[2]
+    assert front[front.index("--port") + 1] == "8123" and front[front.index("--upstream-port") + 1] == "0"
+    assert front[-2:] == ["--key-env", "VLLM_API_KEY"]
+    assert router[router.index("--host") + 1] == "127.0.0.1" and router[router.index("--port") + 1] == "0"
+
+
 def test_native_dry_run_shows_the_three_command_lines():
     shown = run_cli(
         "launch", "--hardware", "cpu", "--variant", "pd", "--runtime", "native", "--dry-run", "--json"
