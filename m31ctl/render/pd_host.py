@@ -5,15 +5,18 @@ argv, download, secrets and readiness wait), on the pair's own Docker network wi
 address it advertises to its peer for NIXL's side channel, exactly as the Compose target and
 launch place them (m31ctl/pair.py: the pair on one host, the one definition all of them read).
 vllm-router starts once both roles answer /health: it gives up on workers after its own startup
-timeout. The script runs the three containers in that order and removes what it started when it
-fails; systemd gets one unit per role and the router's, ordered by After=/Requires=.
+timeout. It checks no key and serves worker management, so it listens on the loopback of its
+front's network namespace (issue 49, engine/router_front.py: the Compose target's front, the
+same DockerPair.front), and the front holds the pair's network and the published ports. The
+script runs the roles, the front and the router in that order and removes what it started when
+it fails; systemd gets one unit per role and the router's, which runs the front beside the
+router, ordered by After=/Requires=.
 docs/decisions.md ("P/D: script and systemd targets") cites the sources.
 """
 
 from __future__ import annotations
 
 import shlex
-import textwrap
 from typing import Any
 
 from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT, Deployment
@@ -25,6 +28,7 @@ from m31ctl.pair import (
     DockerPair,
     PairRole,
     docker_pair,
+    front_run_argv,
     pair_upstreams,
     router_run_argv,
 )
@@ -52,21 +56,6 @@ from m31ctl.render.targets import (
     systemd_unit,
     writable_sources,
 )
-
-# What the header says of the router this target runs without its front (render/pd.py front_note).
-UNFRONTED = (
-    "Not fronted (issue 49): vllm-router checks no API key and serves worker management "
-    "(/add_worker, /workers) on its own port. The compose and k8s targets put m31ctl's key-checking "
-    'front before it (docs/decisions.md, "The router\'s front"); this target does not yet, so keep '
-    "runtime.bind on an address only trusted clients reach."
-)
-
-
-def pd_host_header(deployment: Deployment, target: str) -> str:
-    """The target's header, and that its router is not fronted."""
-    lines = textwrap.wrap(UNFRONTED, width=98, break_on_hyphens=False)
-    return "\n".join([header(deployment, target), *(f"# {line}" for line in lines)])
-
 
 # The script's exit code when the pair's network exists with another subnet (as for a container
 # that exists already: something of this host is in the way).
@@ -121,16 +110,17 @@ def _script_role(pair: DockerPair, role: PairRole) -> dict[str, Any]:
 
 
 def render_script_pd(deployment: Deployment) -> list[Artifact]:
-    pair = docker_pair(deployment, "script")
+    pair = docker_pair(deployment, "script", fronted=True)
     group, prefill, router_spec = pair.group, pair.roles[0], pair.router_spec
+    assert pair.front is not None
     specs = [role.spec for role in pair.roles]
     fetch = group_download_spec(pair)  # one for both roles, as Compose's download service
     download = at_run_time(deployment, download_argv(prefill.engine, fetch, token_by_name=False))
     at = download.index(fetch.image) if download else 0
-    router = router_run_argv(pair, "detached")
+    router, front = router_run_argv(pair, "detached"), front_run_argv(pair, "detached")
     content = render_template(
         "script-pd.sh.j2",
-        header_comment=pd_host_header(deployment, "script"),
+        header_comment=header(deployment, "script"),
         env_file=ENV_FILE,
         env_format=ENV_FILE_FORMAT,
         env_check=env_file_check('"$ENV_FILE"', "$ENV_FILE", 2),
@@ -140,6 +130,10 @@ def render_script_pd(deployment: Deployment) -> list[Artifact]:
         side_channel_env=SIDE_CHANNEL_HOST_ENV,
         roles=[_script_role(pair, role) for role in pair.roles],
         router_name=router_spec.name,
+        front_name=pair.front.name,
+        front_run_lines=paired(front.options),
+        front_lines=paired(front.command),
+        front_key=bool(pair.front.secret_env),
         router_run_lines=paired(router.options),
         router_lines=paired(router.command),
         router_start_s=router_spec.startup_timeout,
@@ -202,13 +196,24 @@ def _router_start(pair: DockerPair) -> dict[str, Any]:
     return {"run_argv": [], "run_script": script}
 
 
+def _front_start(pair: DockerPair) -> list[str]:
+    """ExecStartPre: the front's `docker run`, detached and removed when it stops (the unit
+    supervises it with the router: a front Docker restarted would leave the router in a network
+    namespace that is gone), the roles' key by name from the unit's environment where keyed."""
+    front = front_run_argv(pair, "foreground")  # --rm: no restart policy of Docker's
+    assert pair.front is not None and front.options[:2] == ["run", "--rm"]
+    keyed = ["--env", API_KEY_ENV] if pair.front.secret_env else []
+    return [SYSTEMD_DOCKER, "run", "--detach", *front.options[1:], *keyed, *front.command]
+
+
 def _router_unit(pair: DockerPair) -> Artifact:
     deployment, group, spec = pair.deployment, pair.group, pair.router_spec
+    assert pair.front is not None
     clocks = group.router_timeline  # the unit's own; the container's are the spec's
     unit = f"{spec.name}.service"
     content = render_template(
         "systemd-router.service.j2",
-        header_comment=pd_host_header(deployment, "systemd"),
+        header_comment=header(deployment, "systemd"),
         unit_name=unit,
         description=f"{SERVED} prefill/decode router (vllm-router)",
         plan_hash=deployment.plan.hash,
@@ -224,6 +229,9 @@ def _router_unit(pair: DockerPair) -> Artifact:
         env_check=env_file_precheck(),
         required_names=list(deployment.secrets.required),
         name=spec.name,
+        front_name=pair.front.name,
+        front_argv=_front_start(pair),
+        front_key=bool(pair.front.secret_env),
         docker=SYSTEMD_DOCKER,
         **_router_start(pair),
         ready_wait=readiness_wait_on(spec.name, health_command(spec, "/health"), spec.startup_timeout),
@@ -236,5 +244,5 @@ def _router_unit(pair: DockerPair) -> Artifact:
 
 
 def render_systemd_pd(deployment: Deployment) -> list[Artifact]:
-    pair = docker_pair(deployment, "systemd")
+    pair = docker_pair(deployment, "systemd", fronted=True)
     return [*(_role_unit(pair, role) for role in pair.roles), _router_unit(pair)]

@@ -171,8 +171,14 @@ def test_script_downloads_then_runs_the_roles_then_the_router_once_both_answer(k
     assert done.returncode == 0, done.stderr
     started = runs(calls)
     roles = [role.name for role in group.roles]
-    downloads = [a for a in started if "--entrypoint" in a and value_of(a, "--entrypoint") == "python3"]
-    assert names(started) == [*(f"{deployment.name}-download" for _ in downloads), *roles, group.router.name]
+    downloads = [a for a in started if value_of(a, "--name") == f"{deployment.name}-download"]
+    front = f"{group.router.name}-front"
+    assert names(started) == [
+        *(f"{deployment.name}-download" for _ in downloads),
+        *roles,
+        front,
+        group.router.name,
+    ]
     assert len(downloads) == (0 if key == "pd-cpu" else 1)
     # The router starts only after both roles answered /health (their `docker exec` probes).
     order = [c["argv"][0] if c["argv"][0] != "exec" else f"exec {c['argv'][1]}" for c in calls]
@@ -194,9 +200,31 @@ def test_script_downloads_then_runs_the_roles_then_the_router_once_both_answer(k
         "--env",
         "OPENAI_API_KEY",
     ]
+    _fronted(calls, router_at, front, deployment.network.port)
     records = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     engines = [r for r in records if r["name"] in roles]
     assert all(r["env"].get("VLLM_API_KEY") == CANARY_KEY and "HF_TOKEN" not in r["env"] for r in engines)
+    (fronts,) = [r for r in records if r["name"] == front]
+    assert fronts["env"] == {"VLLM_API_KEY": CANARY_KEY}, fronts["env"]
+
+
+def _fronted(calls: list[dict[str, Any]], router_at: int, front: str, port: int) -> None:
+    """The router's front (issue 49) starts just before the router and holds its namespace: on
+    the pair's network publishing the plan's port, with the roles' key by name; the router in
+    its namespace on loopback, publishing nothing."""
+    front_call, router_call = calls[router_at - 1], calls[router_at]
+    front_argv, router_argv = front_call["argv"], router_call["argv"]
+    assert value_of(front_argv, "--name") == front and value_of(front_argv, "--entrypoint") == "python3"
+    assert values_of(front_argv, "--env") == ["VLLM_API_KEY"]
+    assert front_argv[-2:] == ["--key-env", "VLLM_API_KEY"] and "--network" in front_argv
+    assert value_of(front_argv, "--port") == "8000" and value_of(front_argv, "--upstream-port") == "30000"
+    assert any(p.endswith(f":{port}:8000") for p in values_of(front_argv, "--publish")), front_argv
+    assert value_of(router_argv, "--network") == f"container:{front}" and "--publish" not in router_argv
+    assert value_of(router_argv, "--host") == "127.0.0.1" and value_of(router_argv, "--port") == "30000"
+
+
+def values_of(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, word in enumerate(argv[:-1]) if word == flag]
 
 
 @pytest.mark.parametrize("key", sorted(PLANS))
@@ -217,9 +245,12 @@ def test_side_channel_addresses_are_the_roles_addresses_on_the_network(key, tmp_
         assert address == role_address(index) and ipaddress.ip_address(address) in subnet
         assert value_of(argv, "--network") == network_name(deployment)
         assert records[role.name]["env"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == address
-    # The router reaches each role by the alias the role holds on the same network.
+    # The router reaches each role by the alias the role holds on the same network: its front's
+    # (issue 49), whose network namespace it runs in.
     router = by_name[group.router.name]
-    assert value_of(router, "--network") == network_name(deployment)
+    front = f"{group.router.name}-front"
+    assert value_of(by_name[front], "--network") == network_name(deployment)
+    assert value_of(router, "--network") == f"container:{front}"
     aliases = {value_of(by_name[role.name], "--network-alias") for role in group.roles}
     upstreams = [value_of(router, "--prefill"), value_of(router, "--decode")]
     assert upstreams == list(pair_upstreams(group))
@@ -351,6 +382,36 @@ def test_systemd_router_gets_the_key_by_name_through_sh(tmp_path):
     assert not any(CANARY_KEY in w for w in call["argv"])
     (record,) = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert record["env"] == {"OPENAI_API_KEY": CANARY_KEY} and record["name"] == group.router.name
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_systemd_router_unit_runs_the_front_on_the_port_and_the_router_on_its_loopback(keyed):
+    """issue 49: the unit starts the front (detached, removed when it stops: no restart policy
+    of Docker's, the unit supervises it) before the router, in whose namespace the router runs
+    on loopback; the front stops first and is removed after the router."""
+    extra = KEYED if keyed else ()
+    group = pd_deployment("pd-cpu", extra).disaggregated
+    assert group is not None
+    text = units("pd-cpu", extra)[f"{group.router.name}.service"].content
+    front = f"{group.router.name}-front"
+    assert "Not fronted" not in text and CANARY_KEY not in text
+    starts = [shlex_split_systemd(line) for line in directive(text, "ExecStartPre")]
+    (run,) = [w for w in starts if w[1:3] == ["run", "--detach"]]
+    assert run[3] == "--rm" and value_of(run, "--name") == front and "--restart" not in run
+    assert value_of(run, "--port") == "8000" and value_of(run, "--upstream-port") == "30000"
+    assert values_of(run, "--env") == (["VLLM_API_KEY"] if keyed else [])
+    assert (run[-2:] == ["--key-env", "VLLM_API_KEY"]) is keyed
+    (start,) = directive(text, "ExecStart")
+    router = shlex_split_systemd(start)
+    if keyed:
+        router = shlex_split_systemd(router[2].splitlines()[-1].removeprefix("exec "))
+    assert value_of(router, "--network") == f"container:{front}" and "--publish" not in router
+    assert value_of(router, "--host") == "127.0.0.1" and value_of(router, "--port") == "30000"
+    assert [shlex_split_systemd(line)[-1] for line in directive(text, "ExecStop")] == [
+        front,
+        group.router.name,
+    ]
+    assert directive(text, "ExecStopPost") == [f"-/usr/bin/docker rm --force {front}"]
 
 
 @pytest.mark.parametrize("target", HOST_TARGETS)
