@@ -87,6 +87,8 @@ def pairing_lines(outcome: PairingOutcome) -> list[str]:
     lines = [
         f"P/D pair: {'proven' if outcome.ok else 'NOT proven'}",
         f"  kv transfer: {outcome.transfer_verdict}",
+        "  the router's front: "
+        + (", ".join(f"{what} {status}" for what, status in outcome.front) or "not asked"),
         f"  prefill killed: the router answered HTTP {outcome.prefill_down_status}, decode "
         + ("healthy" if outcome.decode_healthy_when_prefill_down else "not healthy"),
         "  prefill back: "

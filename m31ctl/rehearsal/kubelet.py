@@ -26,7 +26,7 @@ from m31ctl.rehearsal import docker_verbs
 from m31ctl.rehearsal.docker_verbs import Ran, run_exit_code
 from m31ctl.rehearsal.logs import fatal_line
 from m31ctl.rehearsal.pods import NAMESPACE, PodRun, Probe, Volume
-from m31ctl.rehearsal.prober import exec_probe, http_probe
+from m31ctl.rehearsal.prober import exec_in, exec_probe, http_probe
 from m31ctl.rehearsal.session import Options, Progress
 from m31ctl.runtime.engine_api import refusals
 from m31ctl.units import quantity_bytes
@@ -316,6 +316,13 @@ class Kubelet:
         """The container's log (`kubectl logs`), stdout then stderr, each line with its time: as
         the `docker logs` CLI's two streams were read back to back."""
         return "".join(docker_verbs.logs_by_stream(self.client, state.name, tail))
+
+    def exec_beside(self, state: PodState, container: str, argv: Sequence[str], timeout: float) -> Ran:
+        """`kubectl exec -c CONTAINER`: a command in another of the pod's containers."""
+        sidecar = next((s for s in state.pod.sidecars if s.container == container), None)
+        if sidecar is None:
+            return Ran(1, "", f"pod {state.pod.pod} has no container {container!r}")
+        return exec_in(self.client, sidecar_name(self.session, state.pod, sidecar), argv, timeout)
 
     def refresh(self, state: PodState) -> None:
         status, code, ip = container_state(self.client, state.name)

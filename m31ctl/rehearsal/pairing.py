@@ -4,7 +4,10 @@
    plan without disaggregation, same image, model and flags) on short and long prompts;
 2. transfer: the decode instance's /metrics count those prompts' tokens as external KV transfer,
    with transfers and none failed (served/kv_transfer.py), not recomputed;
-3. faults: prefill killed (its container ended), the router answers 5xx, decode answers
+3. the router's front (issue 49): a completion without the key is 401, worker management
+   (registering an address that is no role) is 404 with the key or without, and the router's own
+   list of workers, read on its loopback inside its container as an operator would, is unchanged;
+4. faults: prefill killed (its container ended), the router answers 5xx, decode answers
    /health and no KV moved; prefill started again (the same container in the same pod, as the
    kubelet restarts one), it answers /health, the router serves again by itself and the answer's
    KV came over the wire from the restarted prefill.
@@ -72,6 +75,9 @@ class Pair(NamedTuple):
     start_reference: Callable[[float], tuple[str, str | None]]
     model: str
     clocks: PairClocks
+    # The router's own list of workers (its /list_workers on the loopback of its container, which
+    # the front does not expose), or why it could not be read.
+    router_workers: Callable[[], tuple[str, str | None]] = lambda: ("", "not asked")
 
 
 class Parity(NamedTuple):
@@ -98,6 +104,8 @@ class PairingOutcome(NamedTuple):
     prefill_restarted: bool = False  # the recovery step ran (prefill was started again)
     # Decode's counters over the recovery: the answer's KV came from the restarted prefill.
     recovery_transfer_verdict: str = ""
+    # The front's answers: {what was asked: HTTP status}, in the order asked (guard()).
+    front: tuple[tuple[str, int], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -209,6 +217,9 @@ def prove(
     if failure is None and not verdict.came_over_the_wire:
         outcome = outcome._replace(failure=f"the KV did not come over the wire: {verdict.reason}")
     if outcome.failure is None:
+        outcome = guard(pair, outcome, timeout)
+        progress(front_line(outcome))
+    if outcome.failure is None:
         outcome = faults(pair, outcome)
         progress(fault_line(outcome))
     if outcome.failure is None:
@@ -216,6 +227,59 @@ def prove(
         same = sum(p.same for p in outcome.parity)
         progress(f"parity with the aggregated server: {same} of {len(outcome.parity)} prompts equal")
     return outcome
+
+
+# An address no role has (TEST-NET-1, RFC 5737): what someone who reached the router's port would
+# register to receive the users' prompts and the roles' key.
+UNREGISTERED = "http://192.0.2.1:8000"
+
+
+def _as(base: str, path: str, key: str | None, timeout: float, body: dict[str, Any]) -> int:
+    """POST with exactly the Authorization given (None: none), not the proof's own key: the
+    status (0: no answer)."""
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    with httpx.Client(base_url=base, headers=headers, timeout=timeout) as client:
+        return http_answers.fetch(client, "POST", path, body, parse=False, limit_s=timeout).status
+
+
+def guard(pair: Pair, outcome: PairingOutcome, timeout: float) -> PairingOutcome:
+    """The router's front admits the API with the key alone and worker management never: an
+    unregistered address offered without the key and with it is refused (404), decode cannot be
+    taken out, and the router's own list of workers is what it was, so no prompt can reach it."""
+    before, why = pair.router_workers()
+    if why is not None:
+        return outcome._replace(failure=f"the router's own list of workers could not be read: {why}")
+    key = smoke.auth_headers().get("Authorization", "").removeprefix("Bearer ") or None
+    completion_body = {"model": pair.model, "prompt": PROMPTS["short"], "max_tokens": 1}
+    asks: list[tuple[str, str, str | None, dict[str, Any], int]] = []  # what, path, key, body, due
+    if key is not None:  # the roles (and so the front) want the key
+        asks += [
+            ("completion with no key", "/v1/completions", None, completion_body, 401),
+            ("completion with a wrong key", "/v1/completions", "wrong", completion_body, 401),
+        ]
+    for label, sent in (("no key", None), ("the key", key)):
+        asks += [
+            (f"/add_worker with {label}", f"/add_worker?url={UNREGISTERED}", sent, {}, 404),
+            (f"/remove_worker with {label}", f"/remove_worker?url={pair.decode}", sent, {}, 404),
+        ]
+    answered = [
+        (what, _as(pair.router, path, sent, timeout, body), due) for what, path, sent, body, due in asks
+    ]
+    outcome = outcome._replace(front=tuple((what, status) for what, status, _ in answered))
+    wrong = [f"{what}: HTTP {status}, not {due}" for what, status, due in answered if status != due]
+    if wrong:
+        return outcome._replace(failure="the router's front: " + "; ".join(wrong))
+    after, why = pair.router_workers()
+    if why is not None or after != before or UNREGISTERED in after:
+        return outcome._replace(
+            failure=f"the router's workers changed behind the front: {before!r}, then {after!r} {why or ''}"
+        )
+    return outcome
+
+
+def front_line(outcome: PairingOutcome) -> str:
+    refused = ", ".join(f"{what} {status}" for what, status in outcome.front)
+    return f"the router's front: {refused or 'not asked'}; the router's workers unchanged"
 
 
 def fault_line(outcome: PairingOutcome) -> str:

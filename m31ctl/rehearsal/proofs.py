@@ -14,12 +14,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+from m31ctl.engine.router import ROUTER_BEHIND_FRONT_PORT
 from m31ctl.errors import M31Error
 from m31ctl.rehearsal import pairing, rollout_proof
 from m31ctl.rehearsal.kubelet import Kubelet, PodState, watch
 from m31ctl.rehearsal.prepared import Prepared
 from m31ctl.rehearsal.result import Run, Served
 from m31ctl.rehearsal.session import Options, Progress
+from m31ctl.render.k8s_router import ROUTER_CONTAINER
 from m31ctl.served import http_answers, smoke
 
 # How long a node may take to die after the first answers (a rank dying at its first request).
@@ -99,10 +101,20 @@ def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served
     return Served(endpoint, prepared.completions, answered, found)
 
 
+# The router's own list of workers, read inside its container (its image runs vllm-router, a
+# Python console script, so python3 is there).
+ROUTER_PYTHON = ("python3", "-c")
+ROUTER_WORKERS = (
+    "import urllib.request as u; "
+    f"print(u.urlopen('http://127.0.0.1:{ROUTER_BEHIND_FRONT_PORT}/list_workers', timeout=30).read().decode())"
+)
+
+
 def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:
     """The pair's proof (pairing.prove) on the pods; the aggregated reference joins its run."""
     pair = prepared.pair
-    assert run.served is not None and pair is not None
+    assert run.served is not None and run.serving is not None and pair is not None
+    router_pod = run.serving  # a P/D plan's serving pod is its router's (read_manifest)
     pods = {s.pod.pod: s for s in run.states if not s.pod.init}
     prefill, decode = pods[pair.prefill], pods[pair.decode]
     started: list[PodState] = []
@@ -119,6 +131,15 @@ def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options,
         why = watch(kubelet, [state], state, kubelet.clock() + budget_s, progress)
         return f"http://{state.ip}:{pair.reference_port}", why
 
+    def router_workers() -> tuple[str, str | None]:
+        # As an operator would: in the router's container, on the loopback the front keeps it on.
+        ran = kubelet.exec_beside(
+            router_pod, ROUTER_CONTAINER, [*ROUTER_PYTHON, ROUTER_WORKERS], timeout=60.0
+        )
+        return (
+            (ran.out.strip(), None) if ran.code == 0 else ("", f"exit {ran.code}: {ran.err.strip()[-300:]}")
+        )
+
     handles = pairing.Pair(
         router=run.served.endpoint,
         decode=f"http://{decode.ip}:{pair.decode_port}",
@@ -128,8 +149,10 @@ def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options,
         start_reference=start_reference,
         model=prepared.served_name,
         clocks=pair.clocks,
+        router_workers=router_workers,
     )
-    progress("proving the pair: parity with an aggregated server, KV transfer, prefill killed and back")
+    progress("proving the pair: KV transfer, the router's front, prefill killed and back, parity with an "
+             "aggregated server")  # fmt: skip
     outcome = pairing.prove(handles, budget_s=max(float(options.timeout_s), 120.0), progress=progress)
     for role in (prefill, decode):
         kubelet.refresh(role)

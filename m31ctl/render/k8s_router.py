@@ -31,6 +31,9 @@ ROUTER_CPU = "1"
 ROUTER_MEMORY = "1Gi"
 FRONT_CPU = "1"
 FRONT_MEMORY = "512Mi"
+# The router pod's containers: the front first (the Service's target), vllm-router beside it.
+FRONT_CONTAINER = "front"
+ROUTER_CONTAINER = "router"
 
 # The router pod's init container: both roles answer /health (their download and load can take
 # an hour), so the router, which gives up on workers after its own startup timeout, starts last.
@@ -107,7 +110,7 @@ def _containers(deployment: Deployment, group: Disaggregated) -> list[dict[str, 
     }
     return [
         {
-            "name": "front",
+            "name": FRONT_CONTAINER,
             "image": front.image,
             "command": list(front.argv),
             "env": _key_env(deployment, group, API_KEY_ENV),
@@ -125,7 +128,7 @@ def _containers(deployment: Deployment, group: Disaggregated) -> list[dict[str, 
             },
         },
         {
-            "name": "router",
+            "name": ROUTER_CONTAINER,
             "image": router.image,
             "command": list(router.argv),
             "env": _key_env(deployment, group, ROUTER_API_KEY_ENV),

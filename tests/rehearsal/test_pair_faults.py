@@ -9,11 +9,16 @@ timers), where a pod's sandbox refuses it at once, as a kubelet's pod does."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import socket
+import threading
 import time
+import urllib.parse
 import urllib.request
 import uuid
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, ClassVar
 
 import pytest
 
@@ -194,3 +199,100 @@ def test_the_summary_says_prefill_was_not_started_again_when_an_earlier_step_fai
     assert "  prefill back: not started again (an earlier step failed)" in pairing_lines(failed_early)
     restarted = failed_early._replace(prefill_restarted=True)
     assert "  prefill back: not serving" in pairing_lines(restarted)
+
+
+# --- the router's front (issue 49): the guard step against the real front ----------------------
+
+
+class _Router(http.server.BaseHTTPRequestHandler):
+    """A stand-in for vllm-router 0.1.17 in P/D mode as measured (docs/decisions.md, "The router's
+    front"): it checks no key, `/remove_worker` drops a worker, `/add_worker` registers one (what a
+    later router in P/D mode would do), and `/list_workers` lists them."""
+
+    protocol_version = "HTTP/1.1"
+    workers: ClassVar[list[str]] = []
+
+    def _answer(self, status: int, data: object) -> None:
+        payload = json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        path, _, query = self.path.partition("?")
+        url = urllib.parse.parse_qs(query).get("url", [""])[0]
+        if path == "/add_worker":
+            self.workers.append(url)
+        elif path == "/remove_worker" and url in self.workers:
+            self.workers.remove(url)
+        self._answer(200, {"choices": [{"text": " a"}], "usage": {"prompt_tokens": 9}})
+
+    def do_GET(self) -> None:
+        self._answer(200, {"urls": self.workers} if self.path == "/list_workers" else {})
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture
+def router_and_front(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
+    """(the router's URL, the front's URL before it); the proof's key in the environment."""
+    from m31ctl.engine.router_front import Config, FrontServer
+
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret-key")
+    _Router.workers[:] = ["http://prefill:8000", "http://decode:8000"]
+    router = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Router)
+    front = FrontServer(("127.0.0.1", 0), Config("127.0.0.1", router.server_address[1], "s3cret-key", 30))
+    for server in (router, front):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{router.server_address[1]}", f"http://127.0.0.1:{front.server_address[1]}"
+    for server in (front, router):
+        server.shutdown()
+        server.server_close()
+
+
+def _guarded(base: str) -> pairing.Pair:
+    return pairing.Pair(
+        router=base, decode="http://decode:8000", prefill="http://prefill:8000",
+        kill_prefill=lambda: None, start_prefill=lambda: None,
+        start_reference=lambda _: ("", "not asked"), model="m", clocks=CLOCKS,
+        router_workers=lambda: (json.dumps(_Router.workers), None),
+    )  # fmt: skip
+
+
+def test_the_front_refuses_the_api_without_the_key_and_worker_management_always(router_and_front):
+    _, front = router_and_front
+    outcome = pairing.guard(_guarded(front), START, timeout=10)
+    assert outcome.ok, outcome.failure
+    assert dict(outcome.front) == {
+        "completion with no key": 401,
+        "completion with a wrong key": 401,
+        "/add_worker with no key": 404,
+        "/remove_worker with no key": 404,
+        "/add_worker with the key": 404,
+        "/remove_worker with the key": 404,
+    }
+    assert _Router.workers == ["http://prefill:8000", "http://decode:8000"]
+    assert pairing.front_line(outcome).startswith("the router's front: completion with no key 401,")
+
+
+def test_a_router_without_its_front_fails_the_guard_and_says_what_it_let_through(router_and_front):
+    """vllm-router alone (as before issue 49): a keyless completion answered, decode taken out and
+    an unregistered address registered."""
+    router, _ = router_and_front
+    outcome = pairing.guard(_guarded(router), START, timeout=10)
+    assert outcome.failure is not None
+    assert "completion with no key: HTTP 200, not 401" in outcome.failure
+    assert "/add_worker with no key: HTTP 200, not 404" in outcome.failure
+    assert pairing.UNREGISTERED in _Router.workers and "http://decode:8000" not in _Router.workers
+
+
+def test_a_list_of_workers_that_cannot_be_read_fails_the_guard_before_asking(router_and_front):
+    _, front = router_and_front
+    pair = _guarded(front)._replace(router_workers=lambda: ("", "exit 1: no python3"))
+    outcome = pairing.guard(pair, START, timeout=10)
+    assert outcome.failure == "the router's own list of workers could not be read: exit 1: no python3"
+    assert outcome.front == ()

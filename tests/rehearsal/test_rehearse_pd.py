@@ -216,6 +216,11 @@ def test_pd_rehearsal_serves_through_the_router_with_parity_transfer_and_recover
     assert pairing["decode_healthy_when_prefill_down"] and pairing["recovered_after_s"] is not None
     # Recovered over the wire: the restarted prefill's KV reached decode (issue 53's steps by state).
     assert pairing["prefill_restarted"] and " 0 failed" in pairing["recovery_transfer_verdict"]
+    # The router's front (issue 49): the API wants the key, worker management is never reached,
+    # and the router's own list (read in its container) kept the two roles.
+    front = {what: status for what, status in pairing["front"]}
+    assert front["completion with no key"] == front["completion with a wrong key"] == 401, front
+    assert front["/add_worker with the key"] == front["/remove_worker with no key"] == 404, front
     session = report["session"]
     assert report["cleaned"] and not [
         line
@@ -243,10 +248,12 @@ def test_the_report_says_each_proof_in_a_line():
         transfer={}, transfer_verdict=reason, prefill_down_status=500,
         decode_healthy_when_prefill_down=True, recovered_after_s=173.6,
         failure="greedy output through the router differs from aggregated on ['thirteen-blocks']",
+        front=(("completion with no key", 401), ("/add_worker with the key", 404)),
     )  # fmt: skip
     assert pairing_lines(outcome) == [
         "P/D pair: NOT proven",
         f"  kv transfer: {reason}",
+        "  the router's front: completion with no key 401, /add_worker with the key 404",
         "  prefill killed: the router answered HTTP 500, decode healthy",
         "  prefill back: serving again after 173.6 s",
         "  parity with the aggregated server: 1 of 2 prompts equal",
