@@ -103,26 +103,28 @@ def loopback_router_invocation(
     group: Disaggregated,
     metrics_port: int = RENDERED_ROUTER_METRICS_PORT,
     *,
-    behind_front: int | None = None,
+    behind_front: int = ROUTER_BEHIND_FRONT_PORT,
 ) -> RouterInvocation:
     """The router of the pair run natively: the roles on their loopback ports; the router on
-    loopback at port `behind_front` behind its front (launch: loopback_front_invocation takes
-    the plan's bind and port), its exporter on the plan's bind; None: the router on the plan's
-    bind and port itself (the plan's view of its command line)."""
+    loopback at port `behind_front` behind its front (launch: a free one, as groups share the
+    host's loopback; loopback_front_invocation takes the plan's bind and port), its exporter on
+    the plan's bind."""
     upstreams = Upstreams(group.prefill.network.local_url, group.decode.network.local_url)
     network = group.router.network
     return router_invocation(
         group.router,
         upstreams,
-        host=network.bind if behind_front is None else LOOPBACK,
-        port=network.port if behind_front is None else behind_front,
+        host=LOOPBACK,
+        port=behind_front,
         metrics_port=metrics_port,
         request_timeout_s=group.router_timeline.request_timeout_s,
         metrics_host=network.bind,
     )
 
 
-def loopback_front_invocation(deployment: Deployment, router_port: int) -> RouterInvocation:
+def loopback_front_invocation(
+    deployment: Deployment, router_port: int = ROUTER_BEHIND_FRONT_PORT
+) -> RouterInvocation:
     """The router's front of the pair run natively (engine/router_front.py): on the plan's bind
     and port, forwarding to the router on loopback at `router_port`, with the roles' key read
     from the variable they read it from where the plan has one (the process inherits it)."""

@@ -19,7 +19,8 @@ from m31ctl.plan.runtime_shapes import MOE_SOURCE
 
 if TYPE_CHECKING:
     from m31ctl.capacity.memory import Band, Fit, GeometryOrigin, Sensitivity
-    from m31ctl.deployment import Deployment, Disaggregated
+    from m31ctl.deployment import Deployment
+    from m31ctl.engine.router import RouterInvocation
     from m31ctl.probe import ProbeReport
     from m31ctl.timeline import Timeline
 
@@ -153,7 +154,7 @@ def plan_json(deployment: Deployment, fit: Fit | None) -> dict[str, Any]:
         "warnings": list(plan.warnings),
     }
     if group:
-        body["disaggregation"] = disaggregation_json(group)
+        body["disaggregation"] = disaggregation_json(deployment)
     body["moe_layout"] = moe_layout_json(group.decode if group else deployment)
     return body
 
@@ -196,15 +197,32 @@ def _engine_json(engine: Deployment) -> dict[str, Any]:
     }
 
 
-def disaggregation_json(group: Disaggregated) -> dict[str, Any]:
-    # lazy: the pair's modules (containers, docker run, the router) for a P/D plan alone
-    from m31ctl.pair import loopback_router_invocation
+# The front's program is shipped text (engine/router_front.py): the plan shows its name, not 260
+# lines of it, in the place of `python3 -c`'s argument.
+FRONT_PROGRAM = "<m31ctl/engine/router_front.py>"
 
-    router = loopback_router_invocation(group)
+
+def _fronted(deployment: Deployment) -> tuple[RouterInvocation, RouterInvocation]:
+    """The router behind its front and the front, as `launch --runtime native` runs them (the
+    router on loopback at the containers' port; natively launch takes a free one), the front's
+    program by name."""
+    from m31ctl.pair import loopback_front_invocation, loopback_router_invocation  # lazy: P/D alone
+
+    assert deployment.disaggregated is not None
+    router = loopback_router_invocation(deployment.disaggregated)
+    front = loopback_front_invocation(deployment)
+    return router, front._replace(argv=(*front.argv[:2], FRONT_PROGRAM, *front.argv[3:]))
+
+
+def disaggregation_json(deployment: Deployment) -> dict[str, Any]:
+    group = deployment.disaggregated
+    assert group is not None
+    router, front = _fronted(deployment)
     return {
         "prefill": _engine_json(group.prefill),
         "decode": _engine_json(group.decode),
         "router": {"name": group.router.name, "image": router.image, "argv": list(router.argv)},
+        "front": {"image": front.image, "argv": list(front.argv)},
         "one_host": group.fits_one_host,
     }
 
@@ -218,11 +236,11 @@ def _print_commands(deployment: Deployment, out: Any) -> None:
         print_paragraph(out, f"Command ({role}image {inv.image}):")
         print_command(out, [shlex.quote(word) for word in command])
     if group:
-        from m31ctl.pair import loopback_router_invocation  # lazy: as in disaggregation_json
-
-        router = loopback_router_invocation(group)
-        print_paragraph(out, f"Command (router, image {router.image}):")
+        router, front = _fronted(deployment)
+        print_paragraph(out, f"Command (router, behind its front on loopback; image {router.image}):")
         print_command(out, [shlex.quote(word) for word in router.argv])
+        print_paragraph(out, f"Command (the router's front, on the plan's address; image {front.image}):")
+        print_command(out, [word if word == FRONT_PROGRAM else shlex.quote(word) for word in front.argv])
 
 
 def timeline_json(timeline: Timeline) -> dict[str, Any]:

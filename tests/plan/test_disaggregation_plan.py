@@ -15,7 +15,7 @@ from m31ctl.deployment import derive, require_fit
 from m31ctl.engine.adapter import build_invocation
 from m31ctl.errors import ExitCode, HostPreconditionError, InputError
 from m31ctl.hardware import simulated
-from m31ctl.pair import PairWiderThanHost, loopback_router_invocation, on_one_host
+from m31ctl.pair import PairWiderThanHost, loopback_front_invocation, loopback_router_invocation, on_one_host
 from m31ctl.plan import PlanRequest, resolve
 from m31ctl.plan.disaggregation import CONNECTORS, Role
 from tests.conftest import run_cli
@@ -48,7 +48,7 @@ def test_each_role_is_an_engine_with_its_side_of_the_transfer():
     assert all(r.network.bind == "127.0.0.1" for r in group.roles)
 
 
-def test_the_router_is_the_plans_endpoint_and_pairs_the_roles():
+def test_the_routers_front_is_the_plans_endpoint_and_the_router_pairs_the_roles_on_loopback():
     deployment = derive(plan_for("b300x8", "runtime.port=9000"))
     group = deployment.disaggregated
     assert group is not None and deployment.network.port == 9000
@@ -56,8 +56,10 @@ def test_the_router_is_the_plans_endpoint_and_pairs_the_roles():
     assert argv[0] == "vllm-router" and "--vllm-pd-disaggregation" in argv
     assert argv[argv.index("--prefill") + 1] == "http://127.0.0.1:8100"
     assert argv[argv.index("--decode") + 1] == "http://127.0.0.1:8200"
-    assert argv[argv.index("--port") + 1] == "9000"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and argv[argv.index("--port") + 1] == "30000"
     assert argv[argv.index("--kv-connector") + 1] == "nixl"
+    front = loopback_front_invocation(deployment).argv
+    assert front[front.index("--port") + 1] == "9000" and front[front.index("--upstream-port") + 1] == "30000"
 
 
 def test_a_group_is_not_one_engine():
@@ -239,6 +241,10 @@ def test_plan_json_lists_roles_and_router():
     pd = cli_json.data(done.stdout)["disaggregation"]
     assert [pd[r]["kv_role"] for r in ("prefill", "decode")] == ["kv_producer", "kv_consumer"]
     assert pd["router"]["argv"][0] == "vllm-router" and pd["one_host"] is True
+    # The plan shows the front on its address, its program by name (issue 49).
+    front = pd["front"]["argv"]
+    assert front[:3] == ["python3", "-c", "<m31ctl/engine/router_front.py>"], front
+    assert front[front.index("--port") + 1] == "8000"
 
 
 def test_a_refusal_is_one_line_and_exit_2():
