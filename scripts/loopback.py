@@ -53,10 +53,15 @@ class Answer(NamedTuple):
         return json.loads(self.body)
 
 
-def request(url: str, body: dict[str, Any] | None = None, timeout: float = 600.0) -> Answer:
-    """GET `url`, or POST `body` as JSON: the status and body, never an exception."""
+def request(
+    url: str, body: dict[str, Any] | None = None, timeout: float = 600.0, key: str | None = None
+) -> Answer:
+    """GET `url`, or POST `body` as JSON, with `key` as the bearer token when given: the status
+    and body, never an exception."""
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"} if data else {}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
     req = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

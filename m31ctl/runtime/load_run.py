@@ -14,11 +14,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from m31ctl.redact import API_KEY_ENV
 from m31ctl.runtime import engine_api
 
 # A bench runner takes `vllm bench serve` arguments and returns its saved result.
 BenchRunner = Callable[[list[str]], dict[str, Any]]
 BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "engine" / "bench_serve.py"
+# `vllm bench serve` sends this variable's value as its bearer token, and no other
+# (vllm/benchmarks/lib/endpoint_request_func.py, 0.32: `os.environ.get("OPENAI_API_KEY")`).
+BENCH_KEY_ENV = "OPENAI_API_KEY"
+
+
+def bench_key_env() -> dict[str, str]:
+    """The server's key (VLLM_API_KEY, as every m31ctl client reads it) where the benchmark looks
+    for it; nothing when the server has none. In the environment alone: never its argv."""
+    key = os.environ.get(API_KEY_ENV)
+    return {BENCH_KEY_ENV: key} if key else {}
 
 
 def native_bench(python: str) -> BenchRunner:
@@ -40,6 +51,7 @@ def native_bench(python: str) -> BenchRunner:
                 capture_output=True,
                 text=True,
                 timeout=3600,
+                env={**os.environ, **bench_key_env()},
             )
             result = Path(tmp) / "r.json"
             if done.returncode != 0 or not result.is_file():
@@ -72,7 +84,7 @@ def container_bench(image: str, mounts: list[tuple[str, str]]) -> BenchRunner:
             # run(remove=True) kept a container whose start failed.
             with engine_api.throwaway(
                 client, "bench", image=image, entrypoint=["python3", "/m31ctl/bench_serve.py"],
-                command=[*args, *out], host_config=host,
+                command=[*args, *out], host_config=host, environment=bench_key_env(),
             ) as container:  # fmt: skip
                 container.start()
                 code = int(container.wait().get("StatusCode", -1))

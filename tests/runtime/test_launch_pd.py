@@ -37,6 +37,9 @@ SERVED = "m31ctl-rehearsal"  # the cpu recipe's model.served_name
 # Two vLLM starts one after the other on two shared cores: minutes; a busy machine gets more.
 LAUNCH_TIMEOUT_S = 900
 PROMPT = "the model serves tokens on four GPUs with sparse attention and a speculative draft; " * 12
+# The group is keyed (runtime.api_key=true): the roles want it, the router sends it on, the front
+# checks it; m31ctl's own commands read it from the environment as a user's shell would give it.
+SECRET = f"pd-key-{uuid.uuid4().hex}"
 
 
 def _launch_args(name: str, model: Path, vllm_py: str, *extra: str) -> list[str]:
@@ -49,7 +52,17 @@ def _launch_args(name: str, model: Path, vllm_py: str, *extra: str) -> list[str]
         "disaggregation.prefill.side_channel_port": prefill_side,
         "disaggregation.decode.side_channel_port": decode_side,
     }
-    args = ["launch", "--runtime", "native", "--hardware", "cpu", "--variant", "pd"]
+    args = [
+        "launch",
+        "--runtime",
+        "native",
+        "--hardware",
+        "cpu",
+        "--variant",
+        "pd",
+        "--set",
+        "runtime.api_key=true",
+    ]
     args += ["--name", name, "--port", str(api), "--timeout", str(LAUNCH_TIMEOUT_S), "--json"]
     for key, value in sets.items():
         args += ["--set", f"{key}={value}"]
@@ -81,19 +94,28 @@ def _group_members(pgid: int) -> list[int]:
 
 def _completion(base: str) -> dict:
     body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    answer = request(f"{base}/v1/completions", body)
+    answer = request(f"{base}/v1/completions", body, key=SECRET)
     assert answer.status == 200, answer.body[:500]
     return dict(answer.json())
 
 
-def _worker_management_refused(endpoint: str, router_url: str) -> None:
-    """The router's front (issue 49): worker management through the group's endpoint is 404
-    (this plan sets no runtime.api_key, so /v1/ is open: the keyed 401 is the docker launch
-    test's); vllm-router itself listens on loopback only."""
+def _the_front_guards_the_router(endpoint: str, router_url: str) -> None:
+    """The router's front (issue 49): a completion without the key or with a wrong one is 401,
+    worker management through the group's endpoint is 404 with the key or without, and
+    vllm-router itself listens on loopback only."""
     assert urllib.parse.urlsplit(router_url).hostname == "127.0.0.1", router_url
-    for path in ("/add_worker?url=http://127.0.0.1:9", "/workers", "/remove_worker?url=http://127.0.0.1:9"):
-        answer = request(f"{endpoint}{path}", {} if path != "/workers" else None)
-        assert answer.status == 404, (path, answer.status, answer.body[:200])
+    body = {"model": SERVED, "prompt": "hello", "max_tokens": 1}
+    for key in (None, "wrong"):
+        answer = request(f"{endpoint}/v1/completions", body, key=key)
+        assert answer.status == 401, (key, answer.status, answer.body[:200])
+    for key in (None, SECRET):
+        for path in (
+            "/add_worker?url=http://127.0.0.1:9",
+            "/workers",
+            "/remove_worker?url=http://127.0.0.1:9",
+        ):
+            answer = request(f"{endpoint}{path}", {} if path != "/workers" else None, key=key)
+            assert answer.status == 404, (path, answer.status, answer.body[:200])
 
 
 def _first_request_crosses(base: str, decode_log: Path) -> None:
@@ -104,10 +126,10 @@ def _first_request_crosses(base: str, decode_log: Path) -> None:
     Asked again once for that cause alone, said in the log; any other failure fails. The transfer
     counters the test judges are read after this request."""
     body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
-    answer = request(f"{base}/v1/completions", body)
+    answer = request(f"{base}/v1/completions", body, key=SECRET)
     if answer.status == 500 and "NIXL transfer failure: handshake" in decode_log.read_text(errors="replace"):
         print("the first request met vLLM's 5 s NIXL handshake limit (decode's log); asked again")
-        answer = request(f"{base}/v1/completions", body)
+        answer = request(f"{base}/v1/completions", body, key=SECRET)
     assert answer.status == 200, answer.body[:500]
 
 
@@ -115,7 +137,7 @@ def _first_request_crosses(base: str, decode_log: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a launch may wait 900 s, then verify, bench and a real Prometheus
 def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_model, tmp_path):
-    env = {"M31CTL_STATE_DIR": str(tmp_path / "state")}
+    env = {"M31CTL_STATE_DIR": str(tmp_path / "state"), "VLLM_API_KEY": SECRET}
     name = f"m31ctl-pd-{uuid.uuid4().hex[:6]}"
     # The group's record is its router's front (issue 49), then the router, then the roles.
     parts = [name, f"{name}-router", f"{name}-prefill", f"{name}-decode"]
@@ -136,7 +158,7 @@ def test_pd_launch_serves_through_the_router_and_stops_as_one(vllm_py, tiny_mode
         assert rows[0]["endpoint"] == endpoint
         pids = [r["pid"] for r in rows]
         decode_url = rows[3]["endpoint"]
-        _worker_management_refused(endpoint, rows[1]["endpoint"])
+        _the_front_guards_the_router(endpoint, rows[1]["endpoint"])
 
         _first_request_crosses(endpoint, tmp_path / "state" / "native" / f"{name}-decode.log")
         before = kv_transfer.facts(metrics_text(decode_url))
@@ -260,6 +282,7 @@ def test_a_decode_that_dies_while_the_group_starts_stops_the_group(tmp_path):
         "M31CTL_STATE_DIR": str(tmp_path / "state"),
         "PYTHONPATH": str(STANDIN),
         "DOCKER_HOST": f"unix://{tmp_path}/no-docker.sock",
+        "VLLM_API_KEY": SECRET,
     }
     name = f"m31ctl-pd-{uuid.uuid4().hex[:6]}"
     args = _launch_args(
