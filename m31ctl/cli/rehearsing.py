@@ -99,7 +99,7 @@ def pairing_lines(outcome: PairingOutcome) -> list[str]:
             if outcome.prefill_restarted
             else "not started again (an earlier step failed)"
         ),
-        f"  parity with the aggregated server: {same} of {len(outcome.parity)} prompts equal",
+        f"  parity with the prefill role alone: {same} of {len(outcome.parity)} prompts equal",
     ]
     lines += [
         f"    {'same' if p.same else 'DIFF'} {p.prompt} ({p.prompt_tokens} prompt tokens)"

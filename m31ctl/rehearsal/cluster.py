@@ -83,8 +83,7 @@ def run_pods(
         return unmade, Run([], f"docker network create failed: {refused.strip()[-300:]}", None)
     addresses = pod_addresses(subnet, prepared) if subnet else {}
     forwarders = [forwarder_pod(s, prepared.image, addresses) for s in prepared.manifest.forwarded]
-    reference_claims = prepared.pair.reference_claims if prepared.pair else ()
-    for claim in (*prepared.manifest.claims, *reference_claims):
+    for claim in prepared.manifest.claims:
         # Not checked here: a volume the engine refused shows as the pod's own start error.
         docker_verbs.create_volume(client, claim_volume(session, claim), labels)
     kubelet = Kubelet(
@@ -103,10 +102,9 @@ def run_pods(
 
 
 def pod_addresses(subnet: str, prepared: Prepared) -> dict[str, str]:
-    """Each pod's fixed address (and the forwarders' and the reference's), in manifest order."""
+    """Each pod's fixed address (and the forwarders'), in manifest order."""
     names = list(dict.fromkeys(p.pod for p in prepared.manifest.pods if not p.init))
     names += [s.forwarder_pod for s in prepared.manifest.forwarded]
-    names += [prepared.pair.reference.pod] if prepared.pair else []
     network = ipaddress.ip_network(subnet)
     return {name: str(network[FIRST_POD_HOST + index]) for index, name in enumerate(names)}
 

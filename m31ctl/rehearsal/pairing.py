@@ -1,9 +1,10 @@
 """A prefill/decode pair's proof in a rehearsal (issue 36), once the router serves:
 
-1. parity: greedy completions through the router equal an aggregated server's (the twin's own
-   plan without disaggregation, same image, model and flags) on short and long prompts;
-2. transfer: the decode instance's /metrics count those prompts' tokens as external KV transfer,
+1. transfer: the decode instance's /metrics count the prompts' tokens as external KV transfer,
    with transfers and none failed (served/kv_transfer.py), not recomputed;
+2. parity: greedy completions through the router equal the prefill role's own, asked directly
+   (a request without kv_transfer_params is prefill's alone, served start to end: the reference
+   verify's pd-parity uses, docs/decisions.md), on short and long prompts;
 3. the router's front (issue 49): a completion without the key is 401, worker management
    (registering an address that is no role) is 404 with the key or without, and the router's own
    list of workers, read on its loopback inside its container as an operator would, is unchanged;
@@ -71,8 +72,6 @@ class Pair(NamedTuple):
     prefill: str
     kill_prefill: Callable[[], str | None]  # None once its container has ended, else why not
     start_prefill: Callable[[], str | None]
-    # Start the aggregated reference server and wait until it answers: its base URL, or why not.
-    start_reference: Callable[[float], tuple[str, str | None]]
     model: str
     clocks: PairClocks
     # The router's own list of workers (its /list_workers on the loopback of its container, which
@@ -84,7 +83,7 @@ class Parity(NamedTuple):
     prompt: str  # the prompt's name (PROMPTS)
     prompt_tokens: int
     router_text: str
-    reference_text: str
+    reference_text: str  # the prefill role's own answer, asked directly
 
     @property
     def same(self) -> bool:
@@ -201,11 +200,10 @@ def serving(answer: http_answers.Answer) -> bool:
 
 
 def prove(
-    pair: Pair, budget_s: float, timeout: float = 120.0, progress: Callable[[str], None] = lambda _: None
+    pair: Pair, timeout: float = 120.0, progress: Callable[[str], None] = lambda _: None
 ) -> PairingOutcome:
-    """The three proofs, in order; the first that fails is the outcome's failure (what came
-    before it is reported as measured). `budget_s` bounds the reference server's start;
-    `timeout`, each parity request (the pair serves then, with nothing killed)."""
+    """The proofs, in order; the first that fails is the outcome's failure (what came before it
+    is reported as measured). `timeout`: each request while the pair serves with nothing killed."""
     before = transfer_facts(pair.decode, timeout)
     answers, failure = through_router(pair, timeout)
     seen = kv_transfer.since(before, transfer_facts(pair.decode, timeout))
@@ -217,15 +215,15 @@ def prove(
     if failure is None and not verdict.came_over_the_wire:
         outcome = outcome._replace(failure=f"the KV did not come over the wire: {verdict.reason}")
     if outcome.failure is None:
+        outcome = parity(pair, outcome, answers, timeout)
+        same = sum(p.same for p in outcome.parity)
+        progress(f"parity with the prefill role alone: {same} of {len(outcome.parity)} prompts equal")
+    if outcome.failure is None:
         outcome = guard(pair, outcome, timeout)
         progress(front_line(outcome))
     if outcome.failure is None:
         outcome = faults(pair, outcome)
         progress(fault_line(outcome))
-    if outcome.failure is None:
-        outcome = parity(pair, outcome, answers, budget_s, timeout)
-        same = sum(p.same for p in outcome.parity)
-        progress(f"parity with the aggregated server: {same} of {len(outcome.parity)} prompts equal")
     return outcome
 
 
@@ -382,21 +380,19 @@ def recovery(pair: Pair, outcome: PairingOutcome) -> PairingOutcome:
 
 
 def parity(
-    pair: Pair, outcome: PairingOutcome, answers: dict[str, tuple[str, int]], budget_s: float, timeout: float
+    pair: Pair, outcome: PairingOutcome, answers: dict[str, tuple[str, int]], timeout: float
 ) -> PairingOutcome:
-    reference, why_not = pair.start_reference(budget_s)
-    if why_not is not None:
-        return outcome._replace(failure=f"the aggregated reference server: {why_not}")
+    """Each prompt the router answered, asked of the prefill role directly: the same greedy text."""
     found = []
     for name, (router_text, tokens) in answers.items():
-        got = text_and_tokens(completion(reference, pair.model, PROMPTS[name], timeout))
+        got = text_and_tokens(completion(pair.prefill, pair.model, PROMPTS[name], timeout))
         if got is None:
-            return outcome._replace(failure=f"the aggregated reference server did not answer {name!r}")
+            return outcome._replace(failure=f"the prefill role asked directly did not answer {name!r}")
         found.append(Parity(name, tokens, router_text, got[0]))
     outcome = outcome._replace(parity=tuple(found))
     differ = [p.prompt for p in found if not p.same]
     if differ:
         return outcome._replace(
-            failure=f"greedy output through the router differs from aggregated on {differ}"
+            failure=f"greedy output through the router differs from the prefill role's own on {differ}"
         )
     return outcome

@@ -1,6 +1,5 @@
-"""Everything a rehearsal decides before any container starts: the plan's twin (twin.py), each plan
-it runs derived once (the twin, and for a P/D plan the aggregated reference server the pair is
-held against), their renders read back as pods (pods.py), and what the later steps need of them,
+"""Everything a rehearsal decides before any container starts: the plan's twin (twin.py), derived
+once, its render read back as pods (pods.py), and what the later steps need of them,
 read here once: the cluster, the kubelet and the proofs read this value, never the plan or its
 Deployment. A layout or render m31ctl refuses raises here (exit 2), so nothing is left to clean."""
 
@@ -13,7 +12,7 @@ from m31ctl.deployment import Deployment, Disaggregated, derive
 from m31ctl.errors import InputError
 from m31ctl.plan import Plan
 from m31ctl.rehearsal.pairing import ROUTER_HEALTH_FAILURES, ROUTER_HEALTH_SUCCESSES, PairClocks
-from m31ctl.rehearsal.pods import Manifest, PodRun, Strategy, refuse_secret_expansion, rendered_manifest
+from m31ctl.rehearsal.pods import Manifest, Strategy, refuse_secret_expansion, rendered_manifest
 from m31ctl.rehearsal.provision import shim_image, tiny_models
 from m31ctl.rehearsal.session import Options
 from m31ctl.rehearsal.twin import Twin, rehearsal_twin
@@ -21,23 +20,16 @@ from m31ctl.render.k8s import API_SERVICE_SUFFIX
 from m31ctl.timeline import ENDPOINT_REMOVAL_S, SLOWEST_TOKEN_S
 
 TARGETS = ("k8s",)
-# The aggregated reference server's pod (and container) name in a P/D rehearsal.
-REFERENCE_POD = "reference"
 
 
 class PairRun(NamedTuple):
     """A P/D plan's pair as its proof drives it: each role's pod and the port its API Service
-    targets, the aggregated reference server (the twin without disaggregation, rendered by the
-    same code: its pod, the port it serves on and the claims its render declares), and the
-    clocks each step of the proof waits by."""
+    targets, and the clocks each step of the proof waits by."""
 
     prefill: str
     prefill_port: int
     decode: str
     decode_port: int
-    reference: PodRun
-    reference_port: int
-    reference_claims: tuple[str, ...]
     clocks: PairClocks
     # How long prefill's container may take to end once killed (its timeline's stop clock).
     prefill_stop_s: float
@@ -101,38 +93,30 @@ def layout_words(twin: Twin, deployment: Deployment) -> str:
         roles = " + ".join(
             f"{r.kv_transfer.role.value} TP{r.layout.tensor}" for r in group.roles if r.kv_transfer
         )
-        return f"P/D pair: {roles}, one Deployment each, behind vllm-router (with an aggregated reference)"
+        return f"P/D pair: {roles}, one Deployment each, behind vllm-router"
     par = twin.plan.settings.parallelism
     kind = "LeaderWorkerSet" if par.nodes > 1 else "Deployment"
     shape = f"TP{par.tensor} PP{par.pipeline} DP{par.data}" + (" EP" if par.expert else "")
     return f"{shape} on {par.nodes} node(s) ({kind}), {twin.ranks_per_node} rank(s) a node"
 
 
-def _pair(group: Disaggregated, manifest: Manifest, reference: Manifest, target: str) -> PairRun:
-    """The pair's pods and ports (each role's API Service's), and the aggregated reference's
-    serving pod, renamed and without the Service names (those are the pair's)."""
+def _pair(group: Disaggregated, manifest: Manifest) -> PairRun:
+    """The pair's pods and ports (each role's API Service's) and its clocks."""
     services = {s.name: s for s in manifest.services}
     prefill, decode = (services[role.name + API_SERVICE_SUFFIX] for role in group.roles)
-    pod = reference.serving
-    if pod is None:
-        raise InputError(f"the {target} render of the aggregated reference holds no pod to serve")
     return PairRun(
         prefill=prefill.pod,
         prefill_port=prefill.ports[0][1],
         decode=decode.pod,
         decode_port=decode.ports[0][1],
-        reference=pod._replace(pod=REFERENCE_POD, hostname=REFERENCE_POD, aliases=()),
-        reference_port=reference.serving_port,
-        reference_claims=reference.claims,
         clocks=pair_clocks(group),
         prefill_stop_s=group.prefill.timeline.stop_s,
     )
 
 
 def prepare(plan: Plan, options: Options) -> Prepared:
-    """The twin of `plan` and, for a P/D plan, its aggregated reference: each derived once, here,
-    and rendered once by the normal render code; what the later steps need of them is read
-    here, and neither Deployment leaves this function."""
+    """The twin of `plan`, derived once, here, and rendered once by the normal render code; what
+    the later steps need of it is read here, and its Deployment does not leave this function."""
     if options.target not in TARGETS:
         raise InputError(
             f"rehearse runs the {', '.join(TARGETS)} target, not {options.target!r}",
@@ -147,14 +131,12 @@ def prepare(plan: Plan, options: Options) -> Prepared:
         SLOWEST_TOKEN_S if options.rollout else None,
     )
     deployment = derive(twin.plan)
-    alone = None if twin.reference is None else derive(twin.reference)
     manifest = rendered_manifest(deployment, options.target)
     # The pod clients reach (read_manifest: the API Service's, a P/D plan's router; else the
     # first leader or server).
     if manifest.serving is None:
         raise InputError(f"the {options.target} render holds no pod to serve")
     refuse_secret_expansion(manifest)
-    reference = None if alone is None else rendered_manifest(alone, options.target)
     group = deployment.disaggregated
     settings = twin.plan.settings
     return Prepared(
@@ -166,9 +148,7 @@ def prepare(plan: Plan, options: Options) -> Prepared:
         served_name=settings.model.served_name,
         ready_s=deployment.timeline.ready_s,
         completions=max(2, 2 * settings.parallelism.data),
-        pair=None
-        if group is None or reference is None
-        else _pair(group, manifest, reference, options.target),
+        pair=None if group is None else _pair(group, manifest),
         rollout=_rollout(deployment, manifest) if options.rollout else None,
     )
 

@@ -1,8 +1,8 @@
 """What a rehearsal proves once the serving pod is ready, one row of PROOFS a proof, judged in
 the table's order while the previous ones held: that it serves (completions at once through it,
 then served/smoke.py's checks) and that no node dies at its first requests; for a P/D plan, the
-pair's proof (pairing.py) driven on the pods: the roles' addresses, prefill killed and started
-again in place, the aggregated reference server started beside the pair; with --rollout, an
+pair's proof (pairing.py) driven on the pods: the roles' addresses, the router's own list of
+workers read in its container, prefill killed and started again in place; with --rollout, an
 image change rolled out under load (rollout_proof.py). Each proof has one signature, reads what
 prepare derived (Prepared), never the plan, and says by its row when it applies; what is done to
 a container is the kubelet's."""
@@ -17,7 +17,7 @@ from typing import NamedTuple
 from m31ctl.engine.router import ROUTER_BEHIND_FRONT_PORT
 from m31ctl.errors import M31Error
 from m31ctl.rehearsal import pairing, rollout_proof
-from m31ctl.rehearsal.kubelet import Kubelet, PodState, watch
+from m31ctl.rehearsal.kubelet import Kubelet, PodState
 from m31ctl.rehearsal.prepared import Prepared
 from m31ctl.rehearsal.result import Run, Served
 from m31ctl.rehearsal.session import Options, Progress
@@ -111,25 +111,12 @@ ROUTER_WORKERS = (
 
 
 def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:
-    """The pair's proof (pairing.prove) on the pods; the aggregated reference joins its run."""
+    """The pair's proof (pairing.prove) on the pods."""
     pair = prepared.pair
     assert run.served is not None and run.serving is not None and pair is not None
     router_pod = run.serving  # a P/D plan's serving pod is its router's (read_manifest)
     pods = {s.pod.pod: s for s in run.states if not s.pod.init}
     prefill, decode = pods[pair.prefill], pods[pair.decode]
-    started: list[PodState] = []
-
-    def start_reference(budget_s: float) -> tuple[str, str | None]:
-        # The pair's checks are done; its engines busy-poll a core each, and a third vLLM
-        # start beside them on a host of few cores does not finish (seen here on two cores).
-        progress("stopping prefill and decode; starting the aggregated reference server (the same twin, "
-                 "disaggregation off)")  # fmt: skip
-        for role in (prefill, decode):
-            kubelet.kill(role)
-        state = kubelet.start(pair.reference)
-        started.append(state)
-        why = watch(kubelet, [state], state, kubelet.clock() + budget_s, progress)
-        return f"http://{state.ip}:{pair.reference_port}", why
 
     def router_workers() -> tuple[str, str | None]:
         # As an operator would: in the router's container, on the loopback the front keeps it on.
@@ -146,18 +133,17 @@ def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options,
         prefill=f"http://{prefill.ip}:{pair.prefill_port}",
         kill_prefill=lambda: kubelet.kill_until_ended(prefill, pair.prefill_stop_s),
         start_prefill=lambda: kubelet.start_in_place(prefill),
-        start_reference=start_reference,
         model=prepared.served_name,
         clocks=pair.clocks,
         router_workers=router_workers,
     )
-    progress("proving the pair: KV transfer, the router's front, prefill killed and back, parity with an "
-             "aggregated server")  # fmt: skip
-    outcome = pairing.prove(handles, budget_s=max(float(options.timeout_s), 120.0), progress=progress)
+    progress("proving the pair: KV transfer, parity with the prefill role alone, the router's front, "
+             "prefill killed and back")  # fmt: skip
+    outcome = pairing.prove(handles, progress=progress)
     for role in (prefill, decode):
         kubelet.refresh(role)
     why = None if outcome.ok else f"the pair: {outcome.failure}"
-    return run._replace(states=[*run.states, *started], why=why, pairing=outcome)
+    return run._replace(why=why, pairing=outcome)
 
 
 # The proofs, in the order they are judged: a proof after another needs what that one held (the

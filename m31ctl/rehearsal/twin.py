@@ -66,9 +66,6 @@ class Twin(NamedTuple):
     moe: bool  # the tiny model has experts (the plan enables expert parallelism)
     ranks_per_node: int
     model_dir: Path  # the tiny model it serves (provision.py makes it there)
-    # A P/D twin's aggregated twin (the same settings, disaggregation off), the server the pair is
-    # held against; None: not a P/D plan.
-    reference: Plan | None = None
 
     @property
     def nodes(self) -> int:
@@ -170,7 +167,7 @@ def twin_settings(
     # settings_dict leaves out a section the plan does not set (an aggregated plan's disaggregation)
     paired = bool(tree.get("disaggregation", {}).get("enabled", False))
     layout, why = scaled_layout(tree["parallelism"])
-    if paired:  # the roles' own layouts (pd_twin) are what runs; the plan's is the reference's
+    if paired:  # the roles' own layouts (pd_twin) are what runs
         layout = {**layout, "nodes": 1, "tensor": 1, "pipeline": 1, "data": 1}
         why = "a P/D pair on this host: each role one engine of one rank, on a core of its own"
     ranks = layout["tensor"] * (layout["data"] if layout["nodes"] == 1 else 1)  # ranks in one pod
@@ -280,15 +277,6 @@ def changes_between(before: dict[str, Any], after: dict[str, Any], layout_why: s
     return tuple(found)
 
 
-def aggregated(paired: Plan) -> Plan:
-    """A P/D twin's aggregated twin: the same settings with disaggregation off."""
-    settings = paired.settings
-    alone = settings.model_copy(
-        update={"disaggregation": settings.disaggregation.model_copy(update={"enabled": False})}
-    )
-    return paired._replace(settings=alone)
-
-
 def rehearsal_twin(
     plan: Plan,
     models: TinyModels,
@@ -318,5 +306,4 @@ def rehearsal_twin(
         ranks_per_node=settings.parallelism.tensor
         * (settings.parallelism.data if settings.parallelism.nodes == 1 else 1),
         model_dir=model_dir,
-        reference=aggregated(twin_plan) if settings.disaggregation.enabled else None,
     )

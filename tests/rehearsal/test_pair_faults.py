@@ -60,7 +60,7 @@ class _Stand:
         return pairing.Pair(
             router="router", decode="decode", prefill="prefill",
             kill_prefill=kill, start_prefill=start,
-            start_reference=lambda _: ("", "not asked"), model="m", clocks=clocks,
+            model="m", clocks=clocks,
         )  # fmt: skip
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,7 +258,7 @@ def _guarded(base: str) -> pairing.Pair:
     return pairing.Pair(
         router=base, decode="http://decode:8000", prefill="http://prefill:8000",
         kill_prefill=lambda: None, start_prefill=lambda: None,
-        start_reference=lambda _: ("", "not asked"), model="m", clocks=CLOCKS,
+        model="m", clocks=CLOCKS,
         router_workers=lambda: (json.dumps(_Router.workers), None),
     )  # fmt: skip
 
@@ -296,3 +296,20 @@ def test_a_list_of_workers_that_cannot_be_read_fails_the_guard_before_asking(rou
     outcome = pairing.guard(pair, START, timeout=10)
     assert outcome.failure == "the router's own list of workers could not be read: exit 1: no python3"
     assert outcome.front == ()
+
+
+def test_parity_is_held_against_the_prefill_role_asked_directly(monkeypatch):
+    """The reference is prefill alone (no third server): a difference fails, naming the prompt."""
+    answers = {"router": " a b", "prefill": " a c"}
+
+    def completion(base: str, model: str, prompt: str, timeout: float, max_tokens: int = 16) -> Answer:
+        return Answer(200, b"", {"choices": [{"text": answers[base]}], "usage": {"prompt_tokens": 9}})
+
+    monkeypatch.setattr(pairing, "completion", completion)
+    pair = _Stand([], [], []).pair(CLOCKS)
+    outcome = pairing.parity(pair, START, {"short": (" a b", 9)}, timeout=10)
+    assert (
+        outcome.failure == "greedy output through the router differs from the prefill role's own on ['short']"
+    )
+    answers["prefill"] = " a b"
+    assert pairing.parity(pair, START, {"short": (" a b", 9)}, timeout=10).ok

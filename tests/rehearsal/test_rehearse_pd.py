@@ -85,20 +85,16 @@ def test_each_role_is_one_rank_on_its_own_core_with_the_cpu_transports(tmp_path)
     assert "one rank" in changed["disaggregation.prefill.tensor"].why
 
 
-def test_the_reference_is_the_same_twin_aggregated(tmp_path):
+def test_the_pair_is_held_against_its_prefill_role_with_no_third_server(tmp_path):
+    """Parity's reference is the prefill role asked directly (as verify's pd-parity), so the
+    rehearsal starts the pair alone: no aggregated server, no claim or address of its own."""
     prepared = _prepared(tmp_path, "b300x8")
     assert prepared.pair is not None
-    reference = prepared.pair.reference
-    assert reference.aliases == () and not reference.init
-    args = list(reference.args or ())
-    assert "--kv-transfer-config" not in args
-    assert args[args.index("--tensor-parallel-size") + 1] == "1"
-    role = next(p for p in prepared.manifest.pods if p.pod.endswith("decode-0"))
-    role_args = list(role.args or ())
-    # Same model, served name and flags as the roles, but for the connector.
-    for flag in ("--served-model-name", "--max-model-len", "--dtype"):
-        assert args[args.index(flag) + 1] == role_args[role_args.index(flag) + 1], flag
-    assert prepared.pair.reference_claims
+    pods = {p.pod for p in prepared.manifest.pods if not p.init}
+    assert prepared.pair.prefill in pods and prepared.pair.decode in pods
+    prefill = next(p for p in prepared.manifest.pods if p.pod == prepared.pair.prefill)
+    assert prepared.pair.prefill_port == dict(prefill.ports)["http"]
+    assert not hasattr(prepared.pair, "reference")
 
 
 def test_addresses_are_distinct_and_the_pod_reads_its_own(tmp_path):
@@ -181,13 +177,14 @@ def test_the_forwarder_carries_a_request_and_its_answer(tmp_path):
 @pytest.mark.timeout(1800)  # the subprocess gives up first (1,700 s), with its output
 def test_pd_rehearsal_serves_through_the_router_with_parity_transfer_and_recovery():
     """The CPU recipe's pd variant rehearsed for real: prefill, decode, router and the Services'
-    forwarders as containers; greedy output through the router equals the aggregated
-    reference's, decode's /metrics count the prompts as transferred KV, prefill killed gives
+    forwarders as containers; greedy output through the router equals the prefill role's own
+    (asked directly), decode's /metrics count the prompts as transferred KV, the router's front
+    refuses what it must, prefill killed gives
     5xx while decode stays healthy, and prefill back, the group serves again. Then nothing is
     left."""
     argv = [sys.executable, "-m", "m31ctl", "rehearse", "--hardware", "cpu", "--variant", "pd", "--json"]
-    # --timeout: each wait's budget (roles, router, reference); three vLLM starts on a loaded
-    # two-core host took more than the default 600 s for the roles (seen). The whole run is
+    # --timeout: each wait's budget (roles, router); vLLM starts on a loaded two-core host took
+    # more than the default 600 s for the roles (seen). The whole run is
     # bounded below CI's budget (it took about 8 minutes here), so a hang says where it was.
     try:
         done = subprocess.run(
@@ -247,7 +244,7 @@ def test_the_report_says_each_proof_in_a_line():
         parity=(Parity("short", 9, " a b", " a b"), Parity("thirteen-blocks", 1651, " c", " d")),
         transfer={}, transfer_verdict=reason, prefill_down_status=500,
         decode_healthy_when_prefill_down=True, recovered_after_s=173.6,
-        failure="greedy output through the router differs from aggregated on ['thirteen-blocks']",
+        failure="greedy output through the router differs from the prefill role's own on ['thirteen-blocks']",
         front=(("completion with no key", 401), ("/add_worker with the key", 404)),
     )  # fmt: skip
     assert pairing_lines(outcome) == [
@@ -256,7 +253,7 @@ def test_the_report_says_each_proof_in_a_line():
         "  the router's front: completion with no key 401, /add_worker with the key 404",
         "  prefill killed: the router answered HTTP 500, decode healthy",
         "  prefill back: serving again after 173.6 s",
-        "  parity with the aggregated server: 1 of 2 prompts equal",
+        "  parity with the prefill role alone: 1 of 2 prompts equal",
         "    same short (9 prompt tokens)",
         "    DIFF thirteen-blocks (1651 prompt tokens)",
     ]
@@ -271,10 +268,6 @@ def test_the_manifest_names_the_serving_pod_and_the_port_it_serves_on(tmp_path):
         prepared.manifest.serving is not None and prepared.manifest.serving.pod == prepared.manifest.api_pod
     )
     assert prepared.manifest.serving_port == dict(prepared.manifest.serving.ports)["api"]
-    assert (
-        prepared.pair is not None
-        and prepared.pair.reference_port == dict(prepared.pair.reference.ports)["http"]
-    )
     unnamed = {"kind": "Deployment", "metadata": {"name": "web"},
                "spec": {"template": {"spec": {"containers": [{"name": "c", "image": "i"}]}}}}  # fmt: skip
     manifest = read_manifest([unnamed], container_port=8123)
