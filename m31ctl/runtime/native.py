@@ -34,6 +34,7 @@ from m31ctl.runtime.native_state import (
     Liveness,
     NativeServer,
     claim,
+    follow_logs,
     forget,
     group_runs,
     load,
@@ -335,14 +336,11 @@ class NativeRuntime:
         server = server_named(name)
         self._write_tail(server, tail, write)
         if follow:
-            with open(server.log, "rb") as log:
-                log.seek(0, os.SEEK_END)
-                while server.alive():
-                    chunk = log.read()
-                    if chunk:
-                        write(chunk.decode("utf-8", "replace"))
-                    else:
-                        interrupt.sleep(0.3)  # Ctrl-C ends the follow here
+            follow_logs(server, self._followed(server), write)
+
+    def _followed(self, server: NativeServer) -> list[tuple[str, str]]:
+        """(label, path) of each log `--follow` reads: the server's own ("" : no header)."""
+        return [("", server.log)]
 
     def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
         server = server_named(name)

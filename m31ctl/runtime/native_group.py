@@ -331,9 +331,16 @@ class NativeGroupRuntime(NativeRuntime):
 
     def _write_tail(self, server: NativeServer, tail: int, write: Callable[[str], None]) -> None:
         if server.parts:
-            write_logs(server, tail, write)  # each part's; --follow follows the router's
+            write_logs(server, tail, write)  # each part's
         else:
             super()._write_tail(server, tail, write)
+
+    def _followed(self, server: NativeServer) -> list[tuple[str, str]]:
+        """A group's parts, each under its name (the front's record is the group's own)."""
+        if not server.parts:
+            return super()._followed(server)
+        records = [(part, load(part)) for part in server.parts]
+        return [(part, r.log) for part, r in records if r is not None] + [(server.name, server.log)]
 
     def stop(self, name: str, timeout: int | None, keep: bool, report: Reporter) -> None:
         server = server_named(name)

@@ -30,12 +30,12 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
-from m31ctl import atomic
+from m31ctl import atomic, interrupt
 from m31ctl.errors import HostPreconditionError
 from m31ctl.names import check_name, name_problem
 from m31ctl.netaddr import local_url
@@ -315,3 +315,24 @@ def save(server: NativeServer) -> None:
 
 def forget(server: NativeServer) -> None:
     server.path.unlink(missing_ok=True)
+
+
+def follow_logs(server: NativeServer, logs: list[tuple[str, str]], write: Callable[[str], None]) -> None:
+    """`tail -f` of `logs` while the server lives, from their ends: what each adds, under a
+    `==> label <==` header whenever the writer changes (as tail -f of several files does)."""
+    with contextlib.ExitStack() as files:
+        opened = [(label, files.enter_context(open(path, "rb"))) for label, path in logs]
+        for _, log in opened:
+            log.seek(0, os.SEEK_END)
+        last = ""
+        while server.alive():
+            wrote = False
+            for label, log in opened:
+                chunk = log.read()
+                if chunk:
+                    if label and label != last:
+                        write(f"==> {label} <==\n")
+                    last, wrote = label, True
+                    write(chunk.decode("utf-8", "replace"))
+            if not wrote:
+                interrupt.sleep(0.3)  # Ctrl-C ends the follow here
