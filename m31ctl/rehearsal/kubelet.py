@@ -26,7 +26,7 @@ from m31ctl.rehearsal import docker_verbs
 from m31ctl.rehearsal.docker_verbs import Ran, run_exit_code
 from m31ctl.rehearsal.logs import fatal_line
 from m31ctl.rehearsal.pods import NAMESPACE, PodRun, Probe, Volume
-from m31ctl.rehearsal.prober import exec_in, exec_probe, http_probe
+from m31ctl.rehearsal.prober import exec_in, exec_probe, http_probe, tcp_probe
 from m31ctl.rehearsal.session import Options, Progress
 from m31ctl.runtime.engine_api import refusals
 from m31ctl.units import quantity_bytes
@@ -349,10 +349,11 @@ class Kubelet:
             ps.attempts += 1
             if ps.probe.action == "exec":
                 ok, detail = exec_probe(self.client, state.name, ps.probe)
+            elif not state.ip:
+                ok, detail = False, "no IP"
             else:
-                ok, detail = (
-                    http_probe(state.ip, ps.probe, ps.probe.timeout_s) if state.ip else (False, "no IP")
-                )
+                over_network = tcp_probe if ps.probe.action == "tcp" else http_probe
+                ok, detail = over_network(state.ip, ps.probe, ps.probe.timeout_s)
             if ok:
                 ps.passes += 1
                 ps.failures_in_row = 0

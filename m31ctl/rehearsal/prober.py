@@ -1,10 +1,11 @@
 """The kubelet's prober: a probe's action run as the kubelet runs it, HTTP GET to the pod's IP
-and the probe's port, or exec inside the container with the probe's timeout (`docker exec`, also
+and the probe's port, a TCP connection to it, or exec inside the container with the probe's timeout (`docker exec`, also
 the preStop hook's, termination.py). When each probe is due, and what its passes make of the pod
 (started, ready), is the kubelet's (kubelet.py, Kubelet.probe_once)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import urllib.error
 import urllib.request
@@ -27,6 +28,16 @@ def http_probe(ip: str, probe: Probe, timeout: float) -> tuple[bool, str]:
     except urllib.error.HTTPError as exc:
         return False, f"HTTP {exc.code}"
     except (OSError, ValueError) as exc:
+        return False, str(exc)[:200]
+
+
+def tcp_probe(ip: str, probe: Probe, timeout: float) -> tuple[bool, str]:
+    """tcpSocket as the kubelet opens it (pkg/probe/tcp): the connection made passes, nothing is
+    sent; a port that answers HTTP 404 to `GET /` is alive (the router's front)."""
+    try:
+        socket.create_connection((ip, probe.port), timeout=timeout).close()
+        return True, "connected"
+    except OSError as exc:
         return False, str(exc)[:200]
 
 

@@ -71,34 +71,39 @@ def serves(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, pro
         return run._replace(why=f"{first.pod.pod} ({first.pod.role}) exited with code {first.exit_code} "
                                 "after the first requests", served=served)  # fmt: skip
     if not served.ok:
-        return run._replace(why=f"{served.answered} of {served.sent} completions answered; smoke ok: "
+        unanswered = f" (the first not: {served.unanswered})" if served.unanswered else ""
+        return run._replace(why=f"{served.answered} of {served.sent} completions answered{unanswered}; smoke ok: "
                                 f"{served.smoke.get('ok')}", served=served)  # fmt: skip
     return run._replace(served=served)
 
 
-def completions(endpoint: str, model: str, count: int, timeout: float) -> int:
+def completions(endpoint: str, model: str, count: int, timeout: float) -> tuple[int, str]:
     """`count` completions at once through the leader (data-parallel ranks each get some: the
-    coordinator balances by load); how many were answered 200 with choices. served/ has no check
-    of many requests at once; each answer is read by its defensive reading (http_answers)."""
+    coordinator balances by load): how many were answered 200 with choices, and the first that
+    was not, as it came back ("" when all were). served/ has no check of many requests at once;
+    each answer is read by its defensive reading (http_answers)."""
 
-    def one(_: int) -> bool:
+    def one(_: int) -> str:
         answer = pairing.completion(endpoint, model, PROMPT, timeout, max_tokens=8)
-        return answer.status == 200 and bool(http_answers.as_list(answer.obj().get("choices")))
+        if answer.status == 200 and http_answers.as_list(answer.obj().get("choices")):
+            return ""
+        return f"HTTP {answer.status}{answer.evidence()}"
 
     with ThreadPoolExecutor(max_workers=count) as pool:
-        return sum(pool.map(one, range(count)))
+        failures = [why for why in pool.map(one, range(count)) if why]
+    return count - len(failures), (failures[0] if failures else "")
 
 
 def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served:
     """Completions and smoke through the leader, at its pod address and the Service's target
     port (where the Service sends in-cluster clients)."""
     endpoint = f"http://{leader.ip}:{prepared.manifest.serving_port}"
-    answered = completions(endpoint, prepared.served_name, prepared.completions, timeout)
+    answered, unanswered = completions(endpoint, prepared.served_name, prepared.completions, timeout)
     try:
         found = smoke.run(endpoint, prepared.served_name, max_tokens=16, timeout=timeout).to_json()
     except M31Error as exc:  # the server stopped answering: a finding of the rehearsal, not its end
         found = {"endpoint": endpoint, "ok": False, "error": str(exc)}
-    return Served(endpoint, prepared.completions, answered, found)
+    return Served(endpoint, prepared.completions, answered, found, unanswered)
 
 
 # The router's own list of workers, read inside its container (its image runs vllm-router, a
@@ -108,6 +113,33 @@ ROUTER_WORKERS = (
     "import urllib.request as u; "
     f"print(u.urlopen('http://127.0.0.1:{ROUTER_BEHIND_FRONT_PORT}/list_workers', timeout=30).read().decode())"
 )
+
+
+# What decode logs when vLLM 0.32's NIXL handshake with prefill timed out: the handshake waits 5 s
+# for prefill's side channel (nixl/base_worker.py `_nixl_handshake`, RCVTIMEO 5000, no setting),
+# and on a loaded two-core host prefill's answer once came later; the router then answered the
+# pair's first request 500 (the native P/D test saw it in CI first, tests/runtime/test_launch_pd.py).
+HANDSHAKE_FAILED = "NIXL transfer failure: handshake"
+
+
+def first_handshake(
+    kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress
+) -> Run:
+    """The pair's first request through the router, on its own: it makes decode's NIXL
+    handshake with prefill. Failed for that logged cause alone, it is said and asked again once;
+    whatever answers after is judged by the proofs that follow, never here."""
+    assert run.serving is not None and prepared.pair is not None
+    endpoint = f"http://{run.serving.ip}:{prepared.manifest.serving_port}"
+    timeout = min(120.0, options.timeout_s)
+    first = pairing.completion(endpoint, prepared.served_name, PROMPT, timeout, max_tokens=1)
+    if first.status == 200:
+        return run
+    decode = next(s for s in run.states if s.pod.pod == prepared.pair.decode and not s.pod.init)
+    if HANDSHAKE_FAILED in kubelet.log(decode):
+        progress(f"the pair's first request met vLLM's 5 s NIXL handshake limit (HTTP {first.status}; "
+                 "decode's log): asked again once")  # fmt: skip
+        pairing.completion(endpoint, prepared.served_name, PROMPT, timeout, max_tokens=1)
+    return run
 
 
 def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options, progress: Progress) -> Run:
@@ -149,6 +181,7 @@ def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options,
 # The proofs, in the order they are judged: a proof after another needs what that one held (the
 # pair's and the rollout's run on a pod that serves). A new proof is one row here.
 PROOFS: tuple[Proof, ...] = (
+    Proof(lambda prepared: prepared.pair is not None, first_handshake),
     Proof(lambda _prepared: True, serves),
     Proof(lambda prepared: prepared.pair is not None, prove_pair),
     Proof(lambda prepared: prepared.rollout is not None, prove_rollout),

@@ -31,6 +31,7 @@ class Served(NamedTuple):
     sent: int
     answered: int
     smoke: dict[str, Any]
+    unanswered: str = ""  # the first completion not answered, as it came back ("" : none)
 
     @property
     def ok(self) -> bool:

@@ -313,3 +313,68 @@ def test_parity_is_held_against_the_prefill_role_asked_directly(monkeypatch):
     )
     answers["prefill"] = " a b"
     assert pairing.parity(pair, START, {"short": (" a b", 9)}, timeout=10).ok
+
+
+def test_a_tcp_probe_connects_and_sends_nothing_as_the_kubelet_does():
+    """tcpSocket passes on a connection made, whatever the port would answer to HTTP (the
+    router's front answers `GET /` with 404: run as an HTTP GET, its liveness never passed)."""
+    from m31ctl.rehearsal.pods import Probe
+    from m31ctl.rehearsal.prober import tcp_probe
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    probe = Probe("liveness", "tcp", "", port, (), 30, 5, 3, 0)
+    try:
+        assert tcp_probe("127.0.0.1", probe, 5) == (True, "connected")
+    finally:
+        listener.close()
+    ok, why = tcp_probe("127.0.0.1", probe, 5)
+    assert not ok and "refused" in why.lower()
+
+
+class _Logs:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def log(self, state: Any, tail: int | None = None) -> str:
+        return self.text
+
+
+def _serving_run(tmp_path: Any) -> tuple[Any, Any]:
+    """A P/D plan's Prepared and a Run whose router pod serves at a made-up address."""
+    from m31ctl.rehearsal.kubelet import PodState
+    from m31ctl.rehearsal.result import Run
+    from tests.rehearsal.test_rehearse_pd import _prepared
+
+    prepared = _prepared(tmp_path)
+    pods = {p.pod: p for p in prepared.manifest.pods if not p.init}
+    states = [PodState(pod, f"c-{name}", 0.0, ip="10.0.0.9") for name, pod in pods.items()]
+    serving = next(s for s in states if s.pod.pod == prepared.manifest.api_pod)
+    return prepared, Run(states, None, None, serving=serving)
+
+
+@pytest.mark.parametrize(
+    ("log", "asked"),
+    [
+        ("... NIXL transfer failure: handshake_failed ... zmq.error.Again", 2),
+        ("EngineCore encountered an issue", 1),  # another cause: the serve checks judge it
+    ],
+)
+def test_the_pairs_first_request_is_asked_again_only_for_the_handshake_limit(
+    tmp_path, monkeypatch, log, asked
+):
+    from m31ctl.rehearsal import proofs
+    from m31ctl.rehearsal.session import Options
+
+    prepared, run = _serving_run(tmp_path)
+    sent: list[str] = []
+
+    def completion(base: str, model: str, prompt: str, timeout: float, max_tokens: int = 16) -> Answer:
+        sent.append(base)
+        return REFUSED if len(sent) == 1 else OK
+
+    monkeypatch.setattr(pairing, "completion", completion)
+    said: list[str] = []
+    after = proofs.first_handshake(_Logs(log), prepared, run, Options(), said.append)  # type: ignore[arg-type]
+    assert after is run and len(sent) == asked
+    assert bool(said) == (asked == 2)

@@ -194,7 +194,7 @@ def test_pd_rehearsal_serves_through_the_router_with_parity_transfer_and_recover
         pytest.fail(
             f"the P/D rehearsal ran past 1,700 s; its output so far:\n{_tail(hung.stderr)}{_tail(hung.stdout)}"
         )
-    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert done.returncode == 0, _why(done)
     report = cli_json.data(done.stdout)
     pairing = report["pairing"]
     assert report["served"] and pairing["ok"], pairing
@@ -227,6 +227,17 @@ def test_pd_rehearsal_serves_through_the_router_with_parity_transfer_and_recover
             capture_output=True, text=True, check=False,
         ).stdout.split()
     ]  # fmt: skip
+
+
+def _why(done: subprocess.CompletedProcess[str]) -> str:
+    """The rehearsal's own verdict first (its failure, the node and line it names), then its
+    progress: the JSON's tail alone is the probes' list (CI, 2026-12-08)."""
+    try:
+        data = cli_json.data(done.stdout)
+    except (AssertionError, ValueError, KeyError, TypeError):
+        return done.stderr[-3000:] + done.stdout[-3000:]
+    said = {k: data.get(k) for k in ("failure", "failing_node", "error_line", "cause", "pairing")}
+    return f"{said}\n{done.stderr[-3000:]}"
 
 
 def _tail(output: str | bytes | None) -> str:
