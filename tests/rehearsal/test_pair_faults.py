@@ -343,10 +343,12 @@ class _Logs:
 def _serving_run(tmp_path: Any) -> tuple[Any, Any]:
     """A P/D plan's Prepared and a Run whose router pod serves at a made-up address."""
     from m31ctl.rehearsal.kubelet import PodState
+    from m31ctl.rehearsal.prepared import prepare
     from m31ctl.rehearsal.result import Run
-    from tests.rehearsal.test_rehearse_pd import _prepared
+    from m31ctl.rehearsal.session import Options
 
-    prepared = _prepared(tmp_path)
+    plan = resolve(PlanRequest(hardware=simulated("cpu"), variant="pd"))
+    prepared = prepare(plan, Options(cache_dir=tmp_path))
     pods = {p.pod: p for p in prepared.manifest.pods if not p.init}
     states = [PodState(pod, f"c-{name}", 0.0, ip="10.0.0.9") for name, pod in pods.items()]
     serving = next(s for s in states if s.pod.pod == prepared.manifest.api_pod)
