@@ -24,6 +24,7 @@ timeout, so a slow host takes longer and reads the same.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,6 +32,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from m31ctl import interrupt
+from m31ctl.redact import API_KEY_ENV
 from m31ctl.served import http_answers, kv_transfer, prometheus, smoke
 
 SENTENCE = "the model serves tokens on four GPUs with sparse attention and a speculative draft; "
@@ -232,7 +234,7 @@ def prove(
 UNREGISTERED = "http://192.0.2.1:8000"
 
 
-def _as(base: str, path: str, key: str | None, timeout: float, body: dict[str, Any]) -> int:
+def _posted_status(base: str, path: str, key: str | None, timeout: float, body: dict[str, Any]) -> int:
     """POST with exactly the Authorization given (None: none), not the proof's own key: the
     status (0: no answer)."""
     headers = {} if key is None else {"Authorization": f"Bearer {key}"}
@@ -247,7 +249,7 @@ def guard(pair: Pair, outcome: PairingOutcome, timeout: float) -> PairingOutcome
     before, why = pair.router_workers()
     if why is not None:
         return outcome._replace(failure=f"the router's own list of workers could not be read: {why}")
-    key = smoke.auth_headers().get("Authorization", "").removeprefix("Bearer ") or None
+    key = os.environ.get(API_KEY_ENV) or None  # the rehearsal's, set while it runs (cluster.py)
     completion_body = {"model": pair.model, "prompt": PROMPTS["short"], "max_tokens": 1}
     asks: list[tuple[str, str, str | None, dict[str, Any], int]] = []  # what, path, key, body, due
     if key is not None:  # the roles (and so the front) want the key
@@ -261,7 +263,8 @@ def guard(pair: Pair, outcome: PairingOutcome, timeout: float) -> PairingOutcome
             (f"/remove_worker with {label}", f"/remove_worker?url={pair.decode}", sent, {}, 404),
         ]
     answered = [
-        (what, _as(pair.router, path, sent, timeout, body), due) for what, path, sent, body, due in asks
+        (what, _posted_status(pair.router, path, sent, timeout, body), due)
+        for what, path, sent, body, due in asks
     ]
     outcome = outcome._replace(front=tuple((what, status) for what, status, _ in answered))
     wrong = [f"{what}: HTTP {status}, not {due}" for what, status, due in answered if status != due]
