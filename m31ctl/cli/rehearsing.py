@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from m31ctl.cli.output import emit, text_view
 from m31ctl.errors import ExitCode
 from m31ctl.labels import Label
-from m31ctl.rehearsal.pairing import PairingOutcome
+from m31ctl.rehearsal.pairing import PairingOutcome, front_answers
 from m31ctl.rehearsal.result import RehearsalResult
 from m31ctl.rehearsal.rollout_proof import summary_lines
 from m31ctl.rehearsal.runner import rehearse
@@ -87,8 +87,7 @@ def pairing_lines(outcome: PairingOutcome) -> list[str]:
     lines = [
         f"P/D pair: {'proven' if outcome.ok else 'NOT proven'}",
         f"  kv transfer: {outcome.transfer_verdict}",
-        "  the router's front: "
-        + (", ".join(f"{what} {status}" for what, status in outcome.front) or "not asked"),
+        f"  the router's front: {front_answers(outcome)}",
         f"  prefill killed: the router answered HTTP {outcome.prefill_down_status}, decode "
         + ("healthy" if outcome.decode_healthy_when_prefill_down else "not healthy"),
         "  prefill back: "

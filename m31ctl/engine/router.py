@@ -81,6 +81,13 @@ def router_invocation(
 # own default --port (its --help), apart from the front's (the container port) and the metrics'.
 ROUTER_BEHIND_FRONT_PORT = 30000
 LOOPBACK = "127.0.0.1"
+# The router's own list of workers, asked where only its namespace reaches it (the front answers
+# 404 for it): `python3 -c` of this inside the router's container or namespace, as an operator's
+# `kubectl exec` / `docker exec` would (vllm-router is a Python console script: python3 is there).
+ROUTER_WORKERS_PROGRAM = (
+    "import urllib.request as u; "
+    f"print(u.urlopen('http://{LOOPBACK}:{ROUTER_BEHIND_FRONT_PORT}/list_workers', timeout=30).read().decode())"
+)
 
 
 @cache

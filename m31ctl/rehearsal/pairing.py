@@ -278,9 +278,13 @@ def guard(pair: Pair, outcome: PairingOutcome, timeout: float) -> PairingOutcome
     return outcome
 
 
+def front_answers(outcome: PairingOutcome) -> str:
+    """What the front answered each ask, in a line ("not asked" before the step ran)."""
+    return ", ".join(f"{what} {status}" for what, status in outcome.front) or "not asked"
+
+
 def front_line(outcome: PairingOutcome) -> str:
-    refused = ", ".join(f"{what} {status}" for what, status in outcome.front)
-    return f"the router's front: {refused or 'not asked'}; the router's workers unchanged"
+    return f"the router's front: {front_answers(outcome)}; the router's workers unchanged"
 
 
 def fault_line(outcome: PairingOutcome) -> str:

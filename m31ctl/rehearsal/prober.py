@@ -1,7 +1,7 @@
 """The kubelet's prober: a probe's action run as the kubelet runs it, HTTP GET to the pod's IP
-and the probe's port, a TCP connection to it, or exec inside the container with the probe's timeout (`docker exec`, also
-the preStop hook's, termination.py). When each probe is due, and what its passes make of the pod
-(started, ready), is the kubelet's (kubelet.py, Kubelet.probe_once)."""
+and the probe's port, a TCP connection to it, or exec inside the container with the probe's
+timeout (`docker exec`, also the preStop hook's, termination.py). When each probe is due, and what
+its passes make of the pod (started, ready), is the kubelet's (kubelet.py, Kubelet.probe_once)."""
 
 from __future__ import annotations
 

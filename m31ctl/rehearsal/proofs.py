@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
-from m31ctl.engine.router import ROUTER_BEHIND_FRONT_PORT
+from m31ctl.engine.router import ROUTER_WORKERS_PROGRAM
 from m31ctl.errors import M31Error
 from m31ctl.rehearsal import pairing, rollout_proof
 from m31ctl.rehearsal.kubelet import Kubelet, PodState
@@ -94,25 +94,21 @@ def completions(endpoint: str, model: str, count: int, timeout: float) -> tuple[
     return count - len(failures), (failures[0] if failures else "")
 
 
+def serving_endpoint(prepared: Prepared, serving: PodState) -> str:
+    """The serving pod at its address and the Service's target port (where the Service sends
+    in-cluster clients)."""
+    return f"http://{serving.ip}:{prepared.manifest.serving_port}"
+
+
 def serve_checks(prepared: Prepared, leader: PodState, timeout: float) -> Served:
-    """Completions and smoke through the leader, at its pod address and the Service's target
-    port (where the Service sends in-cluster clients)."""
-    endpoint = f"http://{leader.ip}:{prepared.manifest.serving_port}"
+    """Completions and smoke through the leader (serving_endpoint)."""
+    endpoint = serving_endpoint(prepared, leader)
     answered, unanswered = completions(endpoint, prepared.served_name, prepared.completions, timeout)
     try:
         found = smoke.run(endpoint, prepared.served_name, max_tokens=16, timeout=timeout).to_json()
     except M31Error as exc:  # the server stopped answering: a finding of the rehearsal, not its end
         found = {"endpoint": endpoint, "ok": False, "error": str(exc)}
     return Served(endpoint, prepared.completions, answered, found, unanswered)
-
-
-# The router's own list of workers, read inside its container (its image runs vllm-router, a
-# Python console script, so python3 is there).
-ROUTER_PYTHON = ("python3", "-c")
-ROUTER_WORKERS = (
-    "import urllib.request as u; "
-    f"print(u.urlopen('http://127.0.0.1:{ROUTER_BEHIND_FRONT_PORT}/list_workers', timeout=30).read().decode())"
-)
 
 
 # What decode logs when vLLM 0.32's NIXL handshake with prefill timed out: the handshake waits 5 s
@@ -129,7 +125,7 @@ def first_handshake(
     handshake with prefill. Failed for that logged cause alone, it is said and asked again once;
     whatever answers after is judged by the proofs that follow, never here."""
     assert run.serving is not None and prepared.pair is not None
-    endpoint = f"http://{run.serving.ip}:{prepared.manifest.serving_port}"
+    endpoint = serving_endpoint(prepared, run.serving)
     timeout = min(120.0, options.timeout_s)
     first = pairing.completion(endpoint, prepared.served_name, PROMPT, timeout, max_tokens=1)
     if first.status == 200:
@@ -153,7 +149,7 @@ def prove_pair(kubelet: Kubelet, prepared: Prepared, run: Run, options: Options,
     def router_workers() -> tuple[str, str | None]:
         # As an operator would: in the router's container, on the loopback the front keeps it on.
         ran = kubelet.exec_beside(
-            router_pod, ROUTER_CONTAINER, [*ROUTER_PYTHON, ROUTER_WORKERS], timeout=60.0
+            router_pod, ROUTER_CONTAINER, ["python3", "-c", ROUTER_WORKERS_PROGRAM], timeout=60.0
         )
         return (
             (ran.out.strip(), None) if ran.code == 0 else ("", f"exit {ran.code}: {ran.err.strip()[-300:]}")

@@ -22,7 +22,13 @@ import yaml
 
 from m31ctl.deployment import RENDERED_ROUTER_METRICS_PORT
 from m31ctl.engine.adapter import SIDE_CHANNEL_HOST_ENV, build_invocation
-from m31ctl.engine.router import ROUTER_BEHIND_FRONT_PORT, Upstreams, front_invocation, router_invocation
+from m31ctl.engine.router import (
+    ROUTER_BEHIND_FRONT_PORT,
+    ROUTER_WORKERS_PROGRAM,
+    Upstreams,
+    front_invocation,
+    router_invocation,
+)
 from m31ctl.errors import InputError
 from m31ctl.pair import PAIR_SUBNET, ROUTER_LISTEN
 from m31ctl.redact import API_KEY_ENV
@@ -517,9 +523,8 @@ def _status(
 def _router_workers(router: str) -> object:
     """The router's own worker list, asked on its loopback inside its network namespace (the one
     place it listens), as an operator's `docker exec` would."""
-    ask = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:30000/list_workers', timeout=10).read().decode())"
     done = subprocess.run(
-        ["docker", "exec", router, "python3", "-c", ask],
+        ["docker", "exec", router, "python3", "-c", ROUTER_WORKERS_PROGRAM],
         capture_output=True,
         text=True,
         timeout=60,
